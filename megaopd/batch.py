@@ -1,0 +1,68 @@
+"""The records that pass between rollout, rewards, teachers and the trainer. Tokens are the unit everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megaopd.data.rows import Row
+
+
+@dataclass
+class Sample:
+    """One sampled response to one prompt."""
+
+    row: Row  # the dataset row: verifier, routing key and ground truth come from here
+    group: int  # index of the prompt within the step; GRPO normalises rewards within a group
+    prompt_ids: list[int]
+    response_ids: list[int]  # includes the EOS token when the model stopped by itself
+    rollout_logprobs: list[float]  # per response token, from the engine that sampled it (behaviour policy)
+    finish_reason: str  # "stop" (EOS) or "length" (hit max_new_tokens)
+    weight_version: int  # the policy version that produced it: stale-weight bugs show up here
+    reward: float = 0.0
+
+
+@dataclass
+class TokenBatch:
+    """Prompt + response sequences, right-padded, with everything a loss needs aligned to target positions.
+
+    Position t of the per-token tensors scores token t+1 of ``input_ids`` (the usual next-token shift).
+    """
+
+    input_ids: torch.Tensor  # [B, S] long
+    attention_mask: torch.Tensor  # [B, S] long
+    response_mask: torch.Tensor  # [B, S-1] float: 1 where the target token belongs to the response
+    rollout_logprobs: torch.Tensor  # [B, S-1] float, 0 outside the response
+    advantages: torch.Tensor | None = None  # [B, S-1] per-token advantage (GRPO broadcasts per sample)
+    old_logprobs: torch.Tensor | None = None  # [B, S-1] policy logprobs before this step's update
+    ref_logprobs: torch.Tensor | None = None  # [B, S-1] reference policy, for the KL penalty
+    teacher_logprobs: torch.Tensor | None = None  # [B, S-1] teacher logprob of each realised token
+    teacher_full_logprobs: torch.Tensor | None = None  # [B, S-1, V] for the full-vocabulary OPD form
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: slice | torch.Tensor) -> "TokenBatch":
+        """A micro-batch: every tensor field sliced along the sample dimension."""
+        kwargs = {name: (value[index] if isinstance(value, torch.Tensor) else value)
+                  for name, value in self.__dict__.items()}
+        return TokenBatch(**kwargs)
+
+
+def collate(samples: list[Sample], pad_id: int) -> TokenBatch:
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    width = max(lengths)
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
+    response_mask = torch.zeros((len(samples), width - 1))
+    rollout_logprobs = torch.zeros((len(samples), width - 1))
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        attention_mask[i, : p + r] = 1
+        response_mask[i, p - 1: p - 1 + r] = 1
+        rollout_logprobs[i, p - 1: p - 1 + r] = torch.tensor(s.rollout_logprobs)
+    return TokenBatch(input_ids, attention_mask, response_mask, rollout_logprobs)

@@ -1,0 +1,224 @@
+"""Typed run configs: dataclasses with defaults, loaded from YAML and overridden with ``key.sub=value``.
+
+    cfg = load_config("configs/embedded/grpo.yaml", ["train.steps=50", "grpo.clip_high=0.28"])
+
+An unknown key anywhere (file or override) is an error naming the key and the closest valid one. Every run
+directory gets the resolved config as ``config.yaml`` so that a run can be repeated exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # an HF causal-LM directory: config.json + safetensors + tokenizer
+    backend: str = "hf"  # hf (one process, CPU or one GPU); megatron comes with its own issue
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass
+class DataConfig:
+    train: list[str] = field(default_factory=list)  # JSONL / Parquet files in the common RL row format
+    eval: list[str] = field(default_factory=list)  # held-out files; accuracy is reported per data_source
+    strict: bool = False  # stop at the first malformed row instead of skipping and reporting it
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "local"
+    samples_per_prompt: int = 8  # the GRPO group size; usually 1 for OPD
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 1 / 1 keeps the behaviour policy equal to the student
+    top_p: float = 1.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class GRPOConfig:
+    scale_std: bool = True  # False gives Dr.GRPO's unscaled advantages
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # DAPO uses 0.28
+    kl_coef: float = 0.0  # k3 KL to the initial policy; off in most RLVR recipes
+
+
+@dataclass
+class OPDConfig:
+    form: str = "full_vocab"  # full_vocab | sampled
+    # Routing key -> teacher HF directory. The key is a row's domain (extra_info.domain, else data_source);
+    # "*" serves every domain. A domain with no teacher fails loudly at start-up.
+    teachers: dict[str, str] = field(default_factory=dict)
+    clip: float = 0.2  # clip of the importance ratio in the sampled-token form
+
+
+@dataclass
+class SFTConfig:
+    batch_size: int = 64
+    # Cold start: stop once held-out accuracy of every domain reaches `stop_at_accuracy` (checked at each eval)
+    # so that the base student is weak but not hopeless. 0 disables the early stop.
+    stop_at_accuracy: float = 0.0
+    noise: float = 0.0  # share of targets corrupted (a character substituted or dropped, or the answer cut off)
+
+
+@dataclass
+class TrainConfig:
+    algorithm: str = "grpo"  # sft | grpo | opd
+    steps: int = 100
+    prompts_per_step: int = 16
+    micro_batch_size: int = 64  # sequences per forward/backward; gradients accumulate over the rest
+    epochs: int = 1  # optimisation passes over each step's rollouts
+    recompute_old_logprobs: bool = True  # recompute with the trainer instead of trusting rollout logprobs
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10
+    prompts_per_domain: int = 64  # a fixed held-out subset during training
+    final_prompts_per_domain: int = 0  # at the end; 0 means all held-out prompts
+    sampled: bool = True  # also report accuracy at temperature 1 (greedy is always reported)
+    max_new_tokens: int = 0  # 0 means rollout.max_new_tokens
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 10
+    keep: int = 2
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    opd: OPDConfig = field(default_factory=OPDConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # What this run's FLOPs count as when a later run builds on its model: cold_start | training | external.
+    counts_as: str = "training"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {where + close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return ConfigError(f"unknown config key {where + key!r}{hint}")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where.rstrip('.')}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        items = [_coerce(v, item_tp, where) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where.rstrip('.')}: expected a mapping, got {value!r}")
+        return {str(k): v for k, v in value.items()}
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if tp is float and not isinstance(value, bool):
+        try:
+            return float(value)  # YAML reads "1e-4" (no dot) as a string
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where.rstrip('.')}: expected float, got {value!r}") from None
+    if tp in (int, str, bool) and not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{where.rstrip('.')}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, checking every key and type."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise _unknown_key(key, names, where)
+        kwargs[key] = _coerce(value, hints[key], f"{where}{key}.")
+    return cls(**kwargs)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def apply_override(data: dict[str, Any], override: str, cls: type = RunConfig) -> None:
+    """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict, checking the path against `cls`."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not of the form key.sub=value")
+    dotted, raw = override.split("=", 1)
+    value = yaml.safe_load(raw) if raw != "" else ""
+    parts = dotted.strip().split(".")
+    node, tp, where = data, cls, ""
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if part not in hints:
+                raise _unknown_key(part, list(hints), where)
+            tp = hints[part]
+        elif typing.get_origin(tp) is dict:
+            tp = Any  # free-form mapping (e.g. opd.teachers.<domain>)
+        else:
+            raise ConfigError(f"cannot set {dotted!r}: {where.rstrip('.')} is not a mapping")
+        if last:
+            node[part] = value
+        else:
+            node = node.setdefault(part, {})
+        where += part + "."
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), cls: type = RunConfig) -> Any:
+    data: dict[str, Any] = {}
+    if path:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a config file must be a YAML mapping")
+    for override in overrides:
+        apply_override(data, override, cls)
+    return from_dict(cls, data)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return _plain(dataclasses.asdict(cfg))
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

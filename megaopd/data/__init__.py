@@ -1,0 +1,1 @@
+"""Datasets: rows in the common RL format, synthetic domains, converters from real sources."""

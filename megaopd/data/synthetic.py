@@ -1,0 +1,166 @@
+"""Synthetic verifiable domains for the embedded default.
+
+Each task has a difficulty knob and a worked solution of tens of tokens (steps, then ``answer:N``), because
+per-token supervision is what OPD brings: with bare answers its advantage over GRPO mostly vanishes.
+
+| data_source   | task                                   | difficulty           | example solution             |
+|---------------|----------------------------------------|----------------------|------------------------------|
+| arith_add     | column addition with carries           | digits per operand   | 7+8=15;4+3+1=8;answer:85     |
+| arith_sub     | column subtraction (a >= b), borrows   | digits per operand   | 2-7+10=5;5-1-1=3;answer:35   |
+| prog_trace    | trace a tiny straight-line program     | statements           | x=3;y=6;x=7;answer:7         |
+| letter_count  | count one letter with a running tally  | string length        | a0b1b2c2;answer:2            |
+
+Train and held-out problems are split by a hash of the problem's canonical key, so the two sets are disjoint by
+construction (and a test checks the written files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from megaopd.data.rows import Row
+
+ANSWER_PREFIX = "answer:"
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str  # canonical form; the split is decided by its hash
+    prompt: str
+    solution: str  # worked solution ending in "answer:<ground truth>"
+    answer: str
+
+
+def _digits(n: int, width: int) -> list[int]:
+    return [(n // 10**i) % 10 for i in range(width)]  # least significant first
+
+
+def make_add(rng: random.Random, digits: int) -> Problem:
+    lo, hi = 10 ** (digits - 1), 10**digits - 1
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    steps, carry = [], 0
+    for x, y in zip(_digits(a, digits), _digits(b, digits)):
+        total = x + y + carry
+        steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={total}")
+        carry = total // 10
+    answer = str(a + b)
+    return Problem(f"{a}+{b}", f"add {a}+{b}", ";".join(steps) + f";{ANSWER_PREFIX}{answer}", answer)
+
+
+def make_sub(rng: random.Random, digits: int) -> Problem:
+    lo, hi = 10 ** (digits - 1), 10**digits - 1
+    a, b = sorted((rng.randint(lo, hi), rng.randint(lo, hi)), reverse=True)
+    steps, borrow = [], 0
+    for x, y in zip(_digits(a, digits), _digits(b, digits)):
+        lend = 1 if x - borrow < y else 0
+        value = x - borrow - y + 10 * lend
+        steps.append(f"{x}-{y}" + ("-1" if borrow else "") + ("+10" if lend else "") + f"={value}")
+        borrow = lend
+    answer = str(a - b)
+    return Problem(f"{a}-{b}", f"subtract {a}-{b}", ";".join(steps) + f";{ANSWER_PREFIX}{answer}", answer)
+
+
+_OPS: dict[str, Callable[[int, int], int]] = {"+": lambda u, v: u + v, "-": lambda u, v: u - v,
+                                              "*": lambda u, v: u * v}
+
+
+def make_trace(rng: random.Random, statements: int) -> Problem:
+    """A straight-line program over x, y, z with values kept in 0..99 so every step is a short number."""
+    while True:
+        env = {"x": rng.randint(1, 9)}
+        code, trace = [f"x={env['x']}"], [f"x={env['x']}"]
+        for _ in range(statements - 1):
+            target = rng.choice("xyz")
+            source = rng.choice(sorted(env))
+            op = rng.choice("+-*")
+            const = rng.randint(1, 9) if op != "*" else rng.randint(2, 3)
+            value = _OPS[op](env[source], const)
+            if not 0 <= value <= 99:
+                break
+            env[target] = value
+            code.append(f"{target}={source}{op}{const}")
+            trace.append(f"{target}={value}")
+        else:
+            out = rng.choice(sorted(env))
+            program = ";".join(code) + f";print({out})"
+            answer = str(env[out])
+            return Problem(program, program, ";".join(trace) + f";{ANSWER_PREFIX}{answer}", answer)
+
+
+def make_count(rng: random.Random, length: int) -> Problem:
+    letters = "abcd"
+    text = "".join(rng.choice(letters) for _ in range(length))
+    target = rng.choice(letters)
+    tally, steps = 0, []
+    for ch in text:
+        tally += ch == target
+        steps.append(f"{ch}{tally}")
+    answer = str(tally)
+    return Problem(f"{target}:{text}", f"count {target} in {text}", "".join(steps) + f";{ANSWER_PREFIX}{answer}",
+                   answer)
+
+
+@dataclass(frozen=True)
+class Domain:
+    name: str  # the rows' data_source and the multi-teacher routing key
+    ability: str
+    make: Callable[[random.Random, int], Problem]
+    default_difficulty: int
+
+
+DOMAINS: dict[str, Domain] = {
+    d.name: d
+    for d in (
+        Domain("arith_add", "arithmetic", make_add, 2),
+        Domain("arith_sub", "arithmetic", make_sub, 2),
+        Domain("prog_trace", "code", make_trace, 3),
+        Domain("letter_count", "string", make_count, 8),
+    )
+}
+
+
+def is_heldout(key: str, heldout_percent: int) -> bool:
+    return int(hashlib.sha1(key.encode()).hexdigest(), 16) % 100 < heldout_percent
+
+
+def make_split(domain: str, split: str, count: int, difficulty: int | None = None, seed: int = 0,
+               heldout_percent: int = 10) -> list[Row]:
+    """`count` rows of one split. Held-out rows are distinct problems; train rows may repeat a problem."""
+    spec = DOMAINS[domain]
+    difficulty = difficulty or spec.default_difficulty
+    rng = random.Random(f"{domain}/{difficulty}/{split}/{seed}")
+    want_heldout = split != "train"
+    rows, seen, attempts = [], set(), 0
+    while len(rows) < count:
+        attempts += 1
+        if attempts > 200 * count:
+            raise ValueError(f"{domain} at difficulty {difficulty} has too few distinct {split} problems for "
+                             f"{count} rows; lower the count or raise the difficulty")
+        problem = spec.make(rng, difficulty)
+        if is_heldout(problem.key, heldout_percent) != want_heldout or (want_heldout and problem.key in seen):
+            continue
+        seen.add(problem.key)
+        rows.append(Row(
+            data_source=domain,
+            prompt=[{"role": "user", "content": problem.prompt}],
+            ground_truth=problem.answer,
+            ability=spec.ability,
+            extra_info={"split": split, "index": len(rows), "key": problem.key, "difficulty": difficulty,
+                        "solution": problem.solution},
+        ))
+    return rows
+
+
+def corrupt(solution: str, rng: random.Random) -> str:
+    """A noisy worked solution for the cold start: one character substituted or dropped, or the answer cut."""
+    kind = rng.choice(("substitute", "drop", "truncate"))
+    if kind == "truncate":
+        cut = solution.rfind(ANSWER_PREFIX) + len(ANSWER_PREFIX)
+        return solution[: rng.randint(cut, max(cut, len(solution) - 1))]
+    i = rng.randrange(len(solution))
+    if kind == "drop":
+        return solution[:i] + solution[i + 1:]
+    return solution[:i] + rng.choice("0123456789") + solution[i + 1:]

@@ -1,0 +1,67 @@
+"""Held-out evaluation and reward scoring: accuracy per domain (greedy and sampled) and mean response length."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from megaopd.batch import Sample
+from megaopd.config import EvalConfig
+from megaopd.data.rows import Row
+from megaopd.verifiers import score
+
+
+def response_text(tokenizer, sample: Sample) -> str:
+    return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+
+
+def score_samples(tokenizer, samples: list[Sample]) -> float:
+    """Set each sample's reward from its row's verifier; returns the verifiers' wall time (0 model FLOPs)."""
+    start = time.perf_counter()
+    for s in samples:
+        s.reward = score(s.row, response_text(tokenizer, s))
+    return time.perf_counter() - start
+
+
+def per_domain_means(samples: list[Sample], value) -> dict[str, float]:
+    sums: dict[str, list[float]] = defaultdict(list)
+    for s in samples:
+        sums[s.row.domain].append(value(s))
+    return {domain: sum(v) / len(v) for domain, v in sorted(sums.items())}
+
+
+class Evaluator:
+    """Fixed held-out prompts: a subset per domain during training, all of them (or a stated number) at the end."""
+
+    def __init__(self, rows: list[Row], cfg: EvalConfig, max_new_tokens: int, seed: int):
+        self.cfg, self.seed = cfg, seed
+        self.max_new_tokens = cfg.max_new_tokens or max_new_tokens
+        self.by_domain: dict[str, list[Row]] = defaultdict(list)
+        for row in rows:
+            self.by_domain[row.domain].append(row)
+
+    def _rows(self, final: bool) -> list[Row]:
+        limit = self.cfg.final_prompts_per_domain if final else self.cfg.prompts_per_domain
+        return [r for rows in self.by_domain.values() for r in (rows[:limit] if limit > 0 else rows)]
+
+    def run(self, engine, tokenizer, step: int, final: bool = False) -> dict[str, float]:
+        rows = self._rows(final)
+        if not rows:
+            return {}
+        metrics: dict[str, float] = {}
+        modes = [("greedy", 0.0)] + ([("sampled", 1.0)] if self.cfg.sampled else [])
+        for mode, temperature in modes:
+            # Its own generator, seeded by step: evaluation never moves the training RNG (resume stays exact).
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + step)
+            samples = engine.generate(rows, 1, temperature, 1.0, self.max_new_tokens, generator)
+            score_samples(tokenizer, samples)
+            accuracy = per_domain_means(samples, lambda s: s.reward)
+            for domain, acc in accuracy.items():
+                metrics[f"eval/{domain}/accuracy_{mode}"] = acc
+            metrics[f"eval/mean/accuracy_{mode}"] = sum(accuracy.values()) / len(accuracy)
+            if mode == "greedy":
+                for domain, length in per_domain_means(samples, lambda s: len(s.response_ids)).items():
+                    metrics[f"eval/{domain}/response_length"] = length
+        return metrics

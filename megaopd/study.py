@@ -1,0 +1,89 @@
+"""A study: a list of stages, each a normal run directory, run in order; a finished stage is reused and an
+interrupted one resumes from its last checkpoint.
+
+    megaopd study configs/studies/embedded_demo.yaml
+
+Stage overrides may name ``{out}`` (the study directory); a stage's run directory is ``{out}/<name>`` and its
+trained model ``{out}/<name>/final``, which later stages use as their initial model or teacher.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megaopd.config import RunConfig, load_config, save_config
+from megaopd.embedded import make_embedded
+from megaopd.metrics import read_metrics
+from megaopd.trainer import FINAL_DIR, Trainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AssetsConfig:
+    """The embedded default's models and data, built into {out}/models and {out}/data before any stage."""
+
+    presets: list[str] = field(default_factory=list)
+    domains: list[str] = field(default_factory=list)
+    difficulty: dict[str, int] = field(default_factory=dict)
+    train_rows: int = 4000
+    heldout_rows: int = 500
+    seed: int = 0
+
+
+@dataclass
+class StageConfig:
+    name: str = ""
+    config: str = ""  # the stage's run config (YAML); overrides below apply on top
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StudyConfig:
+    out: str = "runs/study"
+    assets: AssetsConfig = field(default_factory=AssetsConfig)
+    stages: list[StageConfig] = field(default_factory=list)
+
+
+def stage_config(study: StudyConfig, stage: StageConfig) -> RunConfig:
+    overrides = [o.replace("{out}", study.out) for o in stage.overrides]
+    return load_config(stage.config, overrides + [f"run_dir={study.out}/{stage.name}"])
+
+
+def run_study(study: StudyConfig) -> list[Path]:
+    out = Path(study.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(study, out / "study.yaml")
+    if study.assets.presets or study.assets.domains:
+        a = study.assets
+        make_embedded(out, a.presets, a.domains or None, a.seed, a.train_rows, a.heldout_rows, a.difficulty)
+    run_dirs = []
+    for stage in study.stages:
+        cfg = stage_config(study, stage)
+        run_dir = Path(cfg.run_dir)
+        if (run_dir / FINAL_DIR / "config.json").exists() and (run_dir / "summary.json").exists():
+            log.info("stage %s is done; reusing %s", stage.name, run_dir)
+        else:
+            Trainer(cfg).fit()
+        run_dirs.append(run_dir)
+    return run_dirs
+
+
+def accuracy_flops_table(run_dirs: list[Path]) -> str:
+    """Held-out accuracy (greedy, mean over domains) vs cumulative FLOPs, every eval of every stage."""
+    lines = [f"{'stage':<14}{'step':>6}{'stage FLOPs':>14}{'+teachers':>12}{'+cold start':>13}{'accuracy':>10}"]
+    for run_dir in run_dirs:
+        for m in read_metrics(run_dir):
+            if "eval/mean/accuracy_greedy" in m:
+                lines.append(f"{run_dir.name:<14}{m['step']:>6}{m['flops/total_stage']:>14.3e}"
+                             f"{m['flops/total_with_teachers']:>12.3e}{m['flops/total_with_cold_start']:>13.3e}"
+                             f"{m['eval/mean/accuracy_greedy']:>10.3f}")
+        final = [m for m in read_metrics(run_dir) if "final/mean/accuracy_greedy" in m]
+        if final:
+            m = final[-1]
+            lines.append(f"{run_dir.name + ' (final)':<20}{m['flops/total_stage']:>14.3e}"
+                         f"{m['flops/total_with_teachers']:>12.3e}{m['flops/total_with_cold_start']:>13.3e}"
+                         f"{m['final/mean/accuracy_greedy']:>10.3f}")
+    return "\n".join(lines)

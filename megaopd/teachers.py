@@ -1,0 +1,66 @@
+"""Frozen teachers and multi-teacher routing: each sample goes to exactly one teacher, by its row's domain.
+
+``opd.teachers`` maps a domain (``extra_info.domain``, else ``data_source``) to an HF directory; ``"*"`` serves every
+domain not named. A domain with no teacher is an error before the first step, not a silent skip.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from megaopd.batch import Sample, TokenBatch
+from megaopd.config import ModelConfig
+from megaopd.flops import ModelShape
+from megaopd.policy import HFPolicy
+
+ANY_DOMAIN = "*"
+
+
+class TeacherRouter:
+    def __init__(self, teachers: dict[str, str], model_cfg: ModelConfig, student_tokenizer):
+        if not teachers:
+            raise ValueError("OPD needs at least one teacher: set opd.teachers.<domain>=<HF dir> (or '*')")
+        self.paths = dict(teachers)
+        loaded: dict[str, HFPolicy] = {}
+        for path in set(self.paths.values()):
+            loaded[path] = HFPolicy(ModelConfig(path=path, backend=model_cfg.backend, dtype=model_cfg.dtype,
+                                                device=model_cfg.device))
+            if loaded[path].tokenizer.get_vocab() != student_tokenizer.get_vocab():
+                raise ValueError(f"teacher {path} has a different tokenizer from the student: per-token "
+                                 "supervision needs the same vocabulary and chat template")
+        self.teachers = {domain: loaded[path] for domain, path in self.paths.items()}
+
+    def route(self, domain: str) -> str:
+        if domain in self.teachers:
+            return domain
+        if ANY_DOMAIN in self.teachers:
+            return ANY_DOMAIN
+        raise KeyError(f"no teacher for domain {domain!r}; opd.teachers routes {sorted(self.teachers)} "
+                       f"(add opd.teachers.{domain}=<dir> or a '*' entry)")
+
+    def check_domains(self, domains: set[str]) -> None:
+        for domain in sorted(domains):
+            self.route(domain)
+
+    def shape(self, route: str) -> ModelShape:
+        return self.teachers[route].shape
+
+    def score(self, batch: TokenBatch, samples: list[Sample], full_vocab: bool,
+              micro_batch_size: int) -> dict[str, list[int]]:
+        """Fill the batch's teacher logprobs (and full log-softmax when asked); returns route -> sample indices."""
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, s in enumerate(samples):
+            groups[self.route(s.row.domain)].append(i)
+        batch.teacher_logprobs = torch.zeros_like(batch.response_mask)
+        for route, indices in groups.items():
+            sub = batch.select(torch.tensor(indices))
+            teacher = self.teachers[route]
+            batch.teacher_logprobs[indices] = teacher.logprobs(sub, micro_batch_size)
+            if full_vocab:
+                full = teacher.full_logprobs(sub, micro_batch_size)
+                if batch.teacher_full_logprobs is None:
+                    batch.teacher_full_logprobs = torch.zeros((*batch.response_mask.shape, full.shape[-1]))
+                batch.teacher_full_logprobs[indices] = full
+        return dict(groups)

@@ -1,0 +1,283 @@
+"""The trainer: one loop for SFT (cold start), GRPO and OPD. Read ``rl_step`` top to bottom for the data flow:
+
+    prompts -> rollouts -> rewards -> teacher logprobs -> loss / update -> weight sync -> ledger
+
+and ``fit`` for what happens around every step (eval, metrics, checkpoint) and at the end (final eval, HF export
+with the ledger beside the weights, ``summary.json``).
+
+    megaopd train configs/embedded/grpo.yaml model.path=... run_dir=runs/grpo
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from megaopd import flops
+from megaopd.batch import Sample, collate
+from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state
+from megaopd.config import RunConfig, save_config
+from megaopd.data.rows import load_rows
+from megaopd.data.sampler import PromptSampler
+from megaopd.data.synthetic import corrupt
+from megaopd.evaluate import Evaluator, per_domain_means, score_samples
+from megaopd.ledger import Ledger
+from megaopd.metrics import MetricsLogger
+from megaopd.objectives import GRPO, OPD
+from megaopd.policy import HFPolicy, chat_prompt_ids
+from megaopd.rollout import LocalEngine
+from megaopd.teachers import TeacherRouter
+
+log = logging.getLogger(__name__)
+FINAL_DIR = "final"
+# Exit status after a preemption signal: the checkpoint is written and the same command resumes (EX_TEMPFAIL).
+PREEMPTED_EXIT = 75
+
+
+def build_policy(cfg: RunConfig, trainable: bool = True) -> HFPolicy:
+    if cfg.model.backend != "hf":
+        raise ValueError(f"model.backend={cfg.model.backend!r} is not available yet; use 'hf'")
+    return HFPolicy(cfg.model, cfg.optim if trainable else None)
+
+
+def build_engine(cfg: RunConfig, policy: HFPolicy) -> LocalEngine:
+    if cfg.rollout.engine != "local":
+        raise ValueError(f"rollout.engine={cfg.rollout.engine!r} is not available yet; use 'local'")
+    return LocalEngine(policy)
+
+
+def load_split(paths: list[str], strict: bool) -> list:
+    rows = []
+    for path in paths:
+        loaded, report = load_rows(path, strict)
+        rows += loaded
+        log.info(report.summary())
+    return rows
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        algorithm = cfg.train.algorithm
+        if algorithm not in ("sft", "grpo", "opd"):
+            raise ValueError(f"train.algorithm must be sft, grpo or opd, got {algorithm!r}")
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        seed_everything(cfg.train.seed)
+
+        self.policy = build_policy(cfg)
+        self.engine = build_engine(cfg, self.policy)
+        self.sampler = PromptSampler(load_split(cfg.data.train, cfg.data.strict), cfg.train.prompts_per_step,
+                                     cfg.train.seed)
+        self.evaluator = Evaluator(load_split(cfg.data.eval, cfg.data.strict), cfg.eval, cfg.rollout.max_new_tokens,
+                                   cfg.train.seed)
+        self.generator = torch.Generator().manual_seed(cfg.train.seed)  # rollout sampling only
+        self.ledger = Ledger(self.run_dir.name, cfg.counts_as)
+        self.ledger.add_upstream("init", cfg.model.path)
+
+        self.objective = self.teachers = self.reference = None
+        if algorithm == "grpo":
+            self.objective = GRPO(cfg.grpo, cfg.rollout.samples_per_prompt)
+        elif algorithm == "opd":
+            self.objective = OPD(cfg.opd)
+            self.teachers = TeacherRouter(cfg.opd.teachers, cfg.model, self.policy.tokenizer)
+            self.teachers.check_domains(self.sampler.domains())
+            for route, path in cfg.opd.teachers.items():
+                self.ledger.add_upstream(f"teacher:{route}", path)
+        if self.objective is not None and self.objective.needs_reference:
+            self.reference = build_policy(cfg, trainable=False)
+        self.step_fn = self.sft_step if algorithm == "sft" else self.rl_step
+
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
+        self.start_step = self._resume()
+        self.metrics = MetricsLogger(self.run_dir, self.start_step)
+        # Slurm sends SIGUSR1 (--signal=B:USR1@N) before the time limit and SIGTERM on preemption: finish the
+        # step in flight, checkpoint, and exit so that the requeued job resumes with its ledger intact.
+        self.preempted = False
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGUSR1, signal.SIGTERM):
+                signal.signal(sig, self._on_preempt)
+
+    def _on_preempt(self, signum, frame) -> None:
+        log.warning("signal %d: checkpointing after this step, then exiting %d", signum, PREEMPTED_EXIT)
+        self.preempted = True
+
+    # ---- one RL step: GRPO and OPD differ only in the objective and in whether teachers score the rollouts ----
+    def rl_step(self, step: int) -> dict[str, float]:
+        cfg, policy = self.cfg, self.policy
+        t0 = time.perf_counter()
+        rows = self.sampler.next_batch()
+        samples = self.engine.generate(rows, cfg.rollout.samples_per_prompt, cfg.rollout.temperature,
+                                       cfg.rollout.top_p, cfg.rollout.max_new_tokens, self.generator)
+        t_rollout = time.perf_counter()
+        verifier_seconds = score_samples(policy.tokenizer, samples)
+        batch = collate(samples, policy.pad_id)
+
+        mbs = cfg.train.micro_batch_size
+        batch.old_logprobs = policy.logprobs(batch, mbs) if cfg.train.recompute_old_logprobs else batch.rollout_logprobs
+        if self.reference is not None:
+            batch.ref_logprobs = self.reference.logprobs(batch, mbs)
+        routes = self.teachers.score(batch, samples, self.objective.full_vocab, mbs) if self.teachers else {}
+        metrics = {f"train/{k}": v for k, v in self.objective.prepare(batch, samples).items()}
+
+        for _ in range(cfg.train.epochs):
+            update = policy.train_minibatch(batch, self.objective.token_loss, mbs, self.objective.full_vocab)
+        metrics |= {f"train/{k}": v for k, v in update.items()}
+        self.engine.sync_weights(policy)
+
+        self._book_rl_flops(rows, samples, routes)
+        metrics |= self._rollout_metrics(samples, batch, routes)
+        metrics |= {"perf/rollout_seconds": t_rollout - t0, "perf/verifier_seconds": verifier_seconds,
+                    "perf/step_seconds": time.perf_counter() - t0}
+        return metrics
+
+    def _book_rl_flops(self, rows, samples: list[Sample], routes: dict[str, list[int]]) -> None:
+        cfg = self.cfg
+        n = cfg.rollout.samples_per_prompt
+        prompt_lens = [len(samples[i * n].prompt_ids) for i in range(len(rows))]
+        response_lens = [len(s.response_ids) for s in samples]
+        common = dict(recompute_old=cfg.train.recompute_old_logprobs, epochs=cfg.train.epochs,
+                      prefix_cached=self.engine.prefix_cached)
+        if self.teachers is None:
+            parts = flops.grpo_step_flops(self.policy.shape, prompt_lens, response_lens, n,
+                                          use_reference=self.reference is not None, **common)
+        else:
+            teacher_per_prompt = [self.teachers.shape(self.teachers.route(row.domain)) for row in rows]
+            parts = flops.opd_step_flops(self.policy.shape, teacher_per_prompt, prompt_lens, response_lens, n,
+                                         **common)
+        for component, value in parts.items():
+            self.ledger.add(component, value)
+
+    def _rollout_metrics(self, samples: list[Sample], batch, routes) -> dict[str, float]:
+        metrics = {
+            "rollout/reward": sum(s.reward for s in samples) / len(samples),
+            "rollout/response_length": sum(len(s.response_ids) for s in samples) / len(samples),
+            "rollout/truncated_share": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "rollout/logprob_gap": float(((batch.old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask)
+                                         .sum() / batch.response_mask.sum().clamp(min=1)),
+        }
+        for domain, reward in per_domain_means(samples, lambda s: s.reward).items():
+            metrics[f"rollout/{domain}/reward"] = reward
+        total_tokens = float(batch.response_mask.sum().clamp(min=1))
+        for route, indices in routes.items():
+            mask = batch.response_mask[indices]
+            k1 = ((batch.old_logprobs[indices] - batch.teacher_logprobs[indices]) * mask).sum()
+            metrics[f"train/teacher/{route}/reverse_kl_k1"] = float(k1 / mask.sum().clamp(min=1))
+            metrics[f"train/teacher/{route}/token_share"] = float(mask.sum()) / total_tokens
+        return metrics
+
+    # ---- one SFT step (cold start): teacher-forced NLL on worked solutions, a share of them corrupted ----
+    def sft_step(self, step: int) -> dict[str, float]:
+        cfg, policy = self.cfg, self.policy
+        noise_rng = random.Random(cfg.train.seed * 1_000_003 + step)
+        samples = []
+        for i, row in enumerate(self.sampler.next_batch()):
+            target = row.extra_info["solution"]
+            if noise_rng.random() < cfg.sft.noise:
+                target = corrupt(target, noise_rng)
+            response = policy.tokenizer.encode(target, add_special_tokens=False) + [policy.eos_id]
+            samples.append(Sample(row, i, chat_prompt_ids(policy.tokenizer, row.prompt), response,
+                                  [0.0] * len(response), "stop", 0))
+        batch = collate(samples, policy.pad_id)
+        update = policy.train_minibatch(batch, lambda logp, full, mb: (-logp, {}), cfg.train.micro_batch_size)
+        seqs = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        self.ledger.add("train", sum(flops.train_flops(policy.shape, s) for s in seqs))
+        return {f"train/{k}": v for k, v in update.items()}
+
+    def _sft_band_reached(self, eval_metrics: dict[str, float]) -> bool:
+        """Drop each domain from the mix once it reaches the cold-start accuracy; stop when all have."""
+        threshold = self.cfg.sft.stop_at_accuracy
+        if self.cfg.train.algorithm != "sft" or threshold <= 0:
+            return False
+        for domain in self.sampler.domains():
+            if eval_metrics.get(f"eval/{domain}/accuracy_greedy", 0.0) >= threshold:
+                self.sampler.excluded.add(domain)
+        return self.sampler.excluded >= self.sampler.domains()
+
+    # ---- the loop around every step ----
+    def fit(self) -> dict:
+        cfg = self.cfg
+        if self.start_step == 0:
+            self.metrics.log(0, self._eval(0) | self._flop_metrics())
+        stopped_early = False
+        step = self.start_step
+        for step in tqdm(range(self.start_step + 1, cfg.train.steps + 1), desc=f"{cfg.train.algorithm} {self.run_dir}",
+                         initial=self.start_step, total=cfg.train.steps, mininterval=5):
+            metrics = self.step_fn(step)
+            if step % cfg.eval.every == 0 or step == cfg.train.steps:
+                metrics |= self._eval(step)
+                stopped_early = self._sft_band_reached(metrics)
+            self.metrics.log(step, metrics | self._flop_metrics())
+            self.checkpointer.maybe_save(step, lambda: self._state(step), force=stopped_early or self.preempted)
+            if self.preempted:
+                self.metrics.close()
+                raise SystemExit(PREEMPTED_EXIT)
+            if stopped_early:
+                break
+        return self._finish(step)
+
+    def _eval(self, step: int, final: bool = False) -> dict[str, float]:
+        metrics = self.evaluator.run(self.engine, self.policy.tokenizer, step, final)
+        if final:
+            metrics = {k.replace("eval/", "final/", 1): v for k, v in metrics.items()}
+        return metrics
+
+    def _flop_metrics(self) -> dict[str, float]:
+        out = {f"flops/{c}": v for c, v in self.ledger.own.items()}
+        return out | {f"flops/total_{k}": v for k, v in self.ledger.totals().items()}
+
+    def _state(self, step: int) -> dict:
+        return {"step": step, "policy": self.policy.state_dict(), "ledger": self.ledger.state_dict(),
+                "sampler": self.sampler.state_dict(), "rng": rng_state(), "generator": self.generator.get_state(),
+                "weight_version": self.engine.weight_version}
+
+    def _resume(self) -> int:
+        state = self.checkpointer.latest()
+        if state is None:
+            return 0
+        self.policy.load_state_dict(state["policy"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        self.generator.set_state(state["generator"])
+        self.engine.weight_version = state["weight_version"]
+        log.info("resumed %s from step %d", self.run_dir, state["step"])
+        return state["step"]
+
+    def _finish(self, step: int) -> dict:
+        final_metrics = self._eval(step, final=True)
+        self.metrics.log(step, final_metrics | self._flop_metrics())
+        self.metrics.close()
+        out = self.run_dir / FINAL_DIR
+        tmp = self.run_dir / f".tmp_{FINAL_DIR}"
+        self.policy.save_hf(tmp)
+        self.ledger.save(tmp)
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        tmp.rename(out)
+        summary = {"run_dir": str(self.run_dir), "algorithm": self.cfg.train.algorithm, "steps": step,
+                   "final": final_metrics, "ledger": self.ledger.state_dict()}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+
+def train(cfg: RunConfig) -> dict:
+    return Trainer(cfg).fit()

@@ -1,0 +1,81 @@
+import json
+
+import pytest
+
+from megaopd.data.rows import RowError, load_rows, write_rows
+from megaopd.data.synthetic import DOMAINS, corrupt, make_split
+from megaopd.embedded import build_data
+from megaopd.verifiers import get_verifier, score
+
+
+@pytest.mark.parametrize("domain", sorted(DOMAINS))
+def test_train_and_heldout_files_do_not_overlap(tmp_path, domain):
+    build_data(tmp_path, [domain], train_rows=600, heldout_rows=60)
+    train, _ = load_rows(tmp_path / domain / "train.jsonl", strict=True)
+    heldout, _ = load_rows(tmp_path / domain / "heldout.jsonl", strict=True)
+    train_keys = {r.extra_info["key"] for r in train}
+    heldout_keys = {r.extra_info["key"] for r in heldout}
+    assert len(heldout_keys) == len(heldout) == 60  # held-out problems are distinct
+    assert not train_keys & heldout_keys
+    assert {r.data_source for r in train} == {domain}
+
+
+@pytest.mark.parametrize("domain", sorted(DOMAINS))
+def test_difficulty_knob_changes_the_problems(domain):
+    easy = make_split(domain, "train", 20, difficulty=DOMAINS[domain].default_difficulty)
+    hard = make_split(domain, "train", 20, difficulty=DOMAINS[domain].default_difficulty + 1)
+    assert sum(len(r.extra_info["solution"]) for r in hard) > sum(len(r.extra_info["solution"]) for r in easy)
+
+
+@pytest.mark.parametrize("domain", sorted(DOMAINS))
+def test_verifier_scores_worked_solutions_and_rejects_wrong_ones(domain):
+    rows = make_split(domain, "heldout", 30)
+    for row in rows:
+        solution = row.extra_info["solution"]
+        assert score(row, solution) == 1.0
+        assert score(row, solution.rsplit("answer:", 1)[0] + "answer:" + str(int(row.ground_truth) + 1)) == 0.0
+        assert score(row, solution + "7") == 0.0  # a longer number is a different answer
+        assert score(row, solution.replace("answer:", "")) == 0.0  # no answer line, no credit
+    assert get_verifier(rows[0]) is get_verifier(make_split(domain, "train", 1)[0])
+
+
+def test_worked_solutions_are_tens_of_tokens():
+    for domain in DOMAINS:
+        lengths = [len(r.extra_info["solution"]) for r in make_split(domain, "train", 50)]
+        assert 15 <= sum(lengths) / len(lengths) <= 60, domain
+
+
+def test_corruption_changes_the_solution():
+    import random
+
+    rng = random.Random(0)
+    solution = make_split("arith_add", "train", 1)[0].extra_info["solution"]
+    assert sum(corrupt(solution, rng) != solution for _ in range(50)) >= 40
+
+
+def test_malformed_rows_name_file_and_line_and_are_counted(tmp_path):
+    good = make_split("arith_add", "train", 2)
+    path = tmp_path / "mixed.jsonl"
+    write_rows(path, good)
+    with path.open("a") as f:
+        f.write("{not json\n")
+        f.write(json.dumps({"data_source": "arith_add", "prompt": "hi"}) + "\n")
+        f.write(json.dumps({"data_source": "arith_add", "prompt": [], "reward_model": {"ground_truth": 1}}) + "\n")
+    rows, report = load_rows(path)
+    assert len(rows) == 2 and report.loaded == 2 and len(report.skipped) == 3
+    assert [e.line for e in report.skipped] == [3, 4, 5]
+    assert "invalid JSON" in report.skipped[0].problem
+    assert "reward_model" in report.skipped[1].problem
+    assert f"{path}:4" in report.summary()
+    with pytest.raises(RowError, match=r"mixed\.jsonl:3: invalid JSON"):
+        load_rows(path, strict=True)
+
+
+def test_parquet_rows_load_through_the_same_path(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = make_split("prog_trace", "train", 3)
+    pq.write_table(pa.Table.from_pylist([r.to_dict() for r in rows]), tmp_path / "d.parquet")
+    loaded, report = load_rows(tmp_path / "d.parquet", strict=True)
+    assert [r.prompt for r in loaded] == [r.prompt for r in rows] and report.loaded == 3

@@ -1,0 +1,59 @@
+"""Multi-teacher routing: each sample to its domain's teacher, loudly failing on a domain with none."""
+
+import pytest
+import torch
+
+from megaopd.batch import collate
+from megaopd.config import ModelConfig
+from megaopd.data.rows import load_rows
+from megaopd.policy import HFPolicy
+from megaopd.rollout import LocalEngine
+from megaopd.teachers import TeacherRouter
+
+
+def _rollouts(assets, student):
+    rows = (load_rows(assets / "data" / "arith_add" / "train.jsonl")[0][:2]
+            + load_rows(assets / "data" / "prog_trace" / "train.jsonl")[0][:2])
+    samples = LocalEngine(student).generate(rows, 2, 1.0, 1.0, 6, torch.Generator().manual_seed(0))
+    return samples, collate(samples, student.pad_id)
+
+
+def test_each_sample_is_scored_by_its_domains_teacher(assets):
+    models = assets / "models"
+    student = HFPolicy(ModelConfig(path=str(models / "qwen3-tiny")))
+    router = TeacherRouter({"arith_add": str(models / "qwen3-tiny-seed1"), "prog_trace": str(models / "qwen3-tiny")},
+                           ModelConfig(), student.tokenizer)
+    samples, batch = _rollouts(assets, student)
+    routes = router.score(batch, samples, full_vocab=True, micro_batch_size=4)
+    assert routes == {"arith_add": [0, 1, 2, 3], "prog_trace": [4, 5, 6, 7]}
+    # prog_trace's teacher is the student itself: its logprobs equal the student's; arith_add's differ.
+    student_logp = student.logprobs(batch)
+    assert torch.allclose(batch.teacher_logprobs[4:], student_logp[4:], atol=1e-6)
+    assert not torch.allclose(batch.teacher_logprobs[:4], student_logp[:4], atol=1e-3)
+    other = HFPolicy(ModelConfig(path=str(models / "qwen3-tiny-seed1")))
+    assert torch.allclose(batch.teacher_logprobs[:4], other.logprobs(batch.select(slice(0, 4))), atol=1e-6)
+    # The full log-softmax agrees with the realised-token logprobs where the response is.
+    gathered = batch.teacher_full_logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    assert torch.allclose(gathered * batch.response_mask, batch.teacher_logprobs, atol=1e-5)
+
+
+def test_unknown_domain_fails_loudly_and_star_serves_the_rest(assets):
+    models = assets / "models"
+    student = HFPolicy(ModelConfig(path=str(models / "qwen3-tiny")))
+    router = TeacherRouter({"arith_add": str(models / "qwen3-tiny-seed1")}, ModelConfig(), student.tokenizer)
+    with pytest.raises(KeyError, match="no teacher for domain 'prog_trace'"):
+        router.check_domains({"arith_add", "prog_trace"})
+    router = TeacherRouter({"arith_add": str(models / "qwen3-tiny-seed1"), "*": str(models / "qwen3-tiny")},
+                           ModelConfig(), student.tokenizer)
+    assert router.route("prog_trace") == "*" and router.route("arith_add") == "arith_add"
+
+
+def test_teacher_with_another_tokenizer_is_refused(assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    models = assets / "models"
+    student = HFPolicy(ModelConfig(path=str(models / "qwen3-tiny")))
+    other = AutoTokenizer.from_pretrained(models / "qwen3-tiny")
+    other.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match="different tokenizer"):
+        TeacherRouter({"*": str(models / "qwen3-tiny")}, ModelConfig(), other)
