@@ -3,7 +3,10 @@
     megaopd make-embedded --out runs/embedded           # tiny models + synthetic data, built locally
     megaopd train CONFIG [key.sub=value ...]            # one run: sft | grpo | opd, chosen by the config
     megaopd eval --model DIR --data FILE [FILE ...]     # held-out accuracy of an HF model directory
-    megaopd study CONFIG [key.sub=value ...]            # a list of stages, then the accuracy-vs-FLOPs table
+    megaopd convert --source gsm8k --input F --out O    # a public dataset's file into the common RL row format
+    megaopd study CONFIG [key.sub=value ...]            # a list of stages, then the report
+    megaopd report STUDY_DIR [STUDY_DIR ...]            # report.md, plots and report.json (several dirs: seeds)
+    megaopd submit CONFIG [--launch L.yaml] [--dry-run] # the study as dependent Slurm jobs
 """
 
 from __future__ import annotations
@@ -16,7 +19,17 @@ import sys
 from megaopd.config import ConfigError, load_config
 
 
+# Subcommands that own their arguments.
+_DELEGATED = {"report": "megaopd.report", "submit": "megaopd.launch.submit"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        return importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="megaopd", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,7 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts-per-domain", type=int, default=0, help="0 = all")
 
-    p = sub.add_parser("study", help="run a study's stages in order and print accuracy vs FLOPs")
+    p = sub.add_parser("convert", help="convert a dataset file (GSM8K, MATH, APPS, GPQA, IFEval, ...) into RL rows")
+    from megaopd.data.sources import SOURCES
+
+    p.add_argument("--source", required=True, choices=sorted(SOURCES), help="the file's record layout")
+    p.add_argument("--input", help="JSONL / JSON / Parquet file (not needed for humaneval: the package ships it)")
+    p.add_argument("--out", required=True, help="output JSONL")
+    p.add_argument("--strict", action="store_true", help="stop at the first malformed record")
+
+    sub.add_parser("report", help="write the report of one or more study directories (see megaopd report -h)")
+    sub.add_parser("submit", help="submit a study to Slurm (see megaopd submit -h)")
+    p = sub.add_parser("study", help="run a study's stages in order, print accuracy vs FLOPs, write the report")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
 
@@ -71,11 +94,27 @@ def _run(args) -> int:
         evaluator = Evaluator(load_split(args.data, False), EvalConfig(prompts_per_domain=args.prompts_per_domain),
                               args.max_new_tokens, seed=0)
         print(json.dumps(evaluator.run(LocalEngine(policy), policy.tokenizer, step=0), indent=1))
+    elif args.command == "convert":
+        from megaopd.data.rows import write_rows
+        from megaopd.data.sources import convert, load_humaneval
+
+        if args.source == "humaneval" and not args.input:
+            rows = load_humaneval()
+        else:
+            rows, report = convert(args.input, args.source, args.strict)
+            print(report.summary())
+        write_rows(args.out, rows)
+        print(f"wrote {len(rows)} rows to {args.out}")
     elif args.command == "study":
         from megaopd.study import StudyConfig, accuracy_flops_table, run_study
 
-        run_dirs = run_study(load_config(args.config, args.overrides, cls=StudyConfig))
+        from megaopd.report import write_report
+
+        study = load_config(args.config, args.overrides, cls=StudyConfig)
+        run_dirs = run_study(study)
         print(accuracy_flops_table(run_dirs))
+        report = write_report([study.out])
+        print(f"report: {report['path']}")
     return 0
 
 

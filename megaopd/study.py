@@ -1,9 +1,9 @@
 """A study: a list of stages, each a normal run directory, run in order; a finished stage is reused and an
 interrupted one resumes from its last checkpoint.
 
-    megaopd study configs/studies/embedded_demo.yaml
+    megaopd study configs/studies/self_teacher.yaml
 
-Stage overrides may name ``{out}`` (the study directory); a stage's run directory is ``{out}/<name>`` and its
+Stage overrides may name ``{out}`` (the study directory) and any ``{var}`` of ``vars``; a stage's run directory is ``{out}/<name>`` and its
 trained model ``{out}/<name>/final``, which later stages use as their initial model or teacher.
 """
 
@@ -33,23 +33,49 @@ class AssetsConfig:
     seed: int = 0
 
 
+# What a stage is, for the report: its curves, targets and comparisons are chosen by these labels.
+METHODS = ("base", "teacher_sft", "grpo", "expert", "joint_grpo", "opd_external", "opd_external_grpo", "opd_self",
+           "multi_teacher_opd", "other")
+
+
 @dataclass
 class StageConfig:
     name: str = ""
     config: str = ""  # the stage's run config (YAML); overrides below apply on top
     overrides: list[str] = field(default_factory=list)
+    method: str = "other"  # one of METHODS
+    # For opd_self / opd_external*: the GRPO stage it is compared with; for expert: the domain it owns.
+    compare_with: str = ""
+    domain: str = ""
 
 
 @dataclass
 class StudyConfig:
     out: str = "runs/study"
+    seed: int = 0  # every stage's train.seed; run the study again with another seed and out to measure the spread
+    # Named values substituted as {name} in stage overrides and asset presets (e.g. {student}: a sweep over student
+    # size is `megaopd study STUDY.yaml vars.student=qwen3-small out=runs/student_small`).
+    vars: dict[str, str] = field(default_factory=dict)
     assets: AssetsConfig = field(default_factory=AssetsConfig)
     stages: list[StageConfig] = field(default_factory=list)
 
+    def substitute(self, text: str) -> str:
+        """Replace {out} and every {var}; a var's value may itself name {out} or other vars."""
+        values = {**self.vars, "out": self.out}
+        for _ in range(len(values) + 1):
+            before = text
+            for key, value in values.items():
+                text = text.replace("{" + key + "}", str(value))
+            if text == before:
+                return text
+        raise ValueError(f"study vars refer to each other in a cycle: {text!r}")
+
 
 def stage_config(study: StudyConfig, stage: StageConfig) -> RunConfig:
-    overrides = [o.replace("{out}", study.out) for o in stage.overrides]
-    return load_config(stage.config, overrides + [f"run_dir={study.out}/{stage.name}"])
+    if stage.method not in METHODS:
+        raise ValueError(f"stage {stage.name!r}: method must be one of {METHODS}, got {stage.method!r}")
+    overrides = [study.substitute(o) for o in stage.overrides]
+    return load_config(stage.config, [f"train.seed={study.seed}"] + overrides + [f"run_dir={study.out}/{stage.name}"])
 
 
 def run_study(study: StudyConfig) -> list[Path]:
@@ -58,7 +84,8 @@ def run_study(study: StudyConfig) -> list[Path]:
     save_config(study, out / "study.yaml")
     if study.assets.presets or study.assets.domains:
         a = study.assets
-        make_embedded(out, a.presets, a.domains or None, a.seed, a.train_rows, a.heldout_rows, a.difficulty)
+        make_embedded(out, [study.substitute(p) for p in a.presets], [study.substitute(d) for d in a.domains] or None,
+                      a.seed, a.train_rows, a.heldout_rows, a.difficulty)
     run_dirs = []
     for stage in study.stages:
         cfg = stage_config(study, stage)

@@ -57,10 +57,14 @@ class TeacherRouter:
         for route, indices in groups.items():
             sub = batch.select(torch.tensor(indices))
             teacher = self.teachers[route]
-            batch.teacher_logprobs[indices] = teacher.logprobs(sub, micro_batch_size)
-            if full_vocab:
-                full = teacher.full_logprobs(sub, micro_batch_size)
-                if batch.teacher_full_logprobs is None:
-                    batch.teacher_full_logprobs = torch.zeros((*batch.response_mask.shape, full.shape[-1]))
-                batch.teacher_full_logprobs[indices] = full
+            if not full_vocab:
+                batch.teacher_logprobs[indices] = teacher.logprobs(sub, micro_batch_size)
+                continue
+            # One teacher pass: the realised tokens' logprobs are read off the full log-softmax.
+            full = teacher.full_logprobs(sub, micro_batch_size)
+            if batch.teacher_full_logprobs is None:
+                batch.teacher_full_logprobs = torch.zeros((*batch.response_mask.shape, full.shape[-1]))
+            batch.teacher_full_logprobs[indices] = full
+            realised = full.gather(-1, sub.input_ids[:, 1:, None]).squeeze(-1)
+            batch.teacher_logprobs[indices] = realised * sub.response_mask
         return dict(groups)

@@ -201,14 +201,14 @@ class Trainer:
         return {f"train/{k}": v for k, v in update.items()}
 
     def _sft_band_reached(self, eval_metrics: dict[str, float]) -> bool:
-        """Drop each domain from the mix once it reaches the cold-start accuracy; stop when all have."""
+        """The cold start stops at the first eval where every domain reaches `sft.stop_at_accuracy`.
+
+        Domains stay in the mix until then: dropping one that reached the band made it forget within ten steps.
+        """
         threshold = self.cfg.sft.stop_at_accuracy
         if self.cfg.train.algorithm != "sft" or threshold <= 0:
             return False
-        for domain in self.sampler.domains():
-            if eval_metrics.get(f"eval/{domain}/accuracy_greedy", 0.0) >= threshold:
-                self.sampler.excluded.add(domain)
-        return self.sampler.excluded >= self.sampler.domains()
+        return all(eval_metrics.get(f"eval/{d}/accuracy_greedy", 0.0) >= threshold for d in self.sampler.domains())
 
     # ---- the loop around every step ----
     def fit(self) -> dict:

@@ -13,7 +13,6 @@ class PromptSampler:
             raise ValueError("no training rows: check data.train")
         self.rows, self.batch_size, self.seed = rows, batch_size, seed
         self.epoch, self.position = 0, 0
-        self.excluded: set[str] = set()  # domains dropped from the mix (the cold start stops them one by one)
         self._order = self._permutation()
 
     def _permutation(self) -> np.ndarray:
@@ -21,24 +20,20 @@ class PromptSampler:
 
     def next_batch(self) -> list[Row]:
         batch = []
-        if all(row.domain in self.excluded for row in self.rows):
-            raise ValueError("every domain is excluded from the mix")
         while len(batch) < self.batch_size:
             if self.position == len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._permutation()
-            row = self.rows[self._order[self.position]]
+            batch.append(self.rows[self._order[self.position]])
             self.position += 1
-            if row.domain not in self.excluded:
-                batch.append(row)
         return batch
 
     def domains(self) -> set[str]:
         return {row.domain for row in self.rows}
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "excluded": sorted(self.excluded)}
+        return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position, self.excluded = state["epoch"], state["position"], set(state["excluded"])
+        self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation()

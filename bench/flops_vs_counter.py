@@ -1,0 +1,133 @@
+"""Analytic FLOPs (megaopd.flops, the ledger's formulas) vs torch.utils.flop_counter.FlopCounterMode, per model family.
+
+    python bench/flops_vs_counter.py          # every embedded preset
+    python bench/flops_vs_counter.py --smoke  # CI: one preset, short sequences
+
+FlopCounterMode counts matmuls only (as the ledger does) but it sees what is executed: eager attention is two dense
+S x S matmuls, so the comparison uses the analytic ``causal=False`` form (the ledger itself bills the causal 1/2
+discount), and SDPA on CPU is counted as 0, so the models here run with attn_implementation="eager".
+Rows:
+* forward / forward+backward: teacher-forced batch of random tokens, vs forward_flops / train_flops (causal=False);
+* generate (KV cache): prefill + single-token decode steps with a DynamicCache, vs generation_flops;
+* LocalEngine group: megaopd's own sampler on 1 prompt x n samples (prefill once, cache shared by the group), vs
+  generation_flops(prefix_cached=True) with the real prompt and response lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from megaopd.flops import ModelShape, forward_flops, generation_flops, train_flops  # noqa: E402
+
+
+def measure(fn) -> int:
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
+def cache_kw(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def rows_for(preset: str, model_dir: Path, batch: int, seq: int, gen_p: int, gen_r: int, group: int) -> list[tuple]:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from megaopd.config import ModelConfig
+    from megaopd.data.rows import Row
+    from megaopd.policy import HFPolicy
+    from megaopd.rollout import LocalEngine
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+    shape = ModelShape.from_hf_config(model.config)
+    vocab = shape.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    out = []
+
+    def fwd():
+        with torch.no_grad():
+            model(ids)
+
+    out.append((preset, f"forward {batch}x{seq}", measure(fwd), batch * forward_flops(shape, seq, causal=False)))
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+
+    out.append((preset, f"forward+backward {batch}x{seq}", measure(fwd_bwd), batch * train_flops(shape, seq, causal=False)))
+
+    prompts = torch.randint(0, vocab, (batch, gen_p), generator=gen)
+    kw = cache_kw(model)
+
+    def generate():
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            o = model(prompts, **{kw: cache}, use_cache=True)
+            tok = o.logits[:, -1:].argmax(-1)
+            for _ in range(gen_r):
+                o = model(tok, **{kw: cache}, use_cache=True)
+                tok = o.logits[:, -1:].argmax(-1)
+
+    out.append((preset, f"generate (KV cache) {batch}x(P={gen_p}, R={gen_r})", measure(generate),
+                batch * generation_flops(shape, gen_p, gen_r, samples=1, causal=False)))
+
+    # megaopd's sampler, attention switched to eager so that the counter sees it
+    policy = HFPolicy(ModelConfig(path=str(model_dir)))
+    policy.model.set_attn_implementation("eager")
+    engine = LocalEngine(policy)
+    row = Row("arith_add", [{"role": "user", "content": "What is 12 + 30? Answer with the number." * 2}], "42")
+    samples = []
+    measured = measure(lambda: samples.extend(engine.generate([row], group, 1.0, 1.0, gen_r, gen)))
+    p = len(samples[0].prompt_ids)
+    lens = [len(s.response_ids) for s in samples]
+    booked = generation_flops(shape, p, lens, prefix_cached=True, causal=False)  # what the ledger bills
+    out.append((preset, f"LocalEngine 1 prompt x {group} (P={p}, R={lens[0]}), as the ledger books it", measured,
+                booked))
+    # the engine never feeds its last sampled token back (no forward for it): R-1 decode forwards per sample
+    executed = generation_flops(shape, p, [r - 1 for r in lens], prefix_cached=True, causal=False)
+    out.append((preset, "LocalEngine, same run, R-1 decode forwards (what is executed)", measured, executed))
+    return out
+
+
+def main(argv: list[str]) -> None:
+    from common import machine
+
+    from megaopd.embedded import PRESETS, build_model
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--presets", nargs="*", default=sorted(PRESETS))
+    a = p.parse_args(argv)
+    batch, seq, gen_p, gen_r, group = (2, 64, 24, 16, 4)
+    if a.smoke:
+        a.presets, batch, seq, gen_p, gen_r, group = ["qwen3-tiny"], 1, 16, 8, 4, 2
+    torch.set_num_threads(1)
+    print(f"# Analytic FLOPs vs FlopCounterMode\n\nmachine: {machine()}\n")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_flops_") as tmp:
+        for preset in a.presets:
+            rows += rows_for(preset, build_model(preset, Path(tmp) / preset), batch, seq, gen_p, gen_r, group)
+    print("| model | measurement | FlopCounterMode | analytic (causal=False) | measured / analytic |")
+    print("|---|---|---|---|---|")
+    worst = 0.0
+    for preset, what, measured, analytic in rows:
+        ratio = measured / analytic
+        worst = max(worst, abs(ratio - 1))
+        print(f"| {preset} | {what} | {measured:.4e} | {analytic:.4e} | {ratio:.5f} |")
+    print(f"\nlargest deviation: {worst:.3%} (goal: within 2%)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,57 @@
+"""The jobs around a study's stages on a cluster, run by the scripts that ``megaopd submit`` writes.
+
+    python -m megaopd.launch.jobs assets STUDY.yaml   # build the embedded models and data into {out}
+    python -m megaopd.launch.jobs report STUDY.yaml   # accuracy vs FLOPs of every stage -> {out}/report.txt
+
+``megaopd study`` does both in one process around its stages; on Slurm each stage is its own job, so these run
+before the first stage and after the last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megaopd.config import load_config, save_config
+from megaopd.study import StudyConfig, accuracy_flops_table
+
+
+def build_assets(study: StudyConfig) -> None:
+    from megaopd.embedded import make_embedded
+
+    out = Path(study.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(study, out / "study.yaml")
+    a = study.assets
+    make_embedded(out, a.presets, a.domains or None, a.seed, a.train_rows, a.heldout_rows, a.difficulty)
+
+
+def write_report(study: StudyConfig) -> str:
+    from megaopd.launch.slurm import stage_is_done
+
+    run_dirs = [Path(study.out) / s.name for s in study.stages]
+    missing = [d.name for d in run_dirs if not stage_is_done(d)]
+    if missing:  # afterok should make this impossible; say so rather than print a partial table
+        raise SystemExit(f"megaopd: stages not finished: {', '.join(missing)}")
+    table = accuracy_flops_table(run_dirs)
+    (Path(study.out) / "report.txt").write_text(table + "\n")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megaopd.launch.jobs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["assets", "report"])
+    parser.add_argument("study")
+    args = parser.parse_args(argv)
+    study = load_config(args.study, cls=StudyConfig)
+    if args.action == "assets":
+        build_assets(study)
+    else:
+        print(write_report(study))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Render a study as Slurm batch scripts: one job per stage, chained with ``--dependency=afterok``.
+
+    launch = load_launch("launch.yaml")                  # partition, nodes, GPUs, container or venv, ...
+    for job in plan(study, launch): print(job.script)    # what `megaopd submit --dry-run` shows
+
+The scripts are copies of the hand-editable templates in ``slurm/`` (``stage.sbatch`` for one node,
+``stage_multinode.sbatch`` for torchrun on many nodes plus SGLang rollout/teacher servers) with their
+``#SBATCH`` block and settings block filled in, so a rendered script reads like the template a user would edit.
+A stage depends on the stages whose run directories its overrides name (``{out}/<stage>/...``); stages that do
+not depend on each other (per-domain experts, say) are queued at the same time. Finished stages are skipped,
+as in ``megaopd study``. Before the stages an ``assets`` job builds the embedded models and data (when the study
+has any), and after them a ``report`` job writes the accuracy-vs-FLOPs table to ``{out}/report.txt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megaopd.config import ConfigError, RunConfig, from_dict, load_config, to_dict
+from megaopd.study import StageConfig, StudyConfig
+
+# The templates live beside the package in a source checkout (also the layout inside the Docker images).
+TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
+SINGLE_NODE = "stage.sbatch"
+MULTI_NODE = "stage_multinode.sbatch"
+
+
+@dataclass
+class LaunchConfig:
+    """Where and how the study's jobs run. Every field may be changed per stage under ``stages``."""
+
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = "04:00:00"
+    nodes: int = 1  # trainer nodes; more than one (or more than one GPU) runs torchrun on each
+    gpus_per_node: int = 0  # 0: CPU only, the embedded default
+    cpus_per_task: int = 0  # 0: the partition's default
+    mem: str = ""  # e.g. "200G"; empty: the partition's default
+    rollout_nodes: int = 0  # nodes serving the student with SGLang for GRPO/OPD stages (0: rollouts in-process)
+    teacher_servers: bool = False  # OPD stages: one SGLang node per teacher (False: teachers in-process)
+    container_image: str = ""  # pyxis/enroot image for the job steps; empty: the host's Python (see venv)
+    container_mounts: list[str] = field(default_factory=list)  # src:dst beyond the checkout and {out}
+    venv: str = ""  # a virtual environment activated in each job
+    workdir: str = ""  # the megaopd checkout the jobs run in; empty: the current directory
+    signal_seconds: int = 120  # SIGUSR1 this long before the time limit: the time to finish a step + checkpoint
+    max_requeues: int = 20
+    sglang_port: int = 30000
+    master_port: int = 29500
+    overrides: list[str] = field(default_factory=list)  # config overrides for every stage, e.g. model.device=cuda
+    sbatch: list[str] = field(default_factory=list)  # more #SBATCH options, e.g. "--constraint=h100"
+    setup: list[str] = field(default_factory=list)  # shell lines run first in each job, e.g. "module load cuda"
+    stages: dict[str, dict] = field(default_factory=dict)  # stage name -> fields that differ for that stage
+
+
+@dataclass
+class Job:
+    name: str
+    script: str
+    after: list[str] = field(default_factory=list)  # jobs (by name) that must end successfully first
+
+
+def load_launch(path: str | Path | None, overrides: list[str] = ()) -> LaunchConfig:
+    return load_config(path, overrides, cls=LaunchConfig)
+
+
+def for_stage(launch: LaunchConfig, stage: str) -> LaunchConfig:
+    """The launch config with the stage's own fields (``stages.<name>``) applied."""
+    changes = launch.stages.get(stage, {})
+    base = to_dict(launch) | {"stages": {}}
+    return from_dict(LaunchConfig, base | changes, f"stages.{stage}.")
+
+
+def dependencies(study: StudyConfig) -> dict[str, list[str]]:
+    """Stage -> the stages whose run directories its overrides mention (``{out}/<stage>`` or ``{out}/<stage>/``)."""
+    names = {s.name for s in study.stages}
+    deps = {}
+    for stage in study.stages:
+        found = re.findall(r"\{out\}/([^/\s,\]\"']+)", " ".join(stage.overrides))
+        deps[stage.name] = sorted({n for n in found if n in names and n != stage.name},
+                                  key=[s.name for s in study.stages].index)
+    return deps
+
+
+def submission_order(study: StudyConfig) -> list[str]:
+    """The stages ordered so that every stage comes after the stages it depends on (else the study order)."""
+    deps, order, state = dependencies(study), [], {}
+
+    def visit(name: str, path: list[str]) -> None:
+        if state.get(name) == "done":
+            return
+        if state.get(name) == "visiting":
+            raise ConfigError(f"stage dependencies form a cycle: {' -> '.join(path + [name])}")
+        state[name] = "visiting"
+        for dep in deps[name]:
+            visit(dep, path + [name])
+        state[name] = "done"
+        order.append(name)
+
+    for stage in study.stages:
+        visit(stage.name, [])
+    return order
+
+
+def absolute_study(study: StudyConfig) -> StudyConfig:
+    """The study with ``out`` and stage config paths made absolute (jobs start in the checkout, not here)."""
+    stages = [dataclasses.replace(s, config=str(Path(s.config).resolve()) if s.config else "")
+              for s in study.stages]
+    return dataclasses.replace(study, out=str(Path(study.out).resolve()), stages=stages)
+
+
+def stage_is_done(run_dir: Path) -> bool:
+    return (run_dir / "final" / "config.json").exists() and (run_dir / "summary.json").exists()
+
+
+def plan(study: StudyConfig, launch: LaunchConfig) -> list[Job]:
+    """The jobs to submit, in submission order; ``study`` must be absolute (see ``absolute_study``)."""
+    out = Path(study.out)
+    deps = dependencies(study)
+    stages = {s.name: s for s in study.stages}
+    todo = [n for n in submission_order(study) if not stage_is_done(out / n)]
+    jobs = []
+    has_assets = bool(study.assets.presets or study.assets.domains)
+    if has_assets and todo:
+        jobs.append(Job("assets", render_job(study, "assets", launch, "assets")))
+    for name in todo:
+        after = (["assets"] if has_assets else []) + [d for d in deps[name] if d in todo]
+        jobs.append(Job(name, render_stage(study, stages[name], for_stage(launch, name)), after))
+    jobs.append(Job("report", render_job(study, "report", launch, "report"), list(todo)))
+    return jobs
+
+
+def study_file(study: StudyConfig) -> Path:
+    """Where `megaopd submit` saves the (absolute) study for the assets and report jobs."""
+    return Path(study.out) / "slurm" / "study.yaml"
+
+
+def render_job(study: StudyConfig, name: str, launch: LaunchConfig, action: str) -> str:
+    """A one-node job running ``python -m megaopd.launch.jobs <action> STUDY`` (assets or report)."""
+    small = dataclasses.replace(launch, nodes=1, gpus_per_node=0, time="00:30:00")
+    cmd = ["python", "-m", "megaopd.launch.jobs", action, str(study_file(study))]
+    return _render(SINGLE_NODE, _sbatch_lines(study, name, small, nodes=1), _settings(study, small, cmd))
+
+
+def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -> str:
+    """The batch script of one stage; ``launch`` is already the stage's own (see ``for_stage``)."""
+    args = [study.substitute(o) for o in stage.overrides] + launch.overrides
+    cfg = load_config(stage.config, args + [f"run_dir={study.out}/{stage.name}"])  # fails here, not in the queue
+    rl = cfg.train.algorithm in ("grpo", "opd")
+    rollout_nodes = launch.rollout_nodes if rl else 0
+    teachers = sorted(cfg.opd.teachers.items()) if cfg.train.algorithm == "opd" and launch.teacher_servers else []
+    if rollout_nodes:
+        args.append("rollout.engine=sglang")
+    train_args = [stage.config, *args, f"run_dir={study.out}/{stage.name}"]
+
+    multi = launch.nodes > 1 or launch.gpus_per_node > 1 or rollout_nodes or teachers
+    if not multi:
+        cmd = ["python", "-m", "megaopd.cli", "train", *train_args]
+        return _render(SINGLE_NODE, _sbatch_lines(study, stage.name, launch, nodes=1),
+                       _settings(study, launch, cmd))
+    _check_distributed(cfg, launch, stage.name)
+    nodes = launch.nodes + rollout_nodes + len(teachers)
+    settings = _settings(study, launch, None) + [
+        f"TRAIN_NODES={launch.nodes}",
+        f"GPUS_PER_NODE={launch.gpus_per_node}",
+        f"ROLLOUT_NODES={rollout_nodes}",
+        f"ROLLOUT_MODEL={shlex.quote(cfg.model.path)}",
+        f"TEACHERS=({' '.join(shlex.quote(f'{route}={path}') for route, path in teachers)})",
+        f"SGLANG_PORT={launch.sglang_port}",
+        f"MASTER_PORT={launch.master_port}",
+        f"SIGNAL_SECONDS={launch.signal_seconds}",
+        f"TRAIN_ARGS=({shlex.join(train_args)})",
+    ]
+    return _render(MULTI_NODE, _sbatch_lines(study, stage.name, launch, nodes, exclusive=True),
+                   settings + launch.setup)
+
+
+def _check_distributed(cfg: RunConfig, launch: LaunchConfig, stage: str) -> None:
+    if launch.gpus_per_node < 1:
+        raise ConfigError(f"stage {stage}: more than one node, or SGLang servers, need gpus_per_node >= 1")
+    if cfg.model.backend == "hf" and launch.nodes * launch.gpus_per_node > 1:
+        raise ConfigError(f"stage {stage}: the hf backend trains in one process; use model.backend=megatron "
+                          f"for {launch.nodes} node(s) x {launch.gpus_per_node} GPU(s)")
+
+
+def _sbatch_lines(study: StudyConfig, name: str, launch: LaunchConfig, nodes: int,
+                  exclusive: bool = False) -> list[str]:
+    options = [f"--job-name=megaopd-{Path(study.out).name}-{name}"]
+    options += [f"--{key}={value}" for key, value in
+                (("partition", launch.partition), ("account", launch.account), ("qos", launch.qos)) if value]
+    options += [f"--nodes={nodes}", "--ntasks-per-node=1"]
+    if launch.cpus_per_task:
+        options.append(f"--cpus-per-task={launch.cpus_per_task}")
+    if launch.gpus_per_node:
+        options.append(f"--gpus-per-node={launch.gpus_per_node}")
+    if launch.mem:
+        options.append(f"--mem={launch.mem}")
+    if exclusive:
+        options.append("--exclusive")
+    options += [f"--time={launch.time}",
+                f"--signal=B:USR1@{launch.signal_seconds}",  # to this script, which forwards it (slurm/lib.sh)
+                "--requeue", "--open-mode=append",  # a requeued job appends to the same log
+                f"--output={study.out}/slurm/logs/%x-%j.out",
+                f"--chdir={_workdir(launch)}", *launch.sbatch]
+    return [f"#SBATCH {o}" for o in options]
+
+
+def _workdir(launch: LaunchConfig) -> str:
+    return str(Path(launch.workdir or ".").resolve())
+
+
+def _settings(study: StudyConfig, launch: LaunchConfig, cmd: list[str] | None) -> list[str]:
+    mounts = ",".join([f"{study.out}:{study.out}", *launch.container_mounts])
+    lines = [f"WORKDIR={shlex.quote(_workdir(launch))}",
+             f"VENV={shlex.quote(launch.venv)}",
+             f"CONTAINER_IMAGE={shlex.quote(launch.container_image)}",
+             f"CONTAINER_MOUNTS={shlex.quote(mounts if launch.container_image else '')}",
+             f"MAX_REQUEUES={launch.max_requeues}"]
+    if cmd is not None:  # the single-node template runs CMD; the multi-node one builds torchrun from TRAIN_ARGS
+        lines += [f"CMD=({shlex.join(cmd)})", *launch.setup]
+    return lines
+
+
+def _render(template: str, sbatch: list[str], settings: list[str]) -> str:
+    path = TEMPLATES / template
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the slurm/ templates come with a megaopd source checkout")
+    text = path.read_text()
+    for block, lines in (("sbatch", sbatch), ("settings", settings)):
+        pattern = re.compile(rf"(# >>> megaopd:{block}\n).*?(# <<< megaopd:{block}\n)", re.S)
+        text, n = pattern.subn(lambda m: m[1] + "".join(line + "\n" for line in lines) + m[2], text)
+        if n != 1:
+            raise ValueError(f"{path}: no '# >>> megaopd:{block}' ... '# <<< megaopd:{block}' block")
+    return text

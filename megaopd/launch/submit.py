@@ -1,0 +1,77 @@
+"""``megaopd submit STUDY [key=value ...] [--launch launch.yaml] [--dry-run]``: a study as Slurm jobs.
+
+Renders one batch script per stage (see ``megaopd.launch.slurm``), writes them to ``{out}/slurm/`` and submits
+them with ``sbatch --parsable`` in dependency order, each with ``--dependency=afterok:<ids of its upstream
+stages>``; prints ``<job> <job id>`` per line. ``--dry-run`` prints the sbatch commands and scripts instead.
+Submitting again after a failure re-queues only the stages that have not finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from megaopd.config import ConfigError, load_config, save_config
+from megaopd.launch.slurm import Job, absolute_study, load_launch, plan, study_file
+from megaopd.study import StudyConfig
+
+
+def sbatch_command(job: Job, script: Path, ids: dict[str, str]) -> list[str]:
+    """``ids`` maps job names to Slurm job ids (or to placeholders, for a dry run)."""
+    cmd = ["sbatch", "--parsable"]
+    if job.after:
+        cmd.append("--dependency=afterok:" + ":".join(ids[name] for name in job.after))
+    return cmd + [str(script)]
+
+
+def submit(study: StudyConfig, jobs: list[Job]) -> dict[str, str]:
+    """Write the scripts under {out}/slurm/ and submit them in order; returns job name -> Slurm job id."""
+    slurm_dir = Path(study.out) / "slurm"
+    (slurm_dir / "logs").mkdir(parents=True, exist_ok=True)  # sbatch does not create the --output directory
+    save_config(study, study_file(study))
+    ids: dict[str, str] = {}
+    for job in jobs:
+        script = slurm_dir / f"{job.name}.sbatch"
+        script.write_text(job.script)
+        result = subprocess.run(sbatch_command(job, script, ids), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"sbatch {script} failed ({result.returncode}): {result.stderr.strip()}; "
+                               f"already submitted: {ids or 'none'}")
+        ids[job.name] = result.stdout.strip().split(";")[0]  # --parsable prints "id" or "id;cluster"
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megaopd submit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="the study YAML")
+    parser.add_argument("overrides", nargs="*", help="study overrides, key.sub=value")
+    parser.add_argument("--launch", help="launch YAML (partition, nodes, GPUs, container or venv, ...)")
+    parser.add_argument("--set", dest="launch_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="launch override, e.g. --set partition=gpu (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="print the sbatch commands and scripts only")
+    args = parser.parse_args(argv)
+    try:
+        study = absolute_study(load_config(args.config, args.overrides, cls=StudyConfig))
+        jobs = plan(study, load_launch(args.launch, args.launch_overrides))
+    except ConfigError as e:
+        print(f"megaopd: config error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        slurm_dir = Path(study.out) / "slurm"
+        placeholders = {job.name: f"<{job.name}>" for job in jobs}
+        for job in jobs:
+            print(f"# ===== {job.name} =====")
+            print("# " + shlex.join(sbatch_command(job, slurm_dir / f"{job.name}.sbatch", placeholders)))
+            print(job.script)
+        return 0
+    for name, job_id in submit(study, jobs).items():
+        print(name, job_id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

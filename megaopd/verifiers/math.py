@@ -1,0 +1,226 @@
+"""Math verifier: pull the final answer out of a response and decide whether it equals the reference.
+
+Extraction, in the order datasets expect it: the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces are
+balanced), GSM8K's ``#### N``, a final-answer line ("The final answer is 42", "Answer: 42"), and the last number in
+the text as a fallback.
+
+Equivalence, cheapest first: equal normalised strings (LaTeX spacing, ``\\dfrac``, ``\\left``, ``\\text{units}``,
+degrees, dollar signs, thousands separators stripped); equal exact rationals (fractions, decimals, percentages, so
+``1/2``, ``\\frac12``, ``0.5`` and ``50\\%`` agree); ``math-verify`` (LaTeX and expressions through sympy); and a plain
+sympy path (``simplify(a - b) == 0``) for answers written as code-like expressions (``sqrt(2)/2``). Each check has a
+deadline (``extra_info["timeout_s"]``, default 5 s) that works from any thread.
+
+``ground_truth`` is the reference answer (a string or number), or a list of acceptable answers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import threading
+from fractions import Fraction
+from tokenize import TokenError  # sympy's parse_expr raises it for unbalanced input
+from typing import Any
+
+from megaopd.verifiers import register
+
+# math-verify warns on every call that we disabled its signal-based timeouts; we keep our own deadline instead.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+DEFAULT_TIMEOUT_S = 5.0
+
+
+class CheckTimeout(Exception):
+    """An equivalence check ran past its deadline."""
+
+
+class _Deadline:
+    """Raise CheckTimeout in the calling thread after ``seconds``.
+
+    math-verify's own timeout uses SIGALRM, which only works on the main thread; a trainer scores from worker
+    threads too. An asynchronous exception reaches the thread at its next bytecode, exactly when a SIGALRM handler
+    would run, so pure-Python sympy loops are interrupted either way (a single long C call is not, in both cases).
+    """
+
+    def __init__(self, seconds: float):
+        self._seconds, self._thread = seconds, threading.get_ident()
+        self._lock, self._active, self._fired = threading.Lock(), True, False
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._active:
+                self._fired = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread), ctypes.py_object(CheckTimeout))
+
+    def __enter__(self) -> "_Deadline":
+        self._timer = threading.Timer(self._seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._active = False
+            self._timer.cancel()
+            if self._fired:  # clear it if it has not been raised yet, so it cannot land outside the block
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread), None)
+
+
+# ----------------------------------------------------------------------------------------------- extraction
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
+_GSM8K = re.compile(r"####\s*([^\n]+)")
+_FINAL = re.compile(r"(?:final answer|the answer)\s*(?:is|:)?\s*[:=]?\s*(.+)|^\s*\**answer\**\s*[:=]\s*(.+)",
+                    re.IGNORECASE | re.MULTILINE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox, or \\boxed 5), with nested braces balanced."""
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return None
+    start = matches[-1].end()
+    if start >= len(text):
+        return None
+    if text[start] != "{":  # "\boxed 5"
+        token = re.match(r"[^\s$]+", text[start:])
+        return token.group(0) if token else None
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1:i]
+    return None  # unbalanced: the response was cut off inside the box
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a response, or None when there is none."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    gsm = _GSM8K.findall(text)
+    if gsm:
+        return gsm[-1].strip()
+    finals = _FINAL.findall(text)
+    if finals:
+        answer = next(group for group in finals[-1] if group).strip()
+        inner = last_boxed(answer)
+        return (inner if inner is not None else answer).rstrip(". ").strip("$ ")
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+# ----------------------------------------------------------------------------------------------- normalisation
+
+_UNIT_WORDS = ("dollars", "dollar", "cents", "cent", "units", "unit", "degrees", "degree", "percent", "inches",
+               "inch", "feet", "foot", "meters", "meter", "cm", "mm", "km", "m", "kg", "g", "hours", "hour",
+               "minutes", "minute", "seconds", "second", "days", "day", "miles", "mile", "sq", "square")
+_TRAILING_UNIT = re.compile(r"(?<=[\d}])\s*(?:" + "|".join(_UNIT_WORDS) + r")(?:\^?\{?[23]\}?)?\.?$")
+_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname)\{([^{}]*)\}")
+
+
+def normalize(answer: str) -> str:
+    """A canonical spelling of an answer, for string comparison and number parsing."""
+    s = str(answer).strip()
+    s = re.sub(r"\\text\{\s*(?:" + "|".join(_UNIT_WORDS) + r")\s*\}", "", s)  # \text{ cm} is a unit: drop it
+    s = _TEXT.sub(r"\1", s)
+    for old, new in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""), ("\\!", ""),
+                     ("\\,", ""), ("\\;", ""), ("\\ ", ""), ("\\$", ""), ("$", ""), ("\\%", "%"),
+                     ("^\\circ", ""), ("^{\\circ}", ""), ("°", "")):
+        s = s.replace(old, new)
+    s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s)  # "x = 5"
+    s = re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", s)  # 1,000 -> 1000 (twice for 1,000,000)
+    s = re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", s)
+    s = _TRAILING_UNIT.sub("", s.strip())
+    s = s.strip().rstrip(".").replace(" ", "")
+    return s
+
+
+_FRAC = re.compile(r"^(-?)\\frac\{?(-?\d+)\}?\{?(-?\d+)\}?$")
+
+
+def to_number(answer: str) -> tuple[Fraction, bool] | None:
+    """An exact rational and whether it was a percentage, for normalised answers like 0.5, -3/4, \\frac{1}{2}, 50%."""
+    s = answer
+    percent = s.endswith("%")
+    s = s.rstrip("%")
+    frac = _FRAC.match(s)
+    try:
+        if frac:
+            value = Fraction(int(frac.group(2)), int(frac.group(3)))
+            return (-value if frac.group(1) else value), percent
+        if re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)(/\d+)?|-?\d+(\.\d+)?e-?\d+", s):
+            return Fraction(s), percent
+    except (ValueError, ZeroDivisionError):
+        pass
+    return None
+
+
+def _numbers_equal(pred: str, gold: str) -> bool | None:
+    """True/False when both are numbers, None when either is not. A percentage matches its value and value/100."""
+    a, b = to_number(pred), to_number(gold)
+    if a is None or b is None:
+        return None
+    (x, x_pct), (y, y_pct) = a, b
+    if x == y:
+        return True
+    return (x_pct and x / 100 == y) or (y_pct and y / 100 == x)
+
+
+def _math_verify_equal(pred: str, gold: str) -> bool:
+    from math_verify import parse, verify
+
+    def as_latex(s: str) -> str:
+        return s if "$" in s or "\\boxed" in s else f"${s}$"
+
+    gold_parsed = parse(as_latex(gold), parsing_timeout=None)
+    pred_parsed = parse(as_latex(pred), parsing_timeout=None)
+    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def _sympy_equal(pred: str, gold: str) -> bool:
+    import sympy
+    from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
+                                            standard_transformations)
+
+    transformations = standard_transformations + (implicit_multiplication_application,)
+    try:
+        a, b = (parse_expr(s.replace("^", "**"), transformations=transformations, evaluate=True)
+                for s in (pred, gold))
+        return bool(sympy.simplify(a - b) == 0)
+    except (SyntaxError, TypeError, ValueError, AttributeError, sympy.SympifyError, TokenError):
+        return False
+
+
+def is_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Whether two final answers are mathematically the same; False when the check runs past ``timeout_s``."""
+    p, g = normalize(pred), normalize(gold)
+    if not p:
+        return False
+    if p == g:
+        return True
+    numeric = _numbers_equal(p, g)
+    if numeric is not None:
+        return numeric
+    try:
+        with _Deadline(timeout_s):
+            return _math_verify_equal(pred, gold) or _sympy_equal(p, g)
+    except CheckTimeout:
+        return False
+
+
+@register("math", "openai/gsm8k", "gsm8k", "DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH",
+          "hendrycks/competition_math", "HuggingFaceH4/MATH-500", "math500", "math_dapo",
+          "BytedTsinghua-SIA/DAPO-Math-17k", "agentica-org/DeepScaleR-Preview-Dataset", "deepscaler", "aime",
+          "AI-MO/aimo-validation-aime",
+          "Maxwell-Jia/AIME_2024", "math-ai/aime25")
+def score_math(response: str, ground_truth: Any, extra_info: dict) -> float:
+    """1.0 when the response's final answer equals the reference (or one of a list of references), else 0.0."""
+    answer = extract_answer(response)
+    if answer is None:
+        return 0.0
+    golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
+    timeout_s = float((extra_info or {}).get("timeout_s", DEFAULT_TIMEOUT_S))
+    return float(any(is_equivalent(answer, str(gold), timeout_s) for gold in golds))

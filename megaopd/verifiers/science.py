@@ -1,0 +1,51 @@
+"""Science multiple-choice verifier (GPQA, SciQ, MMLU, MMLU-Pro, ARC-style): the response must name the right letter.
+
+``ground_truth`` is the correct option's letter ("A".."J"). ``extra_info["num_choices"]``, when present, bounds
+the letters a response may name (a "E" to a four-option question is no answer).
+
+The letter is taken, in order, from the last ``\\boxed{B}``, the last "answer is (B)" / "Answer: B" phrase, a
+response that is just a letter ("B", "(B)", "B."), and finally the last "(B)" in the text. A response that hedges
+across several letters in its final phrase gets the last one, like a grader reading the end.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from megaopd.verifiers import register
+
+LETTERS = "ABCDEFGHIJ"
+
+_PATTERNS = (
+    re.compile(r"\\boxed\{\s*\(?([A-J])\)?\s*(?:[:.)][^}]*)?\}"),
+    # only the word "answer" is case-insensitive: in "the answer is a ..." the article is no choice
+    re.compile(r"(?i:answer)[*_\s]*(?:is|:)?[*_\s:=]*(?:option\s*)?[$\\{(]*([A-J])\b(?![a-zA-Z])"),
+    re.compile(r"^\s*\(?([A-Ja-j])\)?[.:]?\s*$"),
+    re.compile(r"\(([A-J])\)"),
+)
+
+
+def extract_choice(text: str, num_choices: int = len(LETTERS)) -> str | None:
+    """The letter a response chooses, or None when it names none within the first ``num_choices`` letters."""
+    allowed = LETTERS[:num_choices]
+    for pattern in _PATTERNS:
+        found = [m.upper() for m in pattern.findall(text)]
+        if found:
+            return found[-1] if found[-1] in allowed else None
+    return None
+
+
+def answer_letter(index: int) -> str:
+    """The letter of a 0-based option index."""
+    if not 0 <= index < len(LETTERS):
+        raise ValueError(f"option index {index} is out of range 0..{len(LETTERS) - 1}")
+    return LETTERS[index]
+
+
+@register("science", "multiple_choice", "gpqa", "Idavidrein/gpqa", "sciq", "allenai/sciq", "mmlu", "cais/mmlu",
+          "mmlu_pro", "TIGER-Lab/MMLU-Pro", "arc", "allenai/ai2_arc")
+def score_choice(response: str, ground_truth: Any, extra_info: dict) -> float:
+    """1.0 when the chosen letter is the ground truth, else 0.0."""
+    num_choices = int((extra_info or {}).get("num_choices", len(LETTERS)))
+    return float(extract_choice(response, num_choices) == str(ground_truth).strip().upper())

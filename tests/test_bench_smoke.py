@@ -1,0 +1,61 @@
+"""Smoke runs of the benchmarks in bench/ (seconds each), so that they cannot rot. Nothing here asserts a timing:
+each script runs its --smoke mode (one tiny iteration) and must exit 0 and print its table. The TRL comparisons are
+skipped, with the reason, when trl is not importable (CI installs it, so there they run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+HAVE_TRL = importlib.util.find_spec("trl") is not None
+needs_trl = pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed: the megaopd-vs-TRL benchmarks need it "
+                                                    "(pip install 'trl>=1.16')")
+
+
+@pytest.fixture(scope="module")
+def bench_assets(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench_assets")
+
+
+def run_bench(script: str, assets: Path | None, timeout: int = 120) -> str:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, str(BENCH / script), "--smoke"] + (["--assets", str(assets)] if assets else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{script} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_flops_vs_counter_smoke():
+    out = run_bench("flops_vs_counter.py", None)
+    assert "| model | measurement | FlopCounterMode |" in out
+    assert "forward+backward" in out and "largest deviation" in out
+
+
+def test_rollout_throughput_smoke(bench_assets):
+    out = run_bench("rollout_throughput.py", bench_assets)
+    assert "| prompts x samples |" in out and "LocalEngine tok/s" in out
+
+
+@needs_trl
+def test_grpo_vs_trl_smoke(bench_assets):
+    out = run_bench("grpo_vs_trl.py", bench_assets)
+    assert "step throughput ratio" in out and "generated tokens per step" in out
+
+
+@needs_trl
+def test_opd_vs_trl_smoke(bench_assets):
+    out = run_bench("opd_vs_trl.py", bench_assets)
+    assert "step throughput ratio" in out and "generated tokens per step" in out
+
+
+@needs_trl
+def test_memory_smoke(bench_assets):
+    out = run_bench("memory.py", bench_assets)
+    assert "| step | side | peak RSS (MiB) |" in out

