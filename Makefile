@@ -14,7 +14,7 @@ setup: $(PY)
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" torch==2.13.0
 
 demo: setup
-	$(PY) -m megaopd.cli study configs/studies/embedded_demo.yaml
+	$(PY) -m megaopd.cli study configs/studies/two_domain.yaml
 
 # A one-node Slurm cluster for the sbatch tests: it needs root; elsewhere those tests skip (never in CI).
 # One intra-op thread per process: several test processes share 2 cores, and spinning OpenMP threads starve them.

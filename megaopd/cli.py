@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from megaopd.config import ConfigError, load_config
 
@@ -114,7 +115,9 @@ def _run(args) -> int:
         run_dirs = run_study(study)
         print(accuracy_flops_table(run_dirs))
         report = write_report([study.out])
-        print(f"report: {report['path']}")
+        print(f"\nreport: {Path(study.out) / 'report' / 'report.md'}")
+        for finding in report["findings"]:
+            print(f"({finding['id']}) {finding['verdict']}: {finding['claim']}")
     return 0
 
 

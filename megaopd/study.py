@@ -63,11 +63,10 @@ class StudyConfig:
         """Replace {out} and every {var}; a var's value may itself name {out} or other vars."""
         values = {**self.vars, "out": self.out}
         for _ in range(len(values) + 1):
-            before = text
+            if not any("{" + key + "}" in text for key in values):
+                return text
             for key, value in values.items():
                 text = text.replace("{" + key + "}", str(value))
-            if text == before:
-                return text
         raise ValueError(f"study vars refer to each other in a cycle: {text!r}")
 
 
@@ -78,14 +77,19 @@ def stage_config(study: StudyConfig, stage: StageConfig) -> RunConfig:
     return load_config(stage.config, [f"train.seed={study.seed}"] + overrides + [f"run_dir={study.out}/{stage.name}"])
 
 
-def run_study(study: StudyConfig) -> list[Path]:
+def build_assets(study: StudyConfig) -> None:
+    """Save the resolved study in {out} and build its embedded models and data there (when it has any)."""
     out = Path(study.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(study, out / "study.yaml")
-    if study.assets.presets or study.assets.domains:
-        a = study.assets
+    a = study.assets
+    if a.presets or a.domains:
         make_embedded(out, [study.substitute(p) for p in a.presets], [study.substitute(d) for d in a.domains] or None,
                       a.seed, a.train_rows, a.heldout_rows, a.difficulty)
+
+
+def run_study(study: StudyConfig) -> list[Path]:
+    build_assets(study)
     run_dirs = []
     for stage in study.stages:
         cfg = stage_config(study, stage)

@@ -1,7 +1,7 @@
 """The jobs around a study's stages on a cluster, run by the scripts that ``megaopd submit`` writes.
 
     python -m megaopd.launch.jobs assets STUDY.yaml   # build the embedded models and data into {out}
-    python -m megaopd.launch.jobs report STUDY.yaml   # accuracy vs FLOPs of every stage -> {out}/report.txt
+    python -m megaopd.launch.jobs report STUDY.yaml   # {out}/report.txt (accuracy vs FLOPs) and {out}/report/
 
 ``megaopd study`` does both in one process around its stages; on Slurm each stage is its own job, so these run
 before the first stage and after the last.
@@ -13,18 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from megaopd.config import load_config, save_config
-from megaopd.study import StudyConfig, accuracy_flops_table
-
-
-def build_assets(study: StudyConfig) -> None:
-    from megaopd.embedded import make_embedded
-
-    out = Path(study.out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(study, out / "study.yaml")
-    a = study.assets
-    make_embedded(out, a.presets, a.domains or None, a.seed, a.train_rows, a.heldout_rows, a.difficulty)
+from megaopd.config import load_config
+from megaopd.study import StudyConfig, accuracy_flops_table, build_assets
 
 
 def write_report(study: StudyConfig) -> str:
@@ -34,8 +24,11 @@ def write_report(study: StudyConfig) -> str:
     missing = [d.name for d in run_dirs if not stage_is_done(d)]
     if missing:  # afterok should make this impossible; say so rather than print a partial table
         raise SystemExit(f"megaopd: stages not finished: {', '.join(missing)}")
+    from megaopd import report
+
     table = accuracy_flops_table(run_dirs)
     (Path(study.out) / "report.txt").write_text(table + "\n")
+    report.write_report([study.out])  # report.md, plots and report.json under {out}/report
     return table
 
 

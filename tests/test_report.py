@@ -1,0 +1,209 @@
+"""The study report: FLOPs-to-target and split-vs-joint on hand-computed curves, and a synthetic study directory
+(every method the report compares) whose report.json must hold the hand-computed ratio, share and saving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from megaopd.report import flops_to_target, main, smooth, split_vs_joint, write_report
+
+
+# ---- the pure functions ----
+
+def test_smooth_is_a_trailing_mean_with_fewer_values_at_the_start():
+    assert smooth([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert smooth([3.0, 0.0, 0.0, 3.0], 3) == [3.0, 1.5, 1.0, 1.0]
+
+
+def test_flops_to_target_interpolates_between_the_crossing_evals():
+    assert flops_to_target([0, 10, 20], [0.0, 0.5, 1.0], 0.75, window=1) == pytest.approx(15.0)
+    # Smoothed [0, .5, 2/3, 1]: crosses 0.9 between 20 and 30, at 20 + (0.9 - 2/3) / (1/3) * 10 = 27.
+    assert flops_to_target([0, 10, 20, 30], [0.0, 1.0, 1.0, 1.0], 0.9, window=3) == pytest.approx(27.0)
+    assert flops_to_target([0, 10, 20, 30], [0.0, 1.0, 1.0, 1.0], 0.9, window=1) == pytest.approx(9.0)
+
+
+def test_flops_to_target_first_eval_and_exact_hit():
+    assert flops_to_target([5, 10], [0.8, 0.9], 0.7, window=3) == 5.0
+    assert flops_to_target([0, 100, 200, 300], [0.2, 0.3, 0.4, 0.5], 0.5, window=1) == pytest.approx(300.0)
+
+
+def test_smoothing_ignores_a_single_spike_and_never_reached_is_none():
+    flops, acc = [0, 10, 20, 30], [0.0, 1.0, 0.0, 0.0]
+    assert flops_to_target(flops, acc, 0.6, window=1) == pytest.approx(6.0)
+    assert flops_to_target(flops, acc, 0.6, window=3) is None  # smoothed peak is 0.5
+    assert flops_to_target([0, 1], [0.1, 0.2], 0.3) is None
+
+
+def test_split_vs_joint_known_numbers():
+    r = split_vs_joint([1000, 3000], [0, 50, 100, 200], [0.3, 0.5, 0.6, 0.7],
+                       [0, 2000, 4000, 6000, 8000], [0.3, 0.4, 0.5, 0.6, 0.65], target=0.55, window=1)
+    assert r["merge_flops_to_target"] == pytest.approx(75.0)
+    assert r["joint_flops_to_target"] == pytest.approx(5000.0)
+    assert r["split_flops"] == pytest.approx(4075.0)
+    assert r["saving"] == pytest.approx(1 - 4075 / 5000)
+
+
+def test_split_vs_joint_merge_not_reached():
+    r = split_vs_joint([1000, 3000], [0, 50, 100], [0.3, 0.4, 0.45], [0, 10, 20], [0.3, 0.5, 0.6], target=0.55,
+                       window=1)
+    assert r["merge_flops_to_target"] is None and r["split_flops"] is None and r["saving"] is None
+    assert r["merge_best_smoothed"] == pytest.approx(0.45)
+    assert r["joint_flops_to_target"] == pytest.approx(15.0)
+
+
+# ---- a synthetic study directory ----
+
+def write_stage(root, name, algorithm, evals, final, lengths=(), components=None):
+    """evals: [(stage FLOPs, {domain: accuracy})] at steps 0, 10, ...; lengths: one training line between evals."""
+    run = root / name
+    run.mkdir(parents=True)
+
+    def flops(f):
+        return {"flops/rollout": 0.0, "flops/old_logprob": 0.0, "flops/reference": 0.0, "flops/teacher": 0.0,
+                "flops/train": float(f), **{f"flops/{k}": v for k, v in (components or {}).items()},
+                "flops/total_stage": float(f),
+                "flops/total_with_teachers": 2.0 * f, "flops/total_with_cold_start": 3.0 * f,
+                "flops/total_external": 0.0}
+
+    lines = []
+    for i, (f, acc) in enumerate(evals):
+        if 0 < i <= len(lengths):
+            prev = evals[i - 1][0]
+            lines.append({"step": 10 * i - 5, "rollout/response_length": lengths[i - 1], "rollout/reward": 0.5,
+                          **flops((prev + f) / 2)})
+        lines.append({"step": 10 * i, **{f"eval/{d}/accuracy_greedy": a for d, a in acc.items()}, **flops(f)})
+    last = evals[-1][0]
+    lines.append({"step": 10 * (len(evals) - 1), **{f"final/{d}/accuracy_greedy": a for d, a in final.items()},
+                  **flops(last)})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    summary = {"algorithm": algorithm, "steps": lines[-1]["step"],
+               "final": {f"final/{d}/accuracy_greedy": a for d, a in final.items()}}
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def mean_curve(flops, acc):
+    return [(f, {"mean": a}) for f, a in zip(flops, acc)]
+
+
+def make_study(root, opd_self_scale=1.0, ext_that_wins=False):
+    """Hand-computed with window 1. E3: GRPO reaches its final 0.5 at 300, opd_self at 15 x scale (ratio 20/scale).
+    E1: opd_external never reaches 0.5 and its length doubles (GRPO's grows x1.2). E6: student 0.78 / 0.60 vs experts
+    0.80 / 0.70 (prog_trace 0.1 below: not matched), share 200 / 4000 = 5%. E7: target 0.6, merge reaches it at 100,
+    joint at 6000: split 4100, saving 1 - 4100/6000. ext_that_wins adds an external OPD that reaches 0.5 at 50 FLOPs
+    (6x fewer than GRPO) with a flat length, so that (a) and (b) fail for one of two pairs."""
+    root.mkdir(parents=True)
+    write_stage(root, "base", "sft", mean_curve([0, 100], [0.1, 0.2]), {"mean": 0.2})
+    write_stage(root, "grpo", "grpo", mean_curve([0, 100, 200, 300, 400], [0.2, 0.3, 0.4, 0.5, 0.6]), {"mean": 0.5},
+                lengths=[10, 11, 11, 12], components={"rollout": 40.0})
+    write_stage(root, "opd_self", "opd", mean_curve([0, 10 * opd_self_scale, 20 * opd_self_scale, 30 * opd_self_scale],
+                                                    [0.2, 0.4, 0.6, 0.6]), {"mean": 0.55}, lengths=[10, 10, 10])
+    write_stage(root, "opd_ext", "opd", mean_curve([0, 100, 200, 300, 400], [0.2, 0.25, 0.3, 0.35, 0.4]),
+                {"mean": 0.4}, lengths=[10, 14, 18, 20])
+    write_stage(root, "expert_add", "grpo", [(0, {"arith_add": 0.3, "mean": 0.3}),
+                                             (1000, {"arith_add": 0.8, "mean": 0.8})],
+                {"arith_add": 0.8, "mean": 0.8})
+    write_stage(root, "expert_trace", "grpo", [(0, {"prog_trace": 0.3, "mean": 0.3}),
+                                               (3000, {"prog_trace": 0.7, "mean": 0.7})],
+                {"prog_trace": 0.7, "mean": 0.7})
+    write_stage(root, "multi", "opd", mean_curve([0, 50, 100, 200], [0.3, 0.5, 0.6, 0.7]),
+                {"arith_add": 0.78, "prog_trace": 0.6, "mean": 0.69})
+    write_stage(root, "joint", "grpo", mean_curve([0, 2000, 4000, 6000, 8000], [0.3, 0.4, 0.5, 0.6, 0.65]),
+                {"arith_add": 0.62, "prog_trace": 0.58, "mean": 0.6})
+    stages = [("base", "base", "", ""), ("grpo", "grpo", "", ""), ("opd_self", "opd_self", "grpo", ""),
+              ("opd_ext", "opd_external", "grpo", ""), ("expert_add", "expert", "", "arith_add"),
+              ("expert_trace", "expert", "", "prog_trace"), ("multi", "multi_teacher_opd", "", ""),
+              ("joint", "joint_grpo", "", "")]
+    if ext_that_wins:
+        write_stage(root, "opd_ext2", "opd", mean_curve([0, 25, 50], [0.2, 0.4, 0.5]), {"mean": 0.5},
+                    lengths=[10, 10])
+        stages.append(("opd_ext2", "opd_external_grpo", "grpo", ""))
+    study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
+                                                      "compare_with": c, "domain": d} for n, m, c, d in stages]}
+    (root / "study.yaml").write_text(yaml.safe_dump(study))
+    return root
+
+
+def verdicts(report):
+    return {f["id"]: f["verdict"] for f in report["findings"]}
+
+
+def test_synthetic_study_numbers_and_findings(tmp_path):
+    study = make_study(tmp_path / "study")
+    report = write_report(study, target_fraction=0.5, window=1)
+    out = study / "report"
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
+    for png in ("accuracy_mean.png", "accuracy_arith_add.png", "accuracy_prog_trace.png", "response_length.png"):
+        assert (out / png).stat().st_size > 10_000
+    seed = report["seeds"][0]
+    e3 = next(c for c in seed["comparisons"] if c["opd"] == "opd_self")
+    assert e3["targets"]["teacher"]["grpo_flops"] == pytest.approx(300.0)
+    assert e3["targets"]["teacher"]["opd_flops"] == pytest.approx(15.0)
+    assert e3["targets"]["teacher"]["ratio"] == pytest.approx(20.0)
+    # Fraction target: base 0.2 + 0.5 x (0.5 - 0.2) = 0.35: GRPO at 150, OPD at 7.5.
+    assert e3["targets"]["fraction"]["target"] == pytest.approx(0.35)
+    assert e3["targets"]["fraction"]["ratio"] == pytest.approx(150 / 7.5)
+    e1 = next(c for c in seed["comparisons"] if c["opd"] == "opd_ext")
+    assert e1["targets"]["teacher"]["opd_flops"] is None
+    assert e1["targets"]["teacher"]["opd_best_smoothed"] == pytest.approx(0.4)
+    (mt,) = seed["multi_teacher"]
+    assert mt["share"] == pytest.approx(0.05)
+    assert mt["domains"]["prog_trace"]["gap"] == pytest.approx(-0.1)
+    (sj,) = seed["split_vs_joint"]
+    assert sj["split_flops"] == pytest.approx(4100.0) and sj["joint_flops_to_target"] == pytest.approx(6000.0)
+    assert sj["saving"] == pytest.approx(1 - 4100 / 6000)
+    assert seed["stages"]["grpo"]["totals"]["with_cold_start"] == pytest.approx(1200.0)
+    assert seed["stages"]["grpo"]["components"]["rollout"] == pytest.approx(40.0)
+    assert seed["stages"]["opd_ext"]["length"] == {"first": 10.0, "last": 20.0}
+    assert verdicts(report) == {"a": "reproduced", "b": "reproduced", "c": "reproduced", "d": "not reproduced",
+                                "e": "reproduced", "f": "reproduced"}
+    md = (out / "report.md").read_text()
+    assert "single seed" in md and "interpolate linearly in FLOPs" in md
+    assert "ratio GRPO/OPD 20.00" in md and "5.0%" in md and "31.7%" in md
+    assert "not reached (best smoothed 0.400)" in md
+    assert "![accuracy_mean.png](accuracy_mean.png)" in md
+
+
+def test_seeds_give_mean_and_spread_and_a_split_verdict(tmp_path):
+    # Seed 1's opd_self is 100x slower: ratio 0.2, so (c) holds in one seed only.
+    dirs = [make_study(tmp_path / "s0"), make_study(tmp_path / "s1", opd_self_scale=100.0)]
+    out = tmp_path / "rep"
+    assert main([str(d) for d in dirs] + ["--out", str(out), "--target-fraction", "0.5", "--window", "1"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    spread = report["spread"]["FLOPs ratio GRPO/OPD, opd_self vs grpo (teacher target)"]
+    assert spread == pytest.approx({"mean": 10.1, "min": 0.2, "max": 20.0, "n": 2})
+    c = next(f for f in report["findings"] if f["id"] == "c")
+    assert c["verdict"] == "not reproduced" and c["seeds_reproduced"] == "1 of 2"
+    assert verdicts(report)["e"] == "reproduced"
+    assert "single seed" not in (out / "report.md").read_text()
+
+
+def test_one_of_two_pairs_failing_means_not_reproduced(tmp_path):
+    report = write_report(make_study(tmp_path / "study", ext_that_wins=True), window=1)
+    v = verdicts(report)
+    assert v["a"] == "not reproduced" and v["b"] == "not reproduced" and v["c"] == "reproduced"
+    e2 = next(c for c in report["seeds"][0]["comparisons"] if c["opd"] == "opd_ext2")
+    assert e2["targets"]["teacher"]["ratio"] == pytest.approx(6.0)
+
+
+def test_stages_without_method_are_not_measured(tmp_path):
+    study = make_study(tmp_path / "study")
+    doc = yaml.safe_load((study / "study.yaml").read_text())
+    for s in doc["stages"]:
+        del s["method"]
+    (study / "study.yaml").write_text(yaml.safe_dump(doc))
+    report = write_report(study)
+    assert set(verdicts(report).values()) == {"not measured in this study"}
+    assert report["seeds"][0]["stages"]["grpo"]["method"] == "other"
+
+
+def test_joint_never_reaching_its_own_final_leaves_split_vs_joint_unmeasured(tmp_path):
+    # With window 3 joint GRPO's smoothed curve peaks at (0.5 + 0.6 + 0.65) / 3 = 0.583 < its final 0.6.
+    study = make_study(tmp_path / "study")
+    report = write_report(study, window=3)
+    (sj,) = report["seeds"][0]["split_vs_joint"]
+    assert sj["joint_flops_to_target"] is None and sj["joint_best_smoothed"] == pytest.approx(0.35 / 0.6)
+    assert verdicts(report)["f"] == "not measured in this study"
+    assert "joint not reached (best smoothed 0.583)" in (study / "report" / "report.md").read_text()

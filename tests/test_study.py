@@ -1,0 +1,47 @@
+"""A reduced study end to end, twice: the same seed on the same machine gives the same report numbers."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megaopd.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["train.steps=3", "train.prompts_per_step=4", "train.micro_batch_size=16", "rollout.max_new_tokens=12",
+         "eval.every=1", "eval.prompts_per_domain=6", "eval.final_prompts_per_domain=12", "checkpoint.every=2"]
+
+
+def _write_study(tmp_path: Path, out: Path) -> Path:
+    study = yaml.safe_load((ROOT / "configs/studies/self_teacher.yaml").read_text())
+    study["out"] = str(out)
+    study["assets"].update(train_rows=120, heldout_rows=24)
+    for stage in study["stages"]:
+        stage["config"] = str(ROOT / stage["config"])
+        stage["overrides"] += SMALL + (["rollout.samples_per_prompt=4"] if stage["method"] == "grpo" else [])
+    path = tmp_path / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+def _numbers(out: Path) -> str:
+    return (out / "report" / "report.json").read_text().replace(str(out), "OUT")
+
+
+@pytest.mark.slow
+def test_same_seed_same_report(tmp_path, capsys):
+    for name in ("a", "b"):
+        assert main(["study", str(_write_study(tmp_path, tmp_path / name))]) == 0
+    printed = capsys.readouterr().out
+    assert "(c)" in printed and "report:" in printed
+    assert _numbers(tmp_path / "a") == _numbers(tmp_path / "b")
+    report = json.loads(_numbers(tmp_path / "a"))
+    assert {f["id"] for f in report["findings"]} >= {"a", "b", "c", "d", "e", "f"}
+    for png in ("accuracy_mean.png", "response_length.png"):
+        assert (tmp_path / "a" / "report" / png).stat().st_size > 10_000
+    # A finished study is reused, not retrained: a second run leaves the stage summaries untouched.
+    summary = tmp_path / "a" / "grpo" / "summary.json"
+    before = summary.stat().st_mtime_ns
+    assert main(["study", str(tmp_path / "a.yaml")]) == 0
+    assert summary.stat().st_mtime_ns == before
