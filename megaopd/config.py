@@ -85,6 +85,7 @@ class TrainConfig:
     prompts_per_step: int = 16
     micro_batch_size: int = 64  # sequences per forward/backward; gradients accumulate over the rest
     epochs: int = 1  # optimisation passes over each step's rollouts
+    minibatches: int = 1  # optimizer steps per pass: the step's rollouts split into this many minibatches
     recompute_old_logprobs: bool = True  # recompute with the trainer instead of trusting rollout logprobs
     seed: int = 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import signal
 import threading
@@ -136,8 +137,11 @@ class Trainer:
         routes = self.teachers.score(batch, samples, self.objective.full_vocab, mbs) if self.teachers else {}
         metrics = {f"train/{k}": v for k, v in self.objective.prepare(batch, samples).items()}
 
+        minibatch = math.ceil(batch.size / cfg.train.minibatches)
         for _ in range(cfg.train.epochs):
-            update = policy.train_minibatch(batch, self.objective.token_loss, mbs, self.objective.full_vocab)
+            for start in range(0, batch.size, minibatch):
+                update = policy.train_minibatch(batch.select(slice(start, start + minibatch)),
+                                                self.objective.token_loss, mbs, self.objective.full_vocab)
         metrics |= {f"train/{k}": v for k, v in update.items()}
         self.engine.sync_weights(policy)
 

@@ -128,3 +128,15 @@ def test_preemption_signal_checkpoints_and_exits_for_requeue(assets, tmp_path):
     assert len(checkpoints) == 1  # written on the signal, not by the every-1000 schedule
     step = int(checkpoints[0].name.split("_")[1])
     assert max(m["step"] for m in read_metrics(tmp_path / "run")) == step
+
+
+def test_several_updates_per_batch(assets, tmp_path):
+    """Two epochs of two minibatches: four optimizer steps per batch, and the ledger bills two training passes."""
+    import torch
+
+    summary = train(run_config(assets, tmp_path / "run", "grpo",
+                               **{"train.epochs": 2, "train.minibatches": 2, "train.steps": 2}))
+    own = summary["ledger"]["own"]
+    assert own["train"] == pytest.approx(6 * own["old_logprob"])
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt", weights_only=False)
+    assert all(int(p["step"]) == 8 for p in state["policy"]["optimizer"]["state"].values())

@@ -7,7 +7,7 @@ per-token supervision is what OPD brings: with bare answers its advantage over G
 |---------------|----------------------------------------|----------------------|------------------------------|
 | arith_add     | column addition with carries           | digits per operand   | 7+8=15;4+3+1=8;answer:85     |
 | arith_sub     | column subtraction (a >= b), borrows   | digits per operand   | 2-7+10=5;5-1-1=3;answer:35   |
-| prog_trace    | trace a tiny straight-line program     | statements           | x=3;y=6;x=7;answer:7         |
+| prog_trace    | trace a tiny straight-line program     | statements           | x=3;y=3*2=6;x=6+1=7;answer:7 |
 | letter_count  | count one letter with a running tally  | string length        | a0b1b2c2;answer:2            |
 
 Train and held-out problems are split by a hash of the problem's canonical key, so the two sets are disjoint by
@@ -80,9 +80,9 @@ def make_trace(rng: random.Random, statements: int) -> Problem:
             value = _OPS[op](env[source], const)
             if not 0 <= value <= 99:
                 break
-            env[target] = value
             code.append(f"{target}={source}{op}{const}")
-            trace.append(f"{target}={value}")
+            trace.append(f"{target}={env[source]}{op}{const}={value}")  # substitute, then compute: one op a step
+            env[target] = value
         else:
             out = rng.choice(sorted(env))
             program = ";".join(code) + f";print({out})"
