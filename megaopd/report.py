@@ -378,7 +378,7 @@ def _pct(v: float | None) -> str:
 
 
 def _seed_markdown(r: dict, fraction: float) -> list[str]:
-    md = ["#### OPD vs GRPO (E1-E3): FLOPs to reach a target on the mean curve", "",
+    md = ["#### OPD vs GRPO (E1-E3): FLOPs to reach a target, on the GRPO stage's domain (the mean when it has none)", "",
           "| OPD stage | GRPO stage | target | accuracy | GRPO FLOPs | OPD FLOPs | GRPO/OPD |", "|---" * 7 + "|"]
     if not r["comparisons"]:
         md = md[:2] + ["- no opd stage with compare_with in this study"]
