@@ -9,7 +9,7 @@ The scripts are copies of the hand-editable templates in ``slurm/`` (``stage.sba
 A stage depends on the stages whose run directories its overrides name (``{out}/<stage>/...``); stages that do
 not depend on each other (per-domain experts, say) are queued at the same time. Finished stages are skipped,
 as in ``megaopd study``. Before the stages an ``assets`` job builds the embedded models and data (when the study
-has any), and after them a ``report`` job writes the accuracy-vs-FLOPs table to ``{out}/report.txt``.
+has any), and after them a ``report`` job writes ``{out}/report.txt`` (accuracy vs FLOPs) and ``{out}/report/``.
 """
 
 from __future__ import annotations
