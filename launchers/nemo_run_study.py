@@ -20,9 +20,8 @@ from pathlib import Path
 import nemo_run as run
 
 from megaopd.config import load_config, save_config
-from megaopd.launch.slurm import LaunchConfig, absolute_study, dependencies, for_stage, load_launch, \
-    stage_is_done, submission_order
-from megaopd.study import StudyConfig
+from megaopd.launch.slurm import LaunchConfig, absolute_study, dependencies, for_stage, load_launch, submission_order
+from megaopd.study import StudyConfig, stage_is_done
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -107,9 +107,8 @@ def _run(args) -> int:
         write_rows(args.out, rows)
         print(f"wrote {len(rows)} rows to {args.out}")
     elif args.command == "study":
+        from megaopd.report import finding_line, write_report
         from megaopd.study import StudyConfig, accuracy_flops_table, run_study
-
-        from megaopd.report import write_report
 
         study = load_config(args.config, args.overrides, cls=StudyConfig)
         run_dirs = run_study(study)
@@ -117,7 +116,7 @@ def _run(args) -> int:
         report = write_report([study.out])
         print(f"\nreport: {Path(study.out) / 'report' / 'report.md'}")
         for finding in report["findings"]:
-            print(f"({finding['id']}) {finding['verdict']}: {finding['claim']}")
+            print(finding_line(finding))
     return 0
 
 

@@ -15,9 +15,9 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         if self.path.exists():
             # The final eval's line is written again when the run finishes (again).
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step and '"final/' not in line]
-            self.path.write_text("".join(line + "\n" for line in keep))
+            kept = [m for m in read_metrics(run_dir)
+                    if m["step"] <= resume_step and not any(k.startswith("final/") for k in m)]
+            self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

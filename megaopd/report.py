@@ -477,6 +477,10 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
     return report
 
 
+def finding_line(finding: dict) -> str:
+    return f"({finding['id']}) {finding['verdict']}: {finding['claim']}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megaopd report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -492,5 +496,5 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(args.study_dirs[0]) / "report"
     print(f"wrote {out / 'report.md'}")
     for f in report["findings"]:
-        print(f"({f['id']}) {f['verdict']}: {f['claim']}")
+        print(finding_line(f))
     return 0

@@ -3,8 +3,9 @@ interrupted one resumes from its last checkpoint.
 
     megaopd study configs/studies/self_teacher.yaml
 
-Stage overrides may name ``{out}`` (the study directory) and any ``{var}`` of ``vars``; a stage's run directory is ``{out}/<name>`` and its
-trained model ``{out}/<name>/final``, which later stages use as their initial model or teacher.
+Stage overrides may name ``{out}`` (the study directory) and any ``{var}`` of ``vars``; a stage's run directory
+is ``{out}/<name>`` and its trained model ``{out}/<name>/final``, which later stages use as their initial model or
+teacher.
 """
 
 from __future__ import annotations
@@ -88,13 +89,18 @@ def build_assets(study: StudyConfig) -> None:
                       a.seed, a.train_rows, a.heldout_rows, a.difficulty)
 
 
+def stage_is_done(run_dir: Path) -> bool:
+    """A finished stage: its exported model and summary exist (both written only at the end of a run)."""
+    return (run_dir / FINAL_DIR / "config.json").exists() and (run_dir / "summary.json").exists()
+
+
 def run_study(study: StudyConfig) -> list[Path]:
     build_assets(study)
     run_dirs = []
     for stage in study.stages:
         cfg = stage_config(study, stage)
         run_dir = Path(cfg.run_dir)
-        if (run_dir / FINAL_DIR / "config.json").exists() and (run_dir / "summary.json").exists():
+        if stage_is_done(run_dir):
             log.info("stage %s is done; reusing %s", stage.name, run_dir)
         else:
             Trainer(cfg).fit()

@@ -14,12 +14,10 @@ import sys
 from pathlib import Path
 
 from megaopd.config import load_config
-from megaopd.study import StudyConfig, accuracy_flops_table, build_assets
+from megaopd.study import StudyConfig, accuracy_flops_table, build_assets, stage_is_done
 
 
 def write_report(study: StudyConfig) -> str:
-    from megaopd.launch.slurm import stage_is_done
-
     run_dirs = [Path(study.out) / s.name for s in study.stages]
     missing = [d.name for d in run_dirs if not stage_is_done(d)]
     if missing:  # afterok should make this impossible; say so rather than print a partial table

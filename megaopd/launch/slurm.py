@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaopd.config import ConfigError, RunConfig, from_dict, load_config, to_dict
-from megaopd.study import StageConfig, StudyConfig
+from megaopd.study import StageConfig, StudyConfig, stage_is_done
 
 # The templates live beside the package in a source checkout (also the layout inside the Docker images).
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
@@ -111,10 +111,6 @@ def absolute_study(study: StudyConfig) -> StudyConfig:
     stages = [dataclasses.replace(s, config=str(Path(s.config).resolve()) if s.config else "")
               for s in study.stages]
     return dataclasses.replace(study, out=str(Path(study.out).resolve()), stages=stages)
-
-
-def stage_is_done(run_dir: Path) -> bool:
-    return (run_dir / "final" / "config.json").exists() and (run_dir / "summary.json").exists()
 
 
 def plan(study: StudyConfig, launch: LaunchConfig) -> list[Job]:
