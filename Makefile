@@ -1,9 +1,12 @@
 # Two entry points, both from a fresh clone: `make demo` (the embedded study) and `make test` (the test suite).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,verifiers,cluster,nemo,bench
+EXTRAS ?= dev,verifiers,cluster,nemo,bench,megatron
 
-.PHONY: setup demo test
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+.PHONY: setup setup-sglang demo test
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -13,11 +16,20 @@ setup: $(PY)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" torch==2.13.0
 
+# SGLang servers run from their own environment: sglang 0.5.23 pins torch 2.14.1 (a CUDA build that also runs on
+# CPU), the trainer keeps its CPU 2.13.0; they only talk over HTTP. Built once (~11 GB, minutes), then reused.
+$(SGLANG_STAMP):
+	python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet sglang==0.5.23
+	touch $@
+
+setup-sglang: $(SGLANG_STAMP)
+
 demo: setup
 	$(PY) -m megaopd.cli study configs/studies/two_domain.yaml
 
 # A one-node Slurm cluster for the sbatch tests: it needs root; elsewhere those tests skip (never in CI).
 # One intra-op thread per process: several test processes share 2 cores, and spinning OpenMP threads starve them.
-test: setup
+test: setup setup-sglang
 	bash .ci/slurm_up.sh || [ -z "$$CI" ]
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; exit $$status
+	MEGAOPD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; exit $$status

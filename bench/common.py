@@ -157,13 +157,14 @@ def _megaopd_worker(a) -> dict:
         trainer.rl_step(step)
     rss_before = rss_now_kb()
     prof = _start_profile(a)
-    times = []
+    times, cpu_times = [], []
     for step in range(a.warmup + 1, a.warmup + a.steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trainer.rl_step(step)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     _stop_profile(a, prof)
-    return {"times": times, "gen_tokens": counts["gen"][a.warmup:], "seq_tokens":
+    return {"times": times, "cpu_times": cpu_times, "gen_tokens": counts["gen"][a.warmup:], "seq_tokens":
             [g + p for g, p in zip(counts["gen"][a.warmup:], counts["prompt"][a.warmup:])], "rss_before_kb": rss_before}
 
 
@@ -229,12 +230,14 @@ def _trl_worker(a) -> dict:
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             marks.setdefault("begin", []).append(time.perf_counter())
+            marks.setdefault("cpu_begin", []).append(time.process_time())
             if len(marks["begin"]) == a.warmup + 1:
                 marks["rss_before"] = rss_now_kb()
                 marks["prof"] = _start_profile(a)
 
         def on_step_end(self, args, state, control, **kw):
             marks.setdefault("end", []).append(time.perf_counter())
+            marks.setdefault("cpu_end", []).append(time.process_time())
 
     trainer.add_callback(Clock())
     trainer.train()
@@ -243,8 +246,11 @@ def _trl_worker(a) -> dict:
     # step k = end(k) - end(k-1): includes fetching the batch, generation, reward, loss/update and the callbacks
     times = [ends[k] - ends[k - 1] for k in range(a.warmup, len(ends))] if a.warmup else \
         [ends[0] - marks["begin"][0]] + [ends[k] - ends[k - 1] for k in range(1, len(ends))]
+    cpu = marks["cpu_end"]  # the same step boundaries, in CPU seconds of this process
+    cpu_times = [cpu[k] - cpu[k - 1] for k in range(a.warmup, len(cpu))] if a.warmup else \
+        [cpu[0] - marks["cpu_begin"][0]] + [cpu[k] - cpu[k - 1] for k in range(1, len(cpu))]
     gen, prompt = counts["gen"][a.warmup:], counts["prompt"][a.warmup:]
-    return {"times": times, "gen_tokens": gen, "seq_tokens": [g + p for g, p in zip(gen, prompt)],
+    return {"times": times, "cpu_times": cpu_times, "gen_tokens": gen, "seq_tokens": [g + p for g, p in zip(gen, prompt)],
             "generated_incl_pad": counts["gen_generated"][a.warmup:], "rss_before_kb": marks.get("rss_before", 0)}
 
 
@@ -340,15 +346,20 @@ def ab_compare(algo: str, rounds: int, tmp: Path, **kw) -> dict:
         for side in order:
             res = run_worker(side, algo, tmp, f"{algo}_{side}_{r}", **kw)
             res["median_step_s"] = statistics.median(res["times"])
+            res["median_cpu_s"] = statistics.median(res["cpu_times"]) if res.get("cpu_times") else float("nan")
             runs[side].append(res)
             print(f"  round {r + 1}/{rounds} {side:8s} median step {res['median_step_s']:.3f}s "
-                  f"(steps {', '.join(f'{t:.3f}' for t in res['times'])})", flush=True)
+                  f"(steps {', '.join(f'{t:.3f}' for t in res['times'])}; CPU {res['median_cpu_s']:.3f}s)",
+                  flush=True)
     return runs
 
 
 def report_ab(title: str, runs: dict) -> tuple[list[str], dict]:
     m, t = runs["megaopd"], runs["trl"]
     ratios = [b["median_step_s"] / a["median_step_s"] for a, b in zip(m, t)]
+    # CPU seconds of the worker process per step: what a step costs, without the time a shared machine's other
+    # processes took the core away (wall time includes that; both are reported).
+    cpu_ratios = [b["median_cpu_s"] / a["median_cpu_s"] for a, b in zip(m, t)]
 
     def per_step(res, key):
         return statistics.median([v for r in res for v in r[key]])
@@ -371,6 +382,10 @@ def report_ab(title: str, runs: dict) -> tuple[list[str], dict]:
         f"{statistics.median(r['median_step_s'] for r in t):.3f} | |",
         f"| step throughput ratio (TRL time / megaopd time), median of {len(ratios)} A/B pairs | | | "
         f"**{statistics.median(ratios):.2f}x** (spread {spread(ratios)}) |",
+        f"| median step CPU time (s) | {statistics.median(r['median_cpu_s'] for r in m):.3f} | "
+        f"{statistics.median(r['median_cpu_s'] for r in t):.3f} | |",
+        f"| step CPU-time ratio (TRL / megaopd), median of {len(cpu_ratios)} A/B pairs | | | "
+        f"{statistics.median(cpu_ratios):.2f}x (spread {spread(cpu_ratios)}) |",
         f"| generated tokens per step | {gen_m:.0f} | {gen_t:.0f} | {gen_m / max(gen_t, 1):.3f} |",
         f"| trained tokens per step (prompt + response) | {seq_m:.0f} | {seq_t:.0f} | {seq_m / max(seq_t, 1):.3f} |",
         f"| trained tokens/s | {tok_rate(m, 'seq_tokens'):.0f} | {tok_rate(t, 'seq_tokens'):.0f} | "
@@ -379,7 +394,7 @@ def report_ab(title: str, runs: dict) -> tuple[list[str], dict]:
         f"{statistics.median(r['maxrss_kb'] for r in t) / 1024:.0f} | |",
         "",
     ]
-    return lines, {"ratio_median": statistics.median(ratios), "ratios": ratios, "gen": (gen_m, gen_t),
+    return lines, {"ratio_median": statistics.median(ratios), "ratios": ratios, "cpu_ratios": cpu_ratios, "gen": (gen_m, gen_t),
                    "seq": (seq_m, seq_t)}
 
 

@@ -26,19 +26,20 @@ from megaopd.study import StudyConfig, stage_is_done
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def local_executor(launch: LaunchConfig) -> run.LocalExecutor:
+def local_executor(launch: LaunchConfig, torchrun: bool = False) -> run.LocalExecutor:
     # The tasks run `python -m megaopd...` from the experiment's directory: put this checkout on the path.
-    return run.LocalExecutor(env_vars={"PYTHONPATH": str(ROOT)})
+    return run.LocalExecutor(env_vars={"PYTHONPATH": str(ROOT)}, launcher="torchrun" if torchrun else None,
+                             ntasks_per_node=max(launch.gpus_per_node, 1) if torchrun else 1)
 
 
-def slurm_executor(launch: LaunchConfig) -> run.SlurmExecutor:
+def slurm_executor(launch: LaunchConfig, torchrun: bool = False) -> run.SlurmExecutor:
     gpus = launch.gpus_per_node
     return run.SlurmExecutor(
         account=launch.account, partition=launch.partition or None, time=launch.time,
         nodes=launch.nodes, ntasks_per_node=1, gpus_per_node=gpus or None,
         cpus_per_task=launch.cpus_per_task or None, mem=launch.mem or None,
         container_image=launch.container_image or None, container_mounts=launch.container_mounts,
-        launcher="torchrun" if launch.nodes * max(gpus, 1) > 1 else None,
+        launcher="torchrun" if torchrun or launch.nodes * max(gpus, 1) > 1 else None,
         env_vars={"PYTHONPATH": str(ROOT)},
         # An empty job_dir (nemo-run's home) is the one that submits correctly through a local tunnel, and the
         # plain packager ships nothing (the default one runs `git archive` and needs a git checkout).
@@ -64,10 +65,14 @@ def add_study(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig, mak
     for name in todo:
         stage, stage_launch = by_name[name], for_stage(launch, name)
         args = [study.substitute(o) for o in stage.overrides] + stage_launch.overrides
-        script = run.Script(path="megaopd.cli", entrypoint=python, m=True,
-                            args=["train", stage.config, *args, f"run_dir={out / name}"])
+        train_args = [stage.config, *args, f"run_dir={out / name}"]
+        # The megatron backend runs the trainer on every torchrun rank (megaopd.megatron.launch), even on one GPU.
+        megatron = load_config(stage.config, train_args[1:]).model.backend == "megatron"
+        script = (run.Script(path="megaopd.megatron.launch", entrypoint=python, m=True, args=train_args) if megatron
+                  else run.Script(path="megaopd.cli", entrypoint=python, m=True, args=["train", *train_args]))
         after = [task_ids[d] for d in ["assets", *deps[name]] if d in task_ids]
-        task_ids[name] = exp.add(script, executor=make_executor(stage_launch), name=name, dependencies=after)
+        task_ids[name] = exp.add(script, executor=make_executor(stage_launch, torchrun=megatron), name=name,
+                                 dependencies=after)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ class TokenBatch:
     ref_logprobs: torch.Tensor | None = None  # [B, S-1] reference policy, for the KL penalty
     teacher_logprobs: torch.Tensor | None = None  # [B, S-1] teacher logprob of each realised token
     teacher_full_logprobs: torch.Tensor | None = None  # [B, S-1, V] for the full-vocabulary OPD form
+    is_weights: torch.Tensor | None = None  # [B, S-1] truncated importance weights p_trainer / p_rollout (train.tis)
     extras: dict = field(default_factory=dict)
 
     @property

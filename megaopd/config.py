@@ -20,11 +20,29 @@ import yaml
 
 
 @dataclass
+class MegatronConfig:
+    """The megatron backend's layout and numerics (model.backend=megatron, launched with torchrun)."""
+
+    tp: int = 1  # tensor-parallel size; data parallel is world_size / (tp * pp)
+    pp: int = 1  # pipeline-parallel size (micro-batches: train.micro_batch_size sequences each)
+    teacher_tp: int = 0  # frozen teachers' TP (0: the student's); teachers run with pp=1 on their own groups
+    fp8: str = "none"  # none | hybrid | e4m3: Transformer Engine FP8 recipe (needs TE and a GPU); bf16 otherwise
+    transformer_engine: bool = True  # TE layer spec on GPU; the local spec otherwise (always on CPU)
+    distributed_optimizer: bool = True  # shard optimizer state over data parallel (megatron DistributedOptimizer)
+    sequence_parallel: bool = True  # with TP > 1 and the TE spec; the local spec cannot (CPU tests)
+    adam_eps: float = 1e-8
+    vocab_multiple: int = 128  # the vocabulary is padded to a multiple of this * tp (padded rows are masked)
+    # Where the student's distributed checkpoints go, shared by all ranks ("" = <run_dir>/megatron_checkpoints).
+    checkpoint_dir: str = ""
+
+
+@dataclass
 class ModelConfig:
     path: str = ""  # an HF causal-LM directory: config.json + safetensors + tokenizer
-    backend: str = "hf"  # hf (one process, CPU or one GPU); megatron comes with its own issue
+    backend: str = "hf"  # hf (one process, CPU or one GPU) | megatron (megatron-core under torchrun, TP/PP/DP)
     dtype: str = "float32"
     device: str = "cpu"
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 
 @dataclass
@@ -35,12 +53,33 @@ class DataConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """SGLang servers for rollouts (``rollout.engine=sglang``) and teachers (``opd.teacher_engine=sglang``)."""
+
+    # Attach to running servers instead of launching; $MEGAOPD_ROLLOUT_URLS also sets it. Give the workers, not a
+    # router: megaopd balances over them itself and must reach each one to sync and verify its weights.
+    urls: list[str] = field(default_factory=list)
+    num_servers: int = 1  # servers launched for data-parallel rollouts when no URL is given
+    # The interpreter of SGLang's own environment (it pins its torch); "" means $MEGAOPD_SGLANG_PYTHON, else this one.
+    python: str = ""
+    server_args: list[str] = field(default_factory=list)  # extra `sglang.launch_server` flags, e.g. [--tp-size, 8]
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for launched servers
+    max_total_tokens: int = 0  # KV-cache cap in tokens; 0 keeps SGLang's default (set it on CPU: the default is GBs)
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    retries: int = 2  # per request, after which a launched server is restarted once, then dropped
+    sync: str = "disk"  # disk (HF export + /update_weights_from_disk) | tensor (colocated GPU) | distributed (NCCL)
+    probe_tolerance: float = 1e-4  # max |server - trainer| logprob on the probe after a sync; loosen for bf16
+
+
+@dataclass
 class RolloutConfig:
-    engine: str = "local"
+    engine: str = "local"  # local (in-process, the trainer's own model) | sglang (HTTP servers)
     samples_per_prompt: int = 8  # the GRPO group size; usually 1 for OPD
     max_new_tokens: int = 64
     temperature: float = 1.0  # 1 / 1 keeps the behaviour policy equal to the student
     top_p: float = 1.0
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass
@@ -67,6 +106,10 @@ class OPDConfig:
     # "*" serves every domain. A domain with no teacher fails loudly at start-up.
     teachers: dict[str, str] = field(default_factory=dict)
     clip: float = 0.2  # clip of the importance ratio in the sampled-token form
+    # local (HF forward in the trainer) | sglang (prefill on servers; rollout.sglang settings, sampled form only).
+    # Teacher servers are launched per teacher, or attached by route from $MEGAOPD_TEACHER_URLS / teacher_urls.
+    teacher_engine: str = "local"
+    teacher_urls: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +130,10 @@ class TrainConfig:
     epochs: int = 1  # optimisation passes over each step's rollouts
     minibatches: int = 1  # optimizer steps per pass: the step's rollouts split into this many minibatches
     recompute_old_logprobs: bool = True  # recompute with the trainer instead of trusting rollout logprobs
+    # Truncated importance sampling against the train/rollout mismatch (e.g. SGLang kernels vs the trainer's):
+    # policy-gradient terms weighted by min(p_trainer / p_rollout, tis_cap), per token or per sequence.
+    tis: str = "none"  # none | token | sequence
+    tis_cap: float = 2.0
     seed: int = 0
 
 

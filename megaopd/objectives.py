@@ -35,6 +35,25 @@ def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
 
 
+TIS_LEVELS = ("none", "token", "sequence")
+
+
+def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, level: str,
+                         cap: float) -> torch.Tensor:
+    """min(p_trainer / p_rollout, cap), detached: corrects for sampling with an engine whose numbers differ.
+
+    ``token``: one ratio per token. ``sequence``: the product over the response, broadcast to its tokens (unbiased
+    for sequence-level rewards, higher variance). 1 outside the response.
+    """
+    log_ratio = (trainer_logp - rollout_logp) * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
+    elif level != "token":
+        raise ValueError(f"truncated IS level must be token or sequence, got {level!r}")
+    weights = log_ratio.exp().clamp(max=cap)
+    return torch.where(mask.bool(), weights, 1.0).detach()
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(policy || ref): exp(ref - logp) - (ref - logp) - 1, always >= 0."""
     delta = ref_logp - logp
@@ -66,6 +85,8 @@ class GRPO:
 
     def token_loss(self, logp, full, mb: TokenBatch):
         loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip_low, self.cfg.clip_high)
+        if mb.is_weights is not None:
+            loss = loss * mb.is_weights
         metrics = {"clip_fraction": clipped}
         if self.cfg.kl_coef > 0:
             kl = k3_kl(logp, mb.ref_logprobs)
@@ -95,4 +116,6 @@ class OPD:
             kl = full_vocab_reverse_kl(full, mb.teacher_full_logprobs.to(full.device))
             return kl, {"reverse_kl": kl.detach()}
         loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip, self.cfg.clip)
+        if mb.is_weights is not None:
+            loss = loss * mb.is_weights
         return loss, {"clip_fraction": clipped, "reverse_kl_k1": -mb.advantages}

@@ -53,8 +53,11 @@ class HFPolicy:
             self.model.eval().requires_grad_(False)
         else:
             self.model.train()
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
-                                               weight_decay=optim.weight_decay)
+            adamw = dict(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+            try:  # the fused kernel (one op for all parameters; what HF Trainer / TRL default to); else the loop
+                self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw, fused=True)
+            except (RuntimeError, ValueError):
+                self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)
             warmup = max(optim.warmup_steps, 0)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
@@ -68,26 +71,69 @@ class HFPolicy:
     def eos_id(self) -> int:
         return self.tokenizer.eos_token_id
 
-    def _logits(self, batch: TokenBatch) -> torch.Tensor:
-        return self.model(input_ids=batch.input_ids.to(self.device),
-                          attention_mask=batch.attention_mask.to(self.device)).logits
+    def _model_inputs(self, batch: TokenBatch) -> dict:
+        """Forward kwargs. A right-padded batch (every row's mask is ones then zeros, as ``collate`` builds it) needs
+        no attention mask: under the causal mask a real token only ever sees earlier, real tokens, so the plain
+        causal kernel gives the real positions the same values without building and applying a [b, 1, S, S] mask.
+        (Padding positions then attend to the row's tokens instead of being masked; nothing reads them.)"""
+        mask = batch.attention_mask
+        right_padded = bool((mask[:, 1:] <= mask[:, :-1]).all()) and bool(mask[:, 0].all())
+        return {"input_ids": batch.input_ids.to(self.device),
+                "attention_mask": None if right_padded else mask.to(self.device), "use_cache": False}
+
+    def _response_logits(self, batch: TokenBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Logits at the response target positions only, [N, V], and their (row, column) in the [b, S-1] grid.
+
+        The vocabulary projection (and everything downstream: log-softmax, gather, their backward) runs on the N
+        response positions instead of all b * S positions, like TRL's ``logits_to_keep`` but exact per row. It is
+        done by a pre-hook on the model's own output layer, so family-specific post-processing of the logits
+        (soft-capping, scaling) still runs in the model's forward."""
+        where = batch.response_mask.to(self.device).nonzero(as_tuple=True)
+        head = self.model.get_output_embeddings()
+        if head is None:  # no separate output layer to hook: project everywhere, keep the response positions
+            return self.model(**self._model_inputs(batch)).logits[where], where
+        handle = head.register_forward_pre_hook(lambda module, args: (args[0][where], *args[1:]))
+        try:
+            logits = self.model(**self._model_inputs(batch)).logits
+        finally:
+            handle.remove()
+        return logits.reshape(-1, logits.shape[-1]), where
 
     def _micro_batches(self, batch: TokenBatch, micro_batch_size: int):
         for start in range(0, batch.size, micro_batch_size):
             yield batch.select(slice(start, start + micro_batch_size))
 
+    @staticmethod
+    def _targets(batch: TokenBatch, where, device) -> torch.Tensor:
+        return batch.input_ids.to(device)[where[0], where[1] + 1]
+
+    @staticmethod
+    def _scatter(values: torch.Tensor, where, grid: tuple[int, ...]) -> torch.Tensor:
+        """Response-position values into a zero-filled grid ([b, S-1] or [b, S-1, V]); differentiable in values.
+        In place into the fresh zeros (the out-of-place ``index_put`` would copy the whole grid once more)."""
+        return values.new_zeros(grid).index_put_(where, values)
+
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
-        """Per-token logprob of each realised token, [B, S-1], masked to the response."""
-        parts = [token_logprobs(self._logits(mb), mb.input_ids.to(self.device)).cpu() * mb.response_mask
-                 for mb in self._micro_batches(batch, micro_batch_size)]
+        """Per-token logprob of each realised token, [B, S-1], masked to the response (0 elsewhere)."""
+        parts = []
+        for mb in self._micro_batches(batch, micro_batch_size):
+            logits, where = self._response_logits(mb)
+            logits = logits.float()
+            realised = logits.gather(-1, self._targets(mb, where, logits.device)[:, None]).squeeze(-1)
+            parts.append(self._scatter(realised - logits.logsumexp(-1), where, mb.response_mask.shape).cpu())
         return torch.cat(parts)
 
     @torch.no_grad()
     def full_logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
-        """Log-softmax over the vocabulary at every target position, [B, S-1, V]."""
-        return torch.cat([self._logits(mb)[:, :-1].float().log_softmax(-1).cpu()
-                          for mb in self._micro_batches(batch, micro_batch_size)])
+        """Log-softmax over the vocabulary at every response target position, [B, S-1, V]; zero at every other
+        position (prompt and padding targets: consumers mask them out with ``response_mask``)."""
+        parts = []
+        for mb in self._micro_batches(batch, micro_batch_size):
+            logits, where = self._response_logits(mb)
+            full = logits.float().log_softmax(-1)
+            parts.append(self._scatter(full, where, (*mb.response_mask.shape, full.shape[-1])).cpu())
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def train_minibatch(self, batch: TokenBatch, loss_fn: TokenLossFn, micro_batch_size: int,
                         full_vocab: bool = False) -> dict[str, float]:
@@ -95,16 +141,26 @@ class HFPolicy:
 
         Each micro-batch's summed token loss is divided by the token count of the whole minibatch, so gradient
         accumulation gives the same gradient as one big batch (the recurring TRL / verl aggregation bug).
+        ``loss_fn`` gets logprobs [b, S-1] (and the log-softmax [b, S-1, V] when ``full_vocab``) computed at the
+        response positions only and zero elsewhere; the loss is masked to the response anyway.
         """
         assert self.optimizer is not None, "this policy was built frozen (no optimizer)"
         total_tokens = batch.response_mask.sum().clamp(min=1.0)
         sums: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(batch, micro_batch_size):
-            logits = self._logits(mb)
+            logits, where = self._response_logits(mb)
+            logits = logits.float()
             mask = mb.response_mask.to(self.device)
-            logp = token_logprobs(logits, mb.input_ids.to(self.device))
-            full = logits[:, :-1].float().log_softmax(-1) if full_vocab else None
+            targets = self._targets(mb, where, logits.device)[:, None]
+            if full_vocab:
+                full_n = logits.log_softmax(-1)
+                logp_n = full_n.gather(-1, targets).squeeze(-1)
+                full = self._scatter(full_n, where, (*mask.shape, full_n.shape[-1]))
+            else:
+                logp_n = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
+                full = None
+            logp = self._scatter(logp_n, where, mask.shape)
             per_token, metrics = loss_fn(logp, full, mb)
             loss = (per_token * mask).sum() / total_tokens
             loss.backward()
@@ -130,3 +186,7 @@ class HFPolicy:
     def save_hf(self, out_dir: str | Path) -> None:
         self.model.save_pretrained(out_dir)
         self.tokenizer.save_pretrained(out_dir)
+
+    def hf_named_tensors(self):
+        """(HF parameter name, tensor) pairs, for weight sync to servers without a trip through the disk."""
+        return self.model.state_dict().items()

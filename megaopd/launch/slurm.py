@@ -151,9 +151,16 @@ def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -
     teachers = sorted(cfg.opd.teachers.items()) if cfg.train.algorithm == "opd" and launch.teacher_servers else []
     if rollout_nodes:
         args.append("rollout.engine=sglang")
+    if teachers:  # the trainer finds them by route in MEGAOPD_TEACHER_URLS
+        if cfg.opd.form == "full_vocab":
+            raise ValueError(f"stage {stage.name}: teacher servers return sampled-token logprobs only; set "
+                             "opd.form=sampled in the stage, or launch teacher_servers=false (in-process teachers)")
+        args.append("opd.teacher_engine=sglang")
     train_args = [stage.config, *args, f"run_dir={study.out}/{stage.name}"]
 
-    multi = launch.nodes > 1 or launch.gpus_per_node > 1 or rollout_nodes or teachers
+    # The megatron backend always runs under torchrun (megaopd.megatron.launch), even on one GPU.
+    multi = (launch.nodes > 1 or launch.gpus_per_node > 1 or rollout_nodes or teachers
+             or cfg.model.backend == "megatron")
     if not multi:
         cmd = ["python", "-m", "megaopd.cli", "train", *train_args]
         return _render(SINGLE_NODE, _sbatch_lines(study, stage.name, launch, nodes=1),

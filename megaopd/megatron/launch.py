@@ -1,0 +1,57 @@
+"""Train one stage with the megatron backend: every torchrun rank runs the same trainer loop.
+
+    torchrun --nproc-per-node 2 -m megaopd.megatron.launch CONFIG model.backend=megatron model.megatron.tp=2 ...
+
+Each rank holds the full (small) step batch: rollouts, rewards and teacher scores are computed identically on every
+rank from the same seed (the local engine samples from an HF copy of the Megatron weights, refreshed after each
+update), and the policy calls inside the step are collective (``MegatronPolicy`` splits the batch over DP and
+shards the model over TP/PP). Rank 0 writes the run directory; the other ranks write their identical copies under
+``<run_dir>/ranks/<rank>``, and all ranks share one distributed checkpoint directory
+(``model.megatron.checkpoint_dir``, default ``<run_dir>/megatron_checkpoints``).
+
+At cluster scale the same holds with SGLang rollouts (``rollout.engine=sglang``): weights are synced from
+``MegatronPolicy.hf_named_tensors()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from megaopd.config import load_config
+from megaopd.megatron import require
+
+
+def rank_config(config: str | None, overrides: list[str], rank: int):
+    """The run config as rank `rank` sees it: its own run directory unless rank 0, the shared checkpoints."""
+    cfg = load_config(config, overrides)
+    if cfg.model.backend != "megatron":
+        raise ValueError("megaopd.megatron.launch trains with model.backend=megatron (add it to the overrides)")
+    if not cfg.model.megatron.checkpoint_dir:
+        cfg.model.megatron.checkpoint_dir = str(Path(cfg.run_dir) / "megatron_checkpoints")
+    if rank:
+        cfg.run_dir = str(Path(cfg.run_dir) / "ranks" / str(rank))
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print(__doc__)
+        return 2
+    require()
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
+    from megaopd.trainer import train
+
+    summary = train(rank_config(argv[0], argv[1:], rank))
+    if rank == 0:
+        print(f"{summary['run_dir']}: {summary['steps']} steps, final {summary['final']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""The megatron-core backend: the same calls as ``HFPolicy``, on a TP/PP/DP-parallel GPT model.
+
+    torchrun --nproc-per-node 2 -m megaopd.megatron.launch cfg.yaml model.backend=megatron model.megatron.tp=2
+
+Every call is collective: all ranks call it with the same global ``TokenBatch`` and get the same result back.
+Inside, the batch is padded to a multiple of dp * micro_batch_size with all-masked rows (never counted: the loss
+is a token-mean over response tokens and the ledger counts real tokens), split over data-parallel ranks and run
+through megatron's pipeline schedule (``get_forward_backward_func``) in micro-batches. Megatron's
+``calculate_per_token_loss`` divides the summed gradients by the token count of the whole minibatch, all-reduced
+over DP, so gradient accumulation and DP give the token-mean that ``HFPolicy`` computes in one process.
+
+Log-probabilities come from the vocab-parallel logits (``vocab.VocabShard``). In the full-vocabulary form the
+loss function gets this rank's vocabulary slice of the student log-softmax and of the teacher's, and whatever it
+returns (loss and metrics) must be a sum over that slice, like the reverse KL: it is summed over the TP group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megaopd.batch import TokenBatch
+from megaopd.config import ModelConfig, OptimConfig
+from megaopd.flops import ModelShape, train_flops
+from megaopd.megatron import bridge as hf_bridge
+from megaopd.megatron.fp8 import fp8_overrides, use_te_spec
+from megaopd.megatron.mfu import step_perf
+from megaopd.megatron.parallel import init_model_parallel, student_layout, teacher_layout
+from megaopd.megatron.vocab import VocabShard
+
+log = logging.getLogger(__name__)
+
+
+def pad_batch(batch: TokenBatch, rows: int, columns: int, pad_id: int) -> TokenBatch:
+    """Append all-masked rows and positions so that the batch size is a multiple of `rows` (pipeline shapes are
+    fixed) and the sequence length one of `columns` (sequence parallelism splits it over TP; FP8 GEMMs want 16)."""
+    extra_rows, extra_cols = -batch.size % rows, -batch.input_ids.shape[1] % columns
+    if not extra_rows and not extra_cols:
+        return batch
+    fields = {}
+    for name, value in batch.__dict__.items():
+        if isinstance(value, torch.Tensor):
+            pad = [0, 0] * (value.dim() - 2) + [0, extra_cols, 0, extra_rows]  # last dim first: (vocab,) cols, rows
+            value = torch.nn.functional.pad(value, pad, value=pad_id if name == "input_ids" else 0)
+        fields[name] = value
+    return TokenBatch(**fields)
+
+
+class MegatronPolicy:
+    def __init__(self, cfg: ModelConfig, optim: OptimConfig | None = None, tp: int | None = None, seed: int = 0,
+                 checkpoint_dir: str | Path | None = None, keep: int = 2):
+        from transformers import AutoTokenizer
+
+        mcfg = cfg.megatron
+        if not (Path(cfg.path) / "config.json").exists():
+            raise FileNotFoundError(f"model.path={cfg.path!r} is not an HF model directory (no config.json)")
+        overrides = fp8_overrides(mcfg)  # fails here, before any process group, if FP8 cannot run
+        init_model_parallel(mcfg.tp, mcfg.pp, seed)
+        tp = tp or mcfg.tp
+        if optim is not None and tp != mcfg.tp:
+            raise ValueError("only frozen models (teachers) may use a TP other than model.megatron.tp")
+        self.layout = student_layout() if tp == mcfg.tp else teacher_layout(tp)
+        self.path, self.device = cfg.path, torch.device(cfg.device)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+        use_te = use_te_spec(mcfg)
+        lay = self.layout
+        overrides |= dict(
+            # On CPU (tests) the CUDA RNG tracker megatron binds at import cannot run; weights come from HF anyway.
+            use_cpu_initialization=not torch.cuda.is_available(),
+            sequence_parallel=bool(mcfg.sequence_parallel and use_te and lay.tp > 1),
+            variable_seq_lengths=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+            gradient_accumulation_fusion=False, apply_rope_fusion=False, calculate_per_token_loss=True,
+            attention_softmax_in_fp32=True)
+        self.bridge = hf_bridge.make_bridge(cfg.path, self.dtype, lay.parallel_states(), use_te, mcfg.vocab_multiple,
+                                     **overrides)
+        self.seq_multiple = (lay.tp if self.bridge.config.sequence_parallel else 1) * (16 if mcfg.fp8 != "none" else 1)
+        self.shape = ModelShape.from_hf_config(self.bridge.hf_config)
+        self.vocab_size = self.bridge.hf_config.vocab_size
+        chunks = hf_bridge.build_models(self.bridge, lay.pg_collection)
+        self.bridge.load_weights(chunks, cfg.path)
+        self.config = self.bridge.config
+        self.module = chunks[0]  # unwrapped, for export and dist checkpoints
+        self.optimizer = None
+        self.optim = optim
+        self.steps = 0
+        self._hf_copy, self._hf_version, self._version = None, -1, 0
+        self.checkpoint_dir, self.keep = (Path(checkpoint_dir) if checkpoint_dir else None), keep
+        if optim is None:
+            self.module.eval().requires_grad_(False)
+            self.model_chunks = chunks
+        else:
+            self.model_chunks = [self._wrap(chunk, mcfg) for chunk in chunks]
+            self.optimizer = self._build_optimizer(optim, mcfg)
+
+    # ---- construction ----
+    def _wrap(self, chunk, mcfg):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.transformer.module import Float16Module
+
+        if self.config.bf16:
+            chunk = Float16Module(self.config, chunk)  # fp32 logits, bf16 weights; the optimizer keeps fp32 masters
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=mcfg.distributed_optimizer)
+        ddp = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = ddp.no_sync
+        return ddp
+
+    def _build_optimizer(self, optim: OptimConfig, mcfg):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
+                                 adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=mcfg.adam_eps,
+                                 clip_grad=optim.grad_clip, use_distributed_optimizer=mcfg.distributed_optimizer,
+                                 bf16=self.config.bf16, params_dtype=self.dtype)
+        return get_megatron_optimizer(config, self.model_chunks)
+
+    # ---- the HFPolicy interface ----
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
+        """Per-token logprob of each realised token, [B, S-1], masked to the response."""
+        return self._forward_only(batch, micro_batch_size, "token") * batch.response_mask
+
+    @torch.no_grad()
+    def full_logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
+        """Log-softmax over the vocabulary, [B, S-1, V]: gathered over TP because the TokenBatch carries it."""
+        return self._forward_only(batch, micro_batch_size, "full")
+
+    @torch.no_grad()
+    def logits(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
+        """Raw logits [B, S, V] without the padded vocabulary rows (for checks against HF; gathered over TP)."""
+        return self._forward_only(batch, micro_batch_size, "logits")
+
+    def train_minibatch(self, batch: TokenBatch, loss_fn, micro_batch_size: int,
+                        full_vocab: bool = False) -> dict[str, float]:
+        """One optimizer step on `batch` with the token-mean of `loss_fn` over all its response tokens."""
+        assert self.optimizer is not None, "this policy was built frozen (no optimizer)"
+        t0 = self._clock()
+        micro, width = self._local_micro_batches(batch, micro_batch_size)
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self._lr(self.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        store = self._schedule(micro, width, micro[0].size, partial(self._train_loss, loss_fn, full_vocab),
+                               forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        self.steps += 1
+        self._version += 1
+        sums = self._reduce_metrics(store)
+        total = float(batch.response_mask.sum().clamp(min=1.0))
+        metrics = {**{k: v / total for k, v in sums.items()}, "grad_norm": float(grad_norm), "lr": self._lr(self.steps)}
+        if torch.cuda.is_available():  # MFU of this update: real tokens only, padding is not model work
+            model_flops = sum(train_flops(self.shape, int(n)) for n in batch.attention_mask.sum(1))
+            metrics |= step_perf(model_flops, self._clock() - t0, dist.get_world_size())
+        return metrics
+
+    @staticmethod
+    def _clock() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _lr(self, step: int) -> float:
+        warmup = max(self.optim.warmup_steps, 0)  # the HF backend's linear warmup, step for step
+        return self.optim.lr * (min(1.0, (step + 1) / warmup) if warmup else 1.0)
+
+    # ---- batching and the pipeline schedule ----
+    def _local_micro_batches(self, batch: TokenBatch, mbs: int) -> tuple[list[TokenBatch], int]:
+        lay = self.layout
+        mbs = min(mbs, math.ceil(batch.size / lay.dp))
+        padded = pad_batch(batch, lay.dp * mbs, self.seq_multiple, self.pad_id)
+        per_rank = padded.size // lay.dp
+        local = padded.select(slice(lay.dp_rank * per_rank, (lay.dp_rank + 1) * per_rank))
+        return [local.select(slice(i, i + mbs)) for i in range(0, per_rank, mbs)], padded.input_ids.shape[1]
+
+    def _schedule(self, micro: list[TokenBatch], width: int, mbs: int, loss_func, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            ids = mb.input_ids.to(self._device())
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            # Right-padded rows need no mask beyond the causal one: padding only follows real tokens.
+            output = model(ids, positions, None)
+            return output, partial(loss_func, mb)
+
+        if self.layout.pg_collection is not None:  # a teacher on its own groups: pp=1, plain forward
+            store = []
+            for mb in micro:
+                output, finish = forward_step(iter([mb]), self.model_chunks[0])
+                store.append(finish(output)[2])
+            return store
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=self.model_chunks,
+            num_microbatches=len(micro), seq_length=width, micro_batch_size=mbs, forward_only=forward_only)
+
+    def _device(self):
+        return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+    def _shard(self, logits: torch.Tensor) -> VocabShard:
+        return VocabShard(logits[:, :-1], self.vocab_size, self.layout.tp_group)
+
+    def _train_loss(self, loss_fn, full_vocab: bool, mb: TokenBatch, logits: torch.Tensor):
+        shard = self._shard(logits)
+        mb = TokenBatch(**{k: v.to(logits.device) if isinstance(v, torch.Tensor) else v
+                           for k, v in mb.__dict__.items()})
+        targets, mask = mb.input_ids[:, 1:], mb.response_mask
+        if full_vocab:
+            # Vocabulary-additive loss on this rank's slice; the realised-token logprob for metrics only.
+            local = TokenBatch(**{**mb.__dict__, "teacher_full_logprobs": shard.slice(mb.teacher_full_logprobs)})
+            per_token, metrics = loss_fn(shard.token_logprobs(targets).detach(), shard.log_softmax, local)
+            backprop = (per_token * mask).sum()  # this rank's share; the vocab all-reduces sum the gradients
+        else:
+            per_token, metrics = loss_fn(shard.token_logprobs(targets), None, mb)
+            backprop = (per_token * mask).sum() / self.layout.tp  # replicated over TP: each rank owns 1/tp
+        sums = torch.stack([(v.detach() * mask).sum() for v in (per_token, *metrics.values())])
+        if full_vocab and self.layout.tp > 1:
+            dist.all_reduce(sums, group=self.layout.tp_group)
+        return backprop, mask.sum().to(torch.int), {"names": ["loss", *metrics], "sums": sums}
+
+    def _reduce_metrics(self, store: list) -> dict[str, float]:
+        """Sums over micro-batches and DP ranks, sent from the last pipeline stage to every rank."""
+        lay = self.layout
+        result = [None]
+        if lay.pp_rank == lay.pp - 1:
+            sums = torch.stack([item["sums"] for item in store]).sum(0)
+            if lay.dp > 1:
+                dist.all_reduce(sums, group=lay.dp_group)
+            result = [dict(zip(store[0]["names"], sums.tolist()))]
+        if lay.pp > 1:
+            dist.broadcast_object_list(result, src=dist.get_global_rank(lay.pp_group, lay.pp - 1),
+                                       group=lay.pp_group)
+        return result[0]
+
+    def _forward_only(self, batch: TokenBatch, mbs: int, what: str) -> torch.Tensor:
+        """Per-token logprobs ("token"), full log-softmax ("full") or logits ("logits"), on every rank."""
+        lay = self.layout
+        micro, width = self._local_micro_batches(batch, mbs)
+        for chunk in self.model_chunks:
+            chunk.eval()
+
+        def collect(mb, logits):
+            if what == "logits":
+                out = _gather_vocab(logits.float(), logits.shape[-1], self.vocab_size, lay.tp_group)
+            elif what == "full":
+                out = _gather_vocab(self._shard(logits).log_softmax.float(), logits.shape[-1], self.vocab_size,
+                                    lay.tp_group)
+            else:
+                out = self._shard(logits).token_logprobs(mb.input_ids[:, 1:].to(logits.device))
+            return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), {"out": out}
+
+        store = self._schedule(micro, width, micro[0].size, collect, forward_only=True)
+        for chunk in self.model_chunks:
+            chunk.train(self.optimizer is not None)
+        rows = len(micro) * micro[0].size
+        shape = {"token": (rows, width - 1), "full": (rows, width - 1, self.vocab_size),
+                 "logits": (rows, width, self.vocab_size)}[what]
+        # Collectives on the device (NCCL has no CPU tensors), the result to the CPU at the end.
+        last = lay.pp_rank == lay.pp - 1
+        local = torch.cat([item["out"] for item in store]) if last else torch.empty(shape, device=self._device())
+        if lay.pp > 1:
+            dist.broadcast(local, src=dist.get_global_rank(lay.pp_group, lay.pp - 1), group=lay.pp_group)
+        if lay.dp > 1:
+            parts = [torch.empty_like(local) for _ in range(lay.dp)]
+            dist.all_gather(parts, local.contiguous(), group=lay.dp_group)
+            local = torch.cat(parts)
+        width = batch.input_ids.shape[1] - (what != "logits")
+        return local[: batch.size, :width].cpu()
+
+    # ---- export, rollout copy, checkpoints ----
+    def export_hf_state(self) -> dict[str, torch.Tensor]:
+        """The full HF state dict on every rank (collective)."""
+        return hf_bridge.export_state_dict(self.bridge, [self.module])
+
+    def hf_named_tensors(self):
+        """(HF name, tensor) pairs of the current weights, for weight sync to rollout servers (collective)."""
+        return self.export_hf_state().items()
+
+    def save_hf(self, out_dir: str | Path) -> None:
+        state = self.export_hf_state()
+        Path(out_dir).mkdir(parents=True, exist_ok=True)  # on every rank: callers add files beside the model
+        if dist.get_rank() == 0:
+            hf_bridge.hf_model_from_state(self.bridge, state, self.dtype).save_pretrained(out_dir)
+            self.tokenizer.save_pretrained(out_dir)
+        dist.barrier()
+
+    @property
+    def model(self):
+        """An HF copy of the current weights, refreshed after each update, for the local rollout engine.
+
+        Every rank holds one and samples the same rollouts from the same seed; at scale rollouts come from SGLang
+        servers synced from ``export_hf_state`` instead, and this copy is never built.
+        """
+        if self._hf_version != self._version:
+            state = self.export_hf_state()
+            if self._hf_copy is None:
+                self._hf_copy = hf_bridge.hf_model_from_state(self.bridge, state, self.dtype).to(self.device)
+            else:
+                self._hf_copy.load_state_dict(state, strict=False)
+            self._hf_copy.eval().requires_grad_(False)
+            self._hf_version = self._version
+        return self._hf_copy
+
+    def sharded_state_dict(self, is_loading: bool = False) -> dict:
+        # fully_reshardable: the optimizer state is saved per parameter, so a checkpoint loads at any TP/PP/DP.
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        state = {"model": self.module.sharded_state_dict(metadata=metadata)}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
+                                                                   metadata=metadata)
+        return state
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Megatron's distributed checkpoint (model + optimizer), loadable at another TP/PP (collective)."""
+        from megatron.core import dist_checkpointing
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(self.sharded_state_dict(), str(directory))
+        if dist.get_rank() == 0:
+            torch.save({"steps": self.steps}, Path(directory) / "megaopd_policy.pt")
+        dist.barrier()
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        if self.optimizer is not None and self.steps == 0:
+            # A fresh torch Adam has no per-parameter state (nor 'step') to load into; megatron's own remedy is a
+            # zero-gradient step, whose values the checkpoint then overwrites.
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+                    opt._init_optimizer_states_with_dummy_values()
+        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(directory))
+        self.module.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = torch.load(Path(directory) / "megaopd_policy.pt")["steps"]
+        self._version += 1
+
+    def state_dict(self) -> dict:
+        """For the trainer's checkpoint: writes a distributed checkpoint (collective) and returns where it is.
+
+        The trainer's own state file then only references it; the last `keep` distributed checkpoints are kept.
+        """
+        if self.checkpoint_dir is None:
+            raise ValueError("this MegatronPolicy has no checkpoint_dir (build_policy sets one per run)")
+        directory = self.checkpoint_dir / f"step_{self.steps:07d}"
+        self.save_checkpoint(directory)
+        if dist.get_rank() == 0 and self.keep > 0:
+            for old in sorted(self.checkpoint_dir.glob("step_*"))[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        return {"dist_checkpoint": str(directory), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_checkpoint(state["dist_checkpoint"])
+
+
+def _gather_vocab(shard: torch.Tensor, width: int, vocab_size: int, group) -> torch.Tensor:
+    """All TP slices side by side, [..., vocab_size]: each slice padded to the per-rank `width`, then trimmed."""
+    if dist.get_world_size(group) == 1:
+        return shard[..., :vocab_size]
+    padded = torch.nn.functional.pad(shard, (0, width - shard.shape[-1]))
+    parts = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+
+def megatron_teachers(model_cfg: ModelConfig):
+    """Frozen Megatron teachers for ``TeacherRouter``: (route, path) -> policy at model.megatron.teacher_tp."""
+    def load(route: str, path: str) -> MegatronPolicy:
+        cfg = ModelConfig(path=path, backend="megatron", dtype=model_cfg.dtype, device=model_cfg.device,
+                          megatron=model_cfg.megatron)
+        return MegatronPolicy(cfg, tp=model_cfg.megatron.teacher_tp or None)
+    return load

@@ -1,0 +1,72 @@
+"""Log-probabilities from vocab-parallel logits, without gathering the vocabulary on one rank.
+
+Each TP rank holds logits for a contiguous slice of the (padded) vocabulary. The log-softmax needs one global
+number per position, the log-sum-exp, built from a max and a sum all-reduced over the TP group; the realised
+token's logit is read on the rank that owns it and summed over the group.
+
+Gradients: every all-reduce here is ``_AllReduceSum``, whose backward is the all-reduce of the incoming
+gradients. So the loss each rank back-propagates is its *share* of the total:
+
+* a loss computed from the realised-token logprobs is the same on every rank: back-propagate ``loss / tp``;
+* a loss summed over the vocabulary (the full-vocabulary KL) is computed on the local slice: back-propagate the
+  local partial sum as is; its value is the all-reduce of the partial sums.
+
+The padded rows of the vocabulary (Megatron pads it to a multiple of 128 * tp) get -inf, so they carry no mass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the gradient of each rank's input is the sum of the gradients of all ranks' outputs."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sum(x: torch.Tensor, group) -> torch.Tensor:
+    return _AllReduceSum.apply(x, group) if dist.get_world_size(group) > 1 else x
+
+
+class VocabShard:
+    """The log-softmax of one TP rank's vocabulary slice: ``log_softmax`` is [b, s, real columns of the slice]."""
+
+    def __init__(self, logits: torch.Tensor, vocab_size: int, group):
+        tp_rank, tp = dist.get_rank(group), dist.get_world_size(group)
+        width = logits.shape[-1]
+        self.start = tp_rank * width
+        self.end = min(self.start + width, vocab_size)  # columns past the real vocabulary are padding
+        self.group = group
+        local = logits[..., : max(self.end - self.start, 0)].float()
+        local_max = local.amax(-1) if local.shape[-1] else torch.full(local.shape[:-1], -torch.inf, device=local.device)
+        global_max = local_max.detach()
+        if tp > 1:
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = local - global_max.unsqueeze(-1)
+        self.logsumexp = torch.log(_sum(shifted.exp().sum(-1), group)) + global_max
+        self.log_softmax = local - self.logsumexp.unsqueeze(-1)
+
+    def token_logprobs(self, targets: torch.Tensor) -> torch.Tensor:
+        """log p(target) on every rank: the owner reads it off its slice, the others add zero."""
+        owned = (targets >= self.start) & (targets < self.end)
+        local_index = (targets - self.start).clamp(0, max(self.end - self.start - 1, 0))
+        picked = self.log_softmax.gather(-1, local_index.unsqueeze(-1)).squeeze(-1) if self.end > self.start \
+            else torch.zeros_like(targets, dtype=self.log_softmax.dtype)
+        return _sum(torch.where(owned, picked, 0.0), self.group)
+
+    def slice(self, full_vocab: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a full-vocabulary tensor (e.g. the teacher's log-softmax)."""
+        return full_vocab[..., self.start: self.end]

@@ -1,0 +1,164 @@
+"""SGLang servers seen from the trainer: launch (or attach), wait for health, JSON over HTTP, stop by PID.
+
+The trainer never imports sglang: servers are separate processes, usually from SGLang's own environment
+(``rollout.sglang.python``), and everything crosses HTTP. A request that fails is retried a bounded number of times;
+after that the error names the server, so a dead node is found from the log line alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from megaopd.config import SGLangConfig
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """A server did not answer, or answered with an error; the message names it."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SGLangServer:
+    """One server: its URL, and its process when megaopd launched it (then it can be restarted and is stopped)."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.process: subprocess.Popen | None = None
+        # Set for a server megaopd launched: enough to start it again on the weights it serves now.
+        self.launch_args: list[str] | None = None
+        self.env: dict[str, str] | None = None
+        self.log_path: Path | None = None
+        self.model_path, self.weight_version = "", "0"
+
+    @classmethod
+    def launch(cls, model_path: str, cfg: SGLangConfig, dtype: str, log_path: Path,
+               weight_version: str = "0") -> "SGLangServer":
+        python = cfg.python or os.environ.get("MEGAOPD_SGLANG_PYTHON") or sys.executable
+        port = free_port()
+        server = cls(f"http://127.0.0.1:{port}")
+        server.launch_args = [python, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),
+                              "--dtype", dtype, *(["--max-total-tokens", str(cfg.max_total_tokens)]
+                                                  if cfg.max_total_tokens else []), *cfg.server_args]
+        server.env = dict(os.environ) | cfg.env
+        server.log_path = log_path
+        server.model_path, server.weight_version = str(model_path), weight_version
+        server.start(cfg.startup_timeout_s)
+        return server
+
+    @property
+    def launched(self) -> bool:
+        return self.launch_args is not None
+
+    # ---- process ----
+    def start(self, timeout_s: float) -> None:
+        assert self.launched, f"{self.url} was attached, not launched: megaopd cannot start it"
+        command = self.launch_args + ["--model-path", self.model_path, "--weight-version", self.weight_version]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            # Its own session, so that stop() reaches the scheduler and detokenizer children too.
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
+        _LAUNCHED.add(self)
+        log.info("SGLang server pid %d at %s (log %s)", self.process.pid, self.url, self.log_path)
+        self.wait_healthy(timeout_s)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise ServerError(f"SGLang server {self.url} exited with {self.process.returncode} during start-up; "
+                                  f"last lines of {self.log_path}:\n{self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"SGLang server {self.url} not healthy after {timeout_s:.0f} s; log: {self.log_path}\n"
+                          f"{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return response.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Stop a launched server and its children by process group: SIGTERM, then SIGKILL after 30 s."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            pgid = os.getpgid(self.process.pid)
+            os.killpg(pgid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # children that outlived the parent, or the parent itself after the timeout
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+        _LAUNCHED.discard(self)
+        self.process = None
+
+    def restart(self, timeout_s: float) -> None:
+        log.warning("restarting SGLang server %s", self.url)
+        self.stop()
+        self.start(timeout_s)
+
+    # ---- HTTP ----
+    def post(self, path: str, payload: dict, timeout_s: float, retries: int = 0) -> dict | list:
+        """POST JSON and return the decoded answer; retried `retries` times on connection errors and 5xx."""
+        data = json.dumps(payload).encode()
+        error = None
+        for attempt in range(retries + 1):
+            request = urllib.request.Request(f"{self.url}{path}", data=data,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code}: {e.read()[:500].decode(errors='replace')}"
+                if e.code < 500:
+                    break  # a bad request stays bad
+            except (OSError, urllib.error.URLError) as e:  # refused, reset, timed out
+                error = f"{type(e).__name__}: {e}"
+            if attempt < retries:
+                time.sleep(min(2.0 ** attempt, 10.0))
+        dead = self.process is not None and self.process.poll() is not None
+        raise ServerError(f"SGLang server {self.url}{path} failed after {retries + 1} attempt(s): {error}"
+                          + (f" (process exited with {self.process.returncode}; log {self.log_path})" if dead else ""))
+
+    def get(self, path: str, timeout_s: float = 30) -> dict:
+        try:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout_s) as response:
+                return json.loads(response.read())
+        except (OSError, urllib.error.URLError) as e:
+            raise ServerError(f"SGLang server {self.url}{path}: {e}") from None
+
+
+# Launched servers are stopped at interpreter exit even when a run dies with an exception.
+_LAUNCHED: set[SGLangServer] = set()
+atexit.register(lambda: [server.stop() for server in list(_LAUNCHED)])

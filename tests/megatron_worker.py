@@ -1,0 +1,252 @@
+"""Multi-process checks of the megatron backend against the HF backend, run by tests/test_megatron.py:
+
+    torchrun --nproc-per-node 2 tests/megatron_worker.py ASSETS OUT tp2 pp2 dp2
+
+One launch runs several layouts in turn (the ~5 s import is paid once): for each, megatron's parallel state is
+rebuilt and every check compares with HF float32 computed in the same process. Rank 0 writes OUT/<layout>.json
+with the measured numbers; the pytest side asserts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # megatron_cpu, megaopd
+from megatron_cpu import redirect_cuda_to_cpu  # noqa: E402
+
+redirect_cuda_to_cpu()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state as mpu  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from megaopd.batch import TokenBatch  # noqa: E402
+from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig, OptimConfig  # noqa: E402
+from megaopd.megatron.policy import MegatronPolicy, megatron_teachers  # noqa: E402
+from megaopd.objectives import GRPO, OPD  # noqa: E402
+from megaopd.policy import HFPolicy  # noqa: E402
+from megaopd.teachers import TeacherRouter  # noqa: E402
+
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1), "tp1": (1, 1)}
+PARITY_MODELS = ("qwen3-tiny", "qwen3-tiny-untied", "llama-tiny", "llama-tiny-tied")
+OPTIM = OptimConfig(lr=1e-3, grad_clip=1.0)
+EPS = 1e-4  # Adam eps: 1e-8 amplifies fp32 rounding in near-zero second moments (reference note)
+MBS = 2
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def make_batch(vocab: int, seed: int) -> TokenBatch:
+    """Six right-padded sequences of different lengths, responses after a 4-token prompt."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [14, 9, 12, 7, 14, 10]
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), 256, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    response = torch.zeros((len(lengths), width - 1))
+    for i, n in enumerate(lengths):
+        # Byte tokens only: HF never trains the pad token's embedding row (nn.Embedding padding_idx), Megatron does.
+        ids[i, :n] = torch.randint(0, 256, (n,), generator=g)
+        attention[i, :n] = 1
+        response[i, 3: n - 1] = 1
+    return TokenBatch(ids, attention, response, torch.zeros_like(response))
+
+
+def policy_cfg(assets: Path, name: str, tp: int, pp: int, **megatron) -> ModelConfig:
+    return ModelConfig(path=str(assets / "models" / name), backend="megatron",
+                       megatron=MegatronConfig(tp=tp, pp=pp, adam_eps=EPS, **megatron))
+
+
+def hf_reference(assets: Path, name: str) -> HFPolicy:
+    hf = HFPolicy(ModelConfig(path=str(assets / "models" / name)), OPTIM)
+    hf.optimizer = torch.optim.AdamW(hf.model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=EPS,
+                                     weight_decay=OPTIM.weight_decay)
+    hf.scheduler = torch.optim.lr_scheduler.LambdaLR(hf.optimizer, lambda step: 1.0)
+    return hf
+
+
+def check_parity(assets: Path, tp: int, pp: int) -> dict:
+    """Logits, full log-softmax and token logprobs of frozen Megatron models vs HF, both families, tied/untied."""
+    out = {}
+    batch = make_batch(259, seed=1)
+    for name in PARITY_MODELS:
+        policy = MegatronPolicy(policy_cfg(assets, name, tp, pp))
+        hf = AutoModelForCausalLM.from_pretrained(assets / "models" / name, dtype=torch.float32)
+        with torch.no_grad():
+            ref = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        real = batch.attention_mask.bool()
+        full_ref = ref[:, :-1].log_softmax(-1)
+        token_ref = full_ref.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) * batch.response_mask
+        out[name] = {"logits": max_diff(policy.logits(batch, MBS)[real], ref[real]),
+                     "full_logprobs": max_diff(policy.full_logprobs(batch, MBS)[real[:, 1:]], full_ref[real[:, 1:]]),
+                     "logprobs": max_diff(policy.logprobs(batch, MBS), token_ref)}
+        policy.seq_multiple = 16  # what sequence parallelism / FP8 ask for on GPU: padded positions change nothing
+        out[name]["logprobs_seq_padded"] = max_diff(policy.logprobs(batch, MBS), token_ref)
+    return out
+
+
+def negative_control(assets: Path, tp: int, pp: int) -> dict:
+    """A gate/up split bug in the loaded MLP weights (a classic mapping error) must show in the logits."""
+    policy = MegatronPolicy(policy_cfg(assets, "llama-tiny", tp, pp))
+    batch = make_batch(259, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(assets / "models" / "llama-tiny", dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(input_ids=batch.input_ids).logits
+        for name, param in policy.module.named_parameters():
+            if "linear_fc1.weight" in name:
+                gate, up = param.chunk(2)
+                param.copy_(torch.cat([up, gate]))
+    real = batch.attention_mask.bool()
+    return {"swapped_gate_up_logits": max_diff(policy.logits(batch, MBS)[real], ref[real])}
+
+
+def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
+    """GRPO then OPD (full-vocabulary for Qwen3, sampled-token for Llama) on both backends from the same state."""
+    results = {}
+    teacher = AutoModelForCausalLM.from_pretrained(assets / "models" / "qwen3-tiny-seed1", dtype=torch.float32)
+    for name, form in (("qwen3-tiny", "full_vocab"), ("llama-tiny", "sampled")):
+        megatron = MegatronPolicy(policy_cfg(assets, name, tp, pp), OPTIM)
+        hf = hf_reference(assets, name)
+        steps = []
+        for step, objective in enumerate((GRPO(GRPOConfig(), group_size=3), OPD(OPDConfig(form=form)))):
+            batch = make_batch(259, seed=10 + step)
+            old = hf.logprobs(batch, MBS)
+            noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(step)) * 0.3
+            batch.old_logprobs = (old + noise) * batch.response_mask  # ratios away from 1: clipping is exercised
+            with torch.no_grad():
+                teacher_full = teacher(input_ids=batch.input_ids).logits[:, :-1].log_softmax(-1)
+            batch.teacher_full_logprobs = teacher_full
+            batch.teacher_logprobs = teacher_full.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) \
+                * batch.response_mask
+            if isinstance(objective, GRPO):
+                batch.advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.9, -1.2])[:, None] * batch.response_mask
+            else:
+                objective.prepare(batch, [])
+            m = megatron.train_minibatch(batch, objective.token_loss, MBS, objective.full_vocab)
+            h = hf.train_minibatch(batch, objective.token_loss, MBS, objective.full_vocab)
+            steps.append({"algorithm": type(objective).__name__, "form": form if step else "grpo",
+                          "loss_megatron": m["loss"], "loss_hf": h["loss"],
+                          "loss": abs(m["loss"] - h["loss"]), "grad_norm": abs(m["grad_norm"] - h["grad_norm"]),
+                          "grad_norm_hf": h["grad_norm"],
+                          "metrics": {k: abs(m[k] - h[k]) for k in h if k not in ("loss", "grad_norm")}})
+        exported = megatron.export_hf_state()
+        hf_state = hf.model.state_dict()
+        weights = max(max_diff(exported[k], hf_state[k]) for k in exported)
+        moved = max(max_diff(v, hf_state[k]) for k, v in
+                    AutoModelForCausalLM.from_pretrained(assets / "models" / name).state_dict().items())
+        # Export after the steps, reload with transformers, compare with the Megatron logits.
+        export_dir = out_dir / f"export_{tag}_{name}"
+        megatron.save_hf(export_dir)
+        batch = make_batch(259, seed=1)
+        reloaded = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+        with torch.no_grad():
+            ref = reloaded(input_ids=batch.input_ids).logits
+        real = batch.attention_mask.bool()
+        optimizers = getattr(megatron.optimizer, "chained_optimizers", [megatron.optimizer])
+        results[name] = {"steps": steps, "weights": weights, "weights_moved": moved,
+                         "optimizer": [type(o).__name__ for o in optimizers],
+                         "export_reload_logits": max_diff(megatron.logits(batch, MBS)[real], ref[real])}
+        if name == "qwen3-tiny":
+            # Checkpoint, then one more step here: a resume at another layout must reproduce that step exactly
+            # (same loss and grad norm, and the same weights after it, which needs the Adam moments and step).
+            ckpt = out_dir / f"dist_ckpt_{tag}"
+            megatron.save_checkpoint(ckpt)
+            after = megatron.train_minibatch(make_batch(259, seed=5), nll, MBS)
+            if dist.get_rank() == 0:
+                torch.save(megatron.export_hf_state(), out_dir / f"continued_{tag}.pt")
+            else:
+                megatron.export_hf_state()
+            results["checkpoint"] = {"dir": str(ckpt), "export": str(export_dir), "continued_loss": after["loss"],
+                                     "continued_grad_norm": after["grad_norm"],
+                                     "continued_weights": str(out_dir / f"continued_{tag}.pt")}
+    return results
+
+
+def nll(logp, full, mb):
+    return -logp, {}
+
+
+def check_resume(assets: Path, tp: int, pp: int, checkpoint: dict) -> dict:
+    """Load a distributed checkpoint written at another layout, check the weights, then take the next step."""
+    policy = MegatronPolicy(policy_cfg(assets, "qwen3-tiny", tp, pp), OPTIM)
+    policy.load_checkpoint(checkpoint["dir"])
+    batch = make_batch(259, seed=1)
+    ref_model = AutoModelForCausalLM.from_pretrained(checkpoint["export"], dtype=torch.float32)
+    with torch.no_grad():
+        ref = ref_model(input_ids=batch.input_ids).logits
+    real = batch.attention_mask.bool()
+    logits = max_diff(policy.logits(batch, MBS)[real], ref[real])
+    step = policy.train_minibatch(make_batch(259, seed=5), nll, MBS)
+    exported = policy.export_hf_state()
+    continued = torch.load(checkpoint["continued_weights"])
+    return {"logits": logits, "steps": policy.steps, "loss": abs(step["loss"] - checkpoint["continued_loss"]),
+            "grad_norm": abs(step["grad_norm"] - checkpoint["continued_grad_norm"]),
+            "weights_after_next_step": max(max_diff(exported[k], continued[k]) for k in continued)}
+
+
+def check_teacher(assets: Path, teacher_tp: int) -> dict:
+    """A frozen teacher at its own TP scoring beside the student's layout (the student's parallel state is live)."""
+    name = "qwen3-tiny-seed1"
+    teacher = MegatronPolicy(policy_cfg(assets, name, mpu.get_tensor_model_parallel_world_size(),
+                                        mpu.get_pipeline_model_parallel_world_size()), tp=teacher_tp)
+    batch = make_batch(259, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(assets / "models" / name, dtype=torch.float32)
+    with torch.no_grad():
+        full_ref = hf(input_ids=batch.input_ids).logits[:, :-1].log_softmax(-1)
+    real = batch.attention_mask.bool()[:, 1:]
+    token_ref = full_ref.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) * batch.response_mask
+    result = {"teacher_tp": teacher.layout.tp, "student_tp": mpu.get_tensor_model_parallel_world_size(),
+              "full_logprobs": max_diff(teacher.full_logprobs(batch, MBS)[real], full_ref[real]),
+              "logprobs": max_diff(teacher.logprobs(batch, MBS), token_ref)}
+    # The same through the trainer's TeacherRouter with the megatron loader (model.megatron.teacher_tp).
+    cfg = policy_cfg(assets, name, mpu.get_tensor_model_parallel_world_size(),
+                     mpu.get_pipeline_model_parallel_world_size(), teacher_tp=teacher_tp)
+    router = TeacherRouter({"*": cfg.path}, megatron_teachers(cfg), AutoTokenizer.from_pretrained(cfg.path))
+    samples = [SimpleNamespace(row=SimpleNamespace(domain="any"))] * batch.size
+    router.score(batch, samples, True, MBS)
+    mask = batch.response_mask.bool()
+    result["router_full_logprobs"] = max_diff(batch.teacher_full_logprobs[mask], full_ref[mask])
+    result["router_logprobs"] = max_diff(batch.teacher_logprobs, token_ref)
+    result["router_teacher_tp"] = router.teachers["*"].layout.tp
+    return result
+
+
+def main() -> None:
+    assets, out_dir, *layouts = sys.argv[1:]
+    assets, out_dir = Path(assets), Path(out_dir)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    resume_from = None
+    for layout in layouts:
+        tp, pp = LAYOUTS[layout]
+        t0 = time.perf_counter()
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        result = {"layout": layout, "tp": tp, "pp": pp, "dp": mpu.get_data_parallel_world_size(),
+                  "parity": check_parity(assets, tp, pp)}
+        if layout == "tp2":
+            result["negative_control"] = negative_control(assets, tp, pp)
+        result["train"] = check_steps(assets, tp, pp, out_dir, layout)
+        if resume_from is not None:
+            result["resume"] = {"from": resume_from[0], **check_resume(assets, tp, pp, resume_from[1])}
+        resume_from = (layout, result["train"]["checkpoint"])
+        if layout == "dp2":
+            result["teacher"] = check_teacher(assets, teacher_tp=2)
+        result["seconds"] = time.perf_counter() - t0
+        if dist.get_rank() == 0:
+            (out_dir / f"{layout}.json").write_text(json.dumps(result, indent=1))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

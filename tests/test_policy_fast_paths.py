@@ -1,0 +1,207 @@
+"""The policy's and the local engine's fast paths give the numbers of the straightforward computation.
+
+HFPolicy projects to the vocabulary only at response positions and drops the attention mask of right-padded
+batches; LocalEngine samples by inverse CDF, decodes with a ready 4D mask and a preallocated KV cache. Each is
+checked here against the plain form: full-sequence logits with the 2D attention mask, ``token_logprobs`` /
+``log_softmax`` over every position and the gradients they give (to 1e-6 in fp32), the sampling distribution itself,
+and greedy decoding through HF's own DynamicCache with the 2D mask.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megaopd.batch import collate
+from megaopd.config import ModelConfig, OptimConfig
+from megaopd.data.rows import load_rows
+from megaopd.objectives import clipped_pg_loss, full_vocab_reverse_kl
+from megaopd.policy import HFPolicy, token_logprobs
+from megaopd.rollout import LocalEngine, sample_tokens
+
+ATOL = 1e-6  # fp32
+
+
+def _rows(assets, k=3):
+    return (load_rows(assets / "data" / "arith_add" / "train.jsonl")[0][:k]
+            + load_rows(assets / "data" / "prog_trace" / "train.jsonl")[0][:k])  # varied prompt lengths
+
+
+@pytest.fixture(scope="module")
+def rollout(assets):
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")))
+    samples = LocalEngine(policy).generate(_rows(assets), 2, 1.0, 1.0, 9, torch.Generator().manual_seed(0))
+    for i, s in enumerate(samples):
+        s.reward = float(i % 3)
+    # Unequal responses too: drop a few tokens from some samples, so the padding differs per row.
+    for s in samples[::3]:
+        s.response_ids, s.rollout_logprobs = s.response_ids[:5], s.rollout_logprobs[:5]
+    return samples, collate(samples, policy.pad_id)
+
+
+def _reference_logits(policy: HFPolicy, batch) -> torch.Tensor:
+    """The straightforward forward: every position, the 2D attention mask, no cache."""
+    return policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+
+
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny"])
+def test_logprobs_and_full_logprobs_match_the_full_sequence_computation(assets, rollout, preset):
+    samples, batch = rollout
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / preset)))
+    assert len({int(m.sum()) for m in batch.attention_mask}) > 1  # really padded
+    with torch.no_grad():
+        logits = _reference_logits(policy, batch)
+    ref_logp = token_logprobs(logits, batch.input_ids) * batch.response_mask
+    ref_full = logits[:, :-1].float().log_softmax(-1) * batch.response_mask[..., None]
+    for mbs in (64, 5):  # one micro-batch, and several of unequal size
+        logp = policy.logprobs(batch, mbs)
+        full = policy.full_logprobs(batch, mbs)
+        assert logp.shape == batch.response_mask.shape and full.shape == (*batch.response_mask.shape, logits.shape[-1])
+        assert torch.allclose(logp, ref_logp, atol=ATOL, rtol=0)
+        assert torch.allclose(full, ref_full, atol=ATOL, rtol=0)
+        assert bool((full[batch.response_mask == 0] == 0).all())  # documented: zero outside the response
+
+
+def test_left_padded_batches_keep_their_attention_mask(assets, rollout):
+    _, batch = rollout
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")))
+    assert policy._model_inputs(batch)["attention_mask"] is None  # collate right-pads: causal is enough
+    left = copy.copy(batch)
+    left.attention_mask = batch.attention_mask.flip(-1)
+    assert policy._model_inputs(left)["attention_mask"] is not None
+
+
+def _reference_step(policy: HFPolicy, batch, loss_fn, micro_batch_size: int) -> torch.Tensor:
+    """The update as written before the fast paths: full-sequence logits, logprobs and log-softmax everywhere."""
+    policy.optimizer.zero_grad(set_to_none=True)
+    total = batch.response_mask.sum()
+    loss_sum = torch.zeros(())
+    for start in range(0, batch.size, micro_batch_size):
+        mb = batch.select(slice(start, start + micro_batch_size))
+        logits = _reference_logits(policy, mb)
+        logp = token_logprobs(logits, mb.input_ids)
+        full = logits[:, :-1].float().log_softmax(-1)
+        per_token, _ = loss_fn(logp, full, mb)
+        loss = (per_token * mb.response_mask).sum() / total
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def _grpo_loss(logp, full, mb):
+    loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, 0.2, 0.2)
+    return loss, {"clip_fraction": clipped}
+
+
+def _kl_loss(logp, full, mb):
+    kl = full_vocab_reverse_kl(full, mb.teacher_full_logprobs)
+    return kl, {"reverse_kl": kl.detach()}
+
+
+@pytest.mark.parametrize("form", ["grpo", "full_vocab_kl"])
+@pytest.mark.parametrize("micro_batch_size", [64, 5])
+def test_train_minibatch_matches_the_full_sequence_update(assets, rollout, form, micro_batch_size):
+    samples, batch = rollout
+    path = str(assets / "models" / "qwen3-tiny")
+    policy = HFPolicy(ModelConfig(path=path), OptimConfig(lr=1e-3, grad_clip=1.0))
+    batch = copy.copy(batch)
+    # Old logprobs a little off the current ones so that the ratio and the clipping are exercised.
+    batch.old_logprobs = (batch.rollout_logprobs + 0.3 * torch.randn(batch.rollout_logprobs.shape,
+                                                                     generator=torch.Generator().manual_seed(1)))
+    batch.old_logprobs *= batch.response_mask
+    batch.advantages = torch.linspace(-1, 1, batch.size)[:, None] * batch.response_mask
+    if form == "full_vocab_kl":
+        teacher = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny-seed1")))
+        with torch.no_grad():
+            batch.teacher_full_logprobs = _reference_logits(teacher, batch)[:, :-1].log_softmax(-1)
+        loss_fn, full_vocab = _kl_loss, True
+    else:
+        loss_fn, full_vocab = _grpo_loss, False
+    start = copy.deepcopy(policy.model.state_dict())
+    ref_loss = _reference_step(policy, batch, loss_fn, micro_batch_size)
+    assert float(ref_loss) != 0
+    ref_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+    ref_grads = {n: p.grad.clone() for n, p in policy.model.named_parameters()}
+
+    fast = HFPolicy(ModelConfig(path=path), OptimConfig(lr=1e-3, grad_clip=1.0))
+    fast.model.load_state_dict(start)
+    metrics = fast.train_minibatch(batch, loss_fn, micro_batch_size, full_vocab)
+    assert abs(metrics["loss"] - float(ref_loss)) < ATOL
+    assert abs(metrics["grad_norm"] - float(ref_norm)) < 1e-5 * max(1.0, float(ref_norm))
+    for name, param in fast.model.named_parameters():
+        # The clipped gradients the optimizer stepped with. (Not the parameters after the step: AdamW's first step
+        # is ~ lr * g / (|g| + eps), which turns 1e-9 differences in near-zero gradients into lr-sized ones.)
+        assert torch.allclose(param.grad, ref_grads[name], atol=ATOL, rtol=0), name
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.15, 0.05, 0.0]])
+    logits = probs.log().expand(20000, -1)
+    tokens, logprob = sample_tokens(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
+    assert freq[1] == 0 and freq[5] == 0  # zero-probability tokens are never drawn
+    assert torch.allclose(freq, probs[0], atol=0.015)
+    assert torch.allclose(logprob, probs[0].log()[tokens], atol=ATOL)
+    # Temperature scales before sampling; the logprob is under the sampling distribution.
+    tokens, logprob = sample_tokens(logits, 0.5, 1.0, torch.Generator().manual_seed(1))
+    tempered = (probs.log() / 0.5).log_softmax(-1)[0]
+    freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
+    assert torch.allclose(freq, tempered.exp(), atol=0.015)
+    assert torch.allclose(logprob, tempered[tokens], atol=ATOL)
+
+
+def test_fast_decode_matches_hf_dynamic_cache_decoding(assets):
+    """Greedy decoding through LocalEngine (4D decode mask, preallocated cache, shared group prefill) gives the
+    tokens and logprobs of a plain per-prompt loop over HF's DynamicCache with the 2D mask."""
+    from transformers import DynamicCache
+
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")))
+    rows = _rows(assets, 2)
+    samples = LocalEngine(policy).generate(rows, 2, 0.0, 1.0, 10, torch.Generator().manual_seed(0))
+    for i, row in enumerate(rows):
+        ids = torch.tensor([samples[2 * i].prompt_ids])
+        cache, mask, out_tokens, out_lp = DynamicCache(), torch.ones_like(ids), [], []
+        with torch.no_grad():
+            out = policy.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+            for _ in range(10):
+                logits = out.logits[:, -1]
+                token = logits.argmax(-1)
+                out_tokens.append(int(token))
+                out_lp.append(float(logits.log_softmax(-1)[0, token]))
+                mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], dim=1)
+                out = policy.model(input_ids=token[:, None], attention_mask=mask, cache=out.past_key_values,
+                                   use_cache=True)
+        for s in samples[2 * i: 2 * i + 2]:
+            n = len(s.response_ids)  # the engine stops at EOS; the plain loop runs on
+            assert s.response_ids == out_tokens[:n] and (n == 10 or out_tokens[n - 1] == policy.eos_id)
+            assert torch.allclose(torch.tensor(s.rollout_logprobs), torch.tensor(out_lp[:n]), atol=1e-5)
+
+
+def test_fast_decode_path_is_taken_and_restores_the_model(assets, monkeypatch):
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")))
+    assert LocalEngine._plain_causal(policy.model.config)
+    calls = []
+    decode = LocalEngine._decode_attention
+    monkeypatch.setattr(LocalEngine, "_decode_attention",
+                        staticmethod(lambda *a, **k: calls.append(a[1].shape) or decode(*a, **k)))
+    rows = _rows(assets, 2)
+    samples = LocalEngine(policy).generate(rows, 2, 1.0, 1.0, 6, torch.Generator().manual_seed(0))
+    assert calls and all(shape[2] == 1 for shape in calls)  # decode steps: one query per row
+    assert policy.model.config._attn_implementation == "sdpa" and policy.model.training is False
+    # The chunk's batched tokenisation is chat_prompt_ids of each row.
+    from megaopd.policy import chat_prompt_ids
+
+    assert [s.prompt_ids for s in samples[::2]] == [chat_prompt_ids(policy.tokenizer, r.prompt) for r in rows]
+
+
+def test_micro_batch_without_response_tokens(assets, rollout):
+    _, batch = rollout
+    empty = copy.copy(batch)
+    empty.response_mask = torch.zeros_like(batch.response_mask)
+    empty.old_logprobs = empty.advantages = torch.zeros_like(batch.response_mask)
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")), OptimConfig(lr=1e-3))
+    assert bool((policy.logprobs(empty) == 0).all()) and bool((policy.full_logprobs(empty) == 0).all())
+    metrics = policy.train_minibatch(empty, _grpo_loss, 4)
+    assert metrics["loss"] == 0 and metrics["grad_norm"] == 0

@@ -1,0 +1,177 @@
+"""A real SGLang 0.5.23 server on CPU serving the embedded tiny model: rollouts, verified weight sync, teachers.
+
+SGLang lives in its own environment (it pins torch 2.14.1): `make test` builds `.venv-sglang` and points
+MEGAOPD_SGLANG_PYTHON at it. Every server is launched through megaopd's own `SGLangServer` and stopped by its
+process group when the test ends, passed or failed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_config
+from megaopd.batch import collate
+from megaopd.config import SGLangConfig
+from megaopd.data.rows import load_rows
+from megaopd.metrics import read_metrics
+from megaopd.policy import HFPolicy
+from megaopd.rollout import LocalEngine
+from megaopd.serving.engine import SGLangEngine, StaleWeightsError
+from megaopd.serving.pool import ServerPool
+from megaopd.serving.server import SGLangServer
+from megaopd.serving.teacher import SGLangTeacher
+from megaopd.trainer import Trainer
+
+pytestmark = pytest.mark.sglang
+STUBS = Path(__file__).parent / "sglang_cpu"  # import-only vllm stub SGLang's RoPE layer needs on plain CPU
+CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                   "--skip-server-warmup", "--mem-fraction-static", "0.05"]
+TOLERANCE = 1e-4  # fp32 on both sides; measured ~1e-6
+
+
+def sglang_python() -> str:
+    python = os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
+    found = python and subprocess.run([python, "-c", "import sglang"], capture_output=True).returncode == 0
+    if not found:
+        message = "no SGLang environment: set MEGAOPD_SGLANG_PYTHON (make test builds .venv-sglang)"
+        if os.environ.get("CI"):
+            pytest.fail(message)  # CI must exercise the real server, never skip it
+        pytest.skip(message)
+    return python
+
+
+def server_config() -> SGLangConfig:
+    return SGLangConfig(python=sglang_python(), server_args=CPU_SERVER_ARGS, max_total_tokens=8192,
+                        env={"PYTHONPATH": str(STUBS), "OMP_NUM_THREADS": "1"}, startup_timeout_s=600,
+                        request_timeout_s=120, retries=1)
+
+
+@pytest.fixture(scope="module")
+def server(assets, tmp_path_factory):
+    launched = SGLangServer.launch(str(assets / "models" / "qwen3-tiny"), server_config(), "float32",
+                                   tmp_path_factory.mktemp("sglang") / "server.log")
+    try:
+        yield launched
+    finally:
+        pid = launched.process.pid if launched.process else None
+        launched.stop()
+        if pid is not None:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)  # stopped by PID, not left behind
+
+
+@pytest.fixture
+def fresh(server, assets):
+    """The shared server back on the base weights at version 0, whatever the previous test did."""
+    answer = server.post("/update_weights_from_disk", {"model_path": str(assets / "models" / "qwen3-tiny"),
+                                                        "weight_version": "0"}, 120)
+    assert answer["success"], answer
+    return server
+
+
+def attached(assets, run_dir, server, **overrides):
+    cfg = run_config(assets, run_dir, **{"rollout.engine": "sglang", **overrides})
+    cfg.rollout.sglang = server_config()
+    cfg.rollout.sglang.urls = [server.url]
+    return cfg
+
+
+def rows(assets, n=4):
+    loaded, _ = load_rows(str(assets / "data" / "arith_add" / "train.jsonl"))
+    return loaded[:n]
+
+
+def test_rollout_logprobs_equal_the_trainers(fresh, assets, tmp_path):
+    cfg = attached(assets, tmp_path, fresh)
+    policy = HFPolicy(cfg.model)
+    engine = SGLangEngine(cfg, policy)
+    samples = engine.generate(rows(assets), 4, temperature=1.0, max_new_tokens=16,
+                              generator=torch.Generator().manual_seed(0))
+    assert len(samples) == 16 and {s.weight_version for s in samples} == {0}
+    assert all(len(s.response_ids) == len(s.rollout_logprobs) > 0 for s in samples)
+    assert all(s.finish_reason == ("stop" if s.response_ids[-1] == policy.eos_id else "length") for s in samples)
+    batch = collate(samples, policy.pad_id)
+    gap = ((policy.logprobs(batch) - batch.rollout_logprobs).abs() * batch.response_mask).max()
+    assert gap < TOLERANCE, f"rollout vs teacher-forced logprobs differ by {gap:.2e}"
+
+
+def test_grpo_steps_with_sglang_rollouts_and_verified_syncs(fresh, assets, tmp_path):
+    cfg = attached(assets, tmp_path / "run", fresh, **{"train.steps": 3, "eval.every": 3, "train.tis": "token"})
+    summary = Trainer(cfg).fit()
+    assert summary["steps"] == 3
+    steps = [m for m in read_metrics(tmp_path / "run") if "rollout/logprob_gap_max" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert [m["rollout/weight_version"] for m in steps] == [0, 1, 2]  # step k samples from the weights after k-1
+    # Every step sampled from the weights the trainer had: the recomputed logprobs agree with the server's.
+    assert max(m["rollout/logprob_gap_max"] for m in steps) < TOLERANCE
+    assert all(abs(m["rollout/tis_weight_mean"] - 1) < 1e-3 for m in steps)
+    # Each sync advanced the served version (verified with the probe inside sync_weights).
+    info = fresh.get("/model_info")
+    assert info["weight_version"] == "3"
+    assert not (tmp_path / "run" / "rollout_weights").exists()  # exported weights are removed at close
+
+
+def test_a_stale_server_is_detected(fresh, assets, tmp_path):
+    cfg = attached(assets, tmp_path, fresh)
+    policy = HFPolicy(cfg.model, cfg.optim)
+    engine = SGLangEngine(cfg, policy)
+    with torch.no_grad():  # a policy update the server has not seen yet
+        for p in policy.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.sync_weights(policy)
+    assert engine.weight_version == 1 and fresh.get("/model_info")["weight_version"] == "1"
+
+    # The server claims version 1 but serves the old weights: only the probe can tell.
+    fresh.post("/update_weights_from_disk", {"model_path": str(assets / "models" / "qwen3-tiny"),
+                                             "weight_version": "1"}, 120)
+    with pytest.raises(StaleWeightsError, match="does not serve the trainer's weights"):
+        engine.verify(policy, 1)
+    # The server lags a version behind: every rollout it returns is refused.
+    fresh.post("/update_weights_from_disk", {"model_path": str(engine.weights_dir / "v1"), "weight_version": "0"}, 120)
+    with pytest.raises(StaleWeightsError, match="served weight version '0' but the trainer is at 1"):
+        engine.generate(rows(assets, 1), 1, max_new_tokens=4, generator=torch.Generator().manual_seed(0))
+
+
+def test_teacher_scoring_equals_the_local_teacher(fresh, assets, tmp_path):
+    cfg = attached(assets, tmp_path, fresh)
+    local = HFPolicy(cfg.model)
+    local_samples = LocalEngine(local).generate(rows(assets), 2, max_new_tokens=12,
+                                                generator=torch.Generator().manual_seed(1))
+    batch = collate(local_samples, local.pad_id)
+    teacher = SGLangTeacher(cfg.model.path, [fresh.url], cfg, "teacher")
+    gap = (teacher.logprobs(batch) - local.logprobs(batch)).abs().max()
+    assert gap < TOLERANCE, f"SGLang teacher vs local teacher logprobs differ by {gap:.2e}"
+    with pytest.raises(ValueError, match="sampled-token logprobs only"):
+        teacher.full_logprobs(batch)
+
+
+def test_rollout_benchmark_smoke(fresh, assets, tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import rollout_sglang
+
+    rollout_sglang.main(["--smoke", "--url", fresh.url, "--model", str(assets / "models" / "qwen3-tiny"),
+                         "--assets", str(tmp_path)])
+    assert "| 2 x 2 |" in capsys.readouterr().out
+
+
+def test_a_dead_server_is_dropped_or_restarted_without_losing_the_work(fresh, assets, tmp_path):
+    cfg = server_config()
+    # An attached server that does not answer is dropped; its share of the work goes to the live one.
+    pool = ServerPool([SGLangServer("http://127.0.0.1:9"), fresh], cfg, "rollout")
+    sequences = [[1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12], [13, 14]]
+    scored = pool.prefill_logprobs(sequences)
+    assert [len(lp) for lp, _ in scored] == [4, 3, 2, 1] and pool.urls == [fresh.url]
+
+    # A launched server that dies (kill -9 of its process group) is restarted on the weights it served.
+    os.killpg(os.getpgid(fresh.process.pid), signal.SIGKILL)
+    fresh.process.wait()
+    again = ServerPool([fresh], cfg, "rollout").prefill_logprobs(sequences)
+    assert fresh.healthy() and fresh.process.poll() is None
+    assert max(abs(a - b) for (x, _), (y, _) in zip(scored, again) for a, b in zip(x, y)) < TOLERANCE
