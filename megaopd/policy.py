@@ -28,6 +28,12 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def chat_prompt_ids_batch(tokenizer, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+    """``chat_prompt_ids`` of many conversations: one batched template call, one batched tokenizer call."""
+    texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) for every position, without materialising the full log-softmax twice."""
     logits = logits[:, :-1].float()

@@ -21,7 +21,7 @@ import torch
 
 from megaopd.batch import Sample
 from megaopd.data.rows import Row
-from megaopd.policy import HFPolicy
+from megaopd.policy import HFPolicy, chat_prompt_ids_batch
 
 
 class RolloutEngine(Protocol):
@@ -149,9 +149,7 @@ class LocalEngine:
         model, device, tokenizer = self.policy.model, self.policy.device, self.policy.tokenizer
         was_training = model.training
         model.eval()
-        # chat_prompt_ids for the whole chunk at once: one batched template call, one batched tokenizer call.
-        texts = tokenizer.apply_chat_template([row.prompt for row in rows], add_generation_prompt=True, tokenize=False)
-        prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        prompts = chat_prompt_ids_batch(tokenizer, [row.prompt for row in rows])
         width = max(map(len, prompts))
         # Left-pad so every prompt ends at the same column; positions count real tokens only.
         input_ids = torch.full((len(prompts), width), self.policy.pad_id, dtype=torch.long)

@@ -9,10 +9,9 @@ anything with ``tokenizer``, ``shape``, ``logprobs`` and ``full_logprobs``: an i
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 import torch
-
-from typing import Callable
 
 from megaopd.batch import Sample, TokenBatch
 from megaopd.config import ModelConfig

@@ -73,11 +73,11 @@ def build_engine(cfg: RunConfig, policy):
 def build_teachers(cfg: RunConfig, student_tokenizer) -> TeacherRouter:
     """The OPD teachers: in-process models of the student's backend, or SGLang servers (launched per teacher, or
     attached by route)."""
-    if cfg.opd.teacher_engine == "local" and cfg.model.backend == "megatron":  # at model.megatron.teacher_tp
-        from megaopd.megatron.policy import megatron_teachers
-
-        return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer)
     if cfg.opd.teacher_engine == "local":
+        if cfg.model.backend == "megatron":  # frozen megatron models at model.megatron.teacher_tp
+            from megaopd.megatron.policy import megatron_teachers
+
+            return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer)
         return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model), student_tokenizer)
     if cfg.opd.teacher_engine != "sglang":
         raise ValueError(f"opd.teacher_engine must be 'local' or 'sglang', got {cfg.opd.teacher_engine!r}")

@@ -44,14 +44,9 @@ def test_rollout_throughput_smoke(bench_assets):
 
 
 @needs_trl
-def test_grpo_vs_trl_smoke(bench_assets):
-    out = run_bench("grpo_vs_trl.py", bench_assets)
-    assert "step throughput ratio" in out and "generated tokens per step" in out
-
-
-@needs_trl
-def test_opd_vs_trl_smoke(bench_assets):
-    out = run_bench("opd_vs_trl.py", bench_assets)
+@pytest.mark.parametrize("script", ["grpo_vs_trl.py", "opd_vs_trl.py"])
+def test_step_vs_trl_smoke(bench_assets, script):
+    out = run_bench(script, bench_assets)
     assert "step throughput ratio" in out and "generated tokens per step" in out
 
 

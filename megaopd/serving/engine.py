@@ -21,7 +21,7 @@ import torch
 from megaopd.batch import Sample, collate
 from megaopd.config import RunConfig
 from megaopd.data.rows import Row
-from megaopd.policy import chat_prompt_ids
+from megaopd.policy import chat_prompt_ids, chat_prompt_ids_batch
 from megaopd.serving import weight_sync
 from megaopd.serving.leader import on_leader
 from megaopd.serving.pool import ServerPool, split_evenly
@@ -72,7 +72,7 @@ class SGLangEngine:
         return on_leader(lambda: self._generate(rows, samples_per_prompt, temperature, top_p, max_new_tokens, seeds))
 
     def _generate(self, rows, n, temperature, top_p, max_new_tokens, seeds) -> list[Sample]:
-        prompts = [chat_prompt_ids(self.tokenizer, row.prompt) for row in rows]
+        prompts = chat_prompt_ids_batch(self.tokenizer, [row.prompt for row in rows])
         sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
                     "stop_token_ids": [self.eos_id]}
         # Whole groups per server, so that a group's prompt is prefilled once in that server's radix cache.

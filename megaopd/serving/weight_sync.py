@@ -8,7 +8,9 @@
   ``/init_weights_update_group``, then per bucket ``/update_weights_from_distributed`` while rank 0 broadcasts.
 
 The last two need CUDA and fail at start-up without it. Whatever the transport, the engine then verifies the
-servers (``SGLangEngine.verify``): a sync is never trusted on its own word.
+servers (``SGLangEngine.verify``): a sync is never trusted on its own word. Only a disk sync leaves weights a
+restarted server can load: after an in-memory sync it comes back on its last disk weights under their old version
+number, so the engine refuses its rollouts (StaleWeightsError) instead of training on them.
 """
 
 from __future__ import annotations
@@ -80,8 +82,6 @@ def _load_from_tensors(engine, named, version: str) -> None:
                                     {"serialized_named_tensors": [serialized] * tp_size, "flush_cache": True,
                                      "weight_version": version})
     _check(answers, "/update_weights_from_tensor", engine.pool.urls)
-    for server in engine.pool.servers:
-        server.weight_version = version
 
 
 class DistributedSync:
@@ -145,8 +145,6 @@ class DistributedSync:
                 torch.distributed.broadcast(tensor, src=0, group=self.group)
             request.join()
             _check(answers, "/update_weights_from_distributed", engine.pool.urls)
-        for server in engine.pool.servers:
-            server.weight_version = version
 
 
 def _host_address() -> str:
