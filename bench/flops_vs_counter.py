@@ -8,9 +8,12 @@ S x S matmuls, so the comparison uses the analytic ``causal=False`` form (the le
 discount), and SDPA on CPU is counted as 0, so the models here run with attn_implementation="eager".
 Rows:
 * forward / forward+backward: teacher-forced batch of random tokens, vs forward_flops / train_flops (causal=False);
-* generate (KV cache): prefill + single-token decode steps with a DynamicCache, vs generation_flops;
-* LocalEngine group: megaopd's own sampler on 1 prompt x n samples (prefill once, cache shared by the group), vs
-  generation_flops(prefix_cached=True) with the real prompt and response lengths.
+* generate (KV cache): prefill (logits at the last prompt position) + R-1 single-token decode steps with a
+  DynamicCache, vs generation_flops;
+* LocalEngine group: megaopd's own sampler on 1 prompt x n samples (prefill once, cache shared by the group, the
+  fused decode step), vs generation_flops(prefix_cached=True) with the real prompt and response lengths;
+* trainer steps: one real GRPO step (with reference KL) and one full-vocabulary OPD step through ``Trainer.rl_step``,
+  each phase counted on its own (``megaopd.flop_audit``), vs the ledger's components for that step.
 """
 
 from __future__ import annotations
@@ -74,9 +77,9 @@ def rows_for(preset: str, model_dir: Path, batch: int, seq: int, gen_p: int, gen
     def generate():
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            o = model(prompts, **{kw: cache}, use_cache=True)
+            o = model(prompts, **{kw: cache}, use_cache=True, logits_to_keep=1)
             tok = o.logits[:, -1:].argmax(-1)
-            for _ in range(gen_r):
+            for _ in range(gen_r - 1):  # the last token is sampled, never fed back
                 o = model(tok, **{kw: cache}, use_cache=True)
                 tok = o.logits[:, -1:].argmax(-1)
 
@@ -92,19 +95,35 @@ def rows_for(preset: str, model_dir: Path, batch: int, seq: int, gen_p: int, gen
     measured = measure(lambda: samples.extend(engine.generate([row], group, 1.0, 1.0, gen_r, gen)))
     p = len(samples[0].prompt_ids)
     lens = [len(s.response_ids) for s in samples]
-    booked = generation_flops(shape, p, lens, prefix_cached=True, causal=False)  # what the ledger bills
     out.append((preset, f"LocalEngine 1 prompt x {group} (P={p}, R={lens[0]}), as the ledger books it", measured,
-                booked))
-    # the engine never feeds its last sampled token back (no forward for it): R-1 decode forwards per sample
-    executed = generation_flops(shape, p, [r - 1 for r in lens], prefix_cached=True, causal=False)
-    out.append((preset, "LocalEngine, same run, R-1 decode forwards (what is executed)", measured, executed))
+                generation_flops(shape, p, lens, prefix_cached=True, causal=False)))
+    return out
+
+
+def trainer_rows(preset: str, model_dir: Path, teacher_dir: Path, data: Path, run_dir: Path, group: int,
+                 max_new: int) -> list[tuple]:
+    from megaopd.config import load_config
+    from megaopd.flop_audit import audit_rl_step
+
+    out = []
+    for algorithm, extra in [("grpo", ["grpo.kl_coef=0.01"]),
+                             ("opd", [f"opd.teachers.*={teacher_dir}", "opd.form=full_vocab"])]:
+        cfg = load_config(None, [
+            f"run_dir={run_dir / algorithm}", f"model.path={model_dir}", f"train.algorithm={algorithm}",
+            f"data.train=[{data / 'arith_add' / 'train.jsonl'}]", f"data.eval=[{data / 'arith_add' / 'heldout.jsonl'}]",
+            "train.prompts_per_step=1", f"rollout.samples_per_prompt={group}", f"rollout.max_new_tokens={max_new}",
+            "train.recompute_old_logprobs=true", *extra])
+        for component, row in audit_rl_step(cfg).items():
+            if row.executed_form:
+                out.append((preset, f"{algorithm} step ({group} x R={max_new}): {component}", row.measured,
+                            row.executed_form))
     return out
 
 
 def main(argv: list[str]) -> None:
     from common import machine
 
-    from megaopd.embedded import PRESETS, build_model
+    from megaopd.embedded import PRESETS, build_data, build_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
@@ -117,8 +136,13 @@ def main(argv: list[str]) -> None:
     print(f"# Analytic FLOPs vs FlopCounterMode\n\nmachine: {machine()}\n")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_flops_") as tmp:
+        tmp = Path(tmp)
+        build_data(tmp / "data", ["arith_add"], train_rows=20, heldout_rows=4)
         for preset in a.presets:
-            rows += rows_for(preset, build_model(preset, Path(tmp) / preset), batch, seq, gen_p, gen_r, group)
+            model_dir = build_model(preset, tmp / preset)
+            rows += rows_for(preset, model_dir, batch, seq, gen_p, gen_r, group)
+            teacher = build_model(preset, tmp / f"{preset}-teacher", seed=1)
+            rows += trainer_rows(preset, model_dir, teacher, tmp / "data", tmp / f"runs-{preset}", group, gen_r)
     print("| model | measurement | FlopCounterMode | analytic (causal=False) | measured / analytic |")
     print("|---|---|---|---|---|")
     worst = 0.0

@@ -5,7 +5,12 @@ Implements ``shared/reference/flops.md`` exactly. Conventions (state them in eve
 * **1 multiply-accumulate = 2 FLOPs.** Backward = 2x forward, so a training pass = 3x forward.
 * **Model FLOPs, not hardware FLOPs.** Only matmuls count: no activation-recompute forward, no optimizer, no
   elementwise ops (norms, RoPE, softmax, residuals), and the embedding lookup costs 0. The LM head (2*d*V FLOPs per
-  token) *is* counted, for every token of every forward, even when it is tied to the embedding.
+  position) is counted even when it is tied to the embedding, **at the positions whose logits are used**: in a
+  teacher-forced pass over prompt + response (old-logprob, reference, teacher, training) the R positions that predict
+  response tokens; in prefill the last prompt position. (flops.md bills it at every position; megaopd's engines and
+  HF policy project only where logits are used, as TRL and SGLang do, and the ledger bills what they run.)
+* **A response of R tokens costs a prefill and R-1 decode forwards**: the prefill's logits give the first token, and
+  the last sampled token is never fed back (flops.md bills R decode steps; no engine runs the R-th).
 * **Causal attention with the 1/2 discount** (current Megatron-LM convention) for teacher-forced forwards and for
   prefill: the score and value matmuls cost 2*L*nq*dh*S^2 instead of the full 4*L*nq*dh*S^2. verl does not halve;
   pass ``causal=False`` to get the un-discounted (dense-matmul) count, which is also what
@@ -19,16 +24,17 @@ Implements ``shared/reference/flops.md`` exactly. Conventions (state them in eve
 
 Formulas (L layers, d model width, nq/nkv query/key-value heads, dh head dim, dff MLP width, V vocab)::
 
-    N_mm      = L*(d*nq*dh + 2*d*nkv*dh + nq*dh*d + 3*d*dff) + d*V      (2*d*dff for a non-gated MLP)
-    F_fwd(S)  = 2*N_mm*S + 2*L*nq*dh*S^2                               (causal; 4*L*nq*dh*S^2 non-causal)
-    F_train   = 3*F_fwd
-    prefill   = F_fwd(P)
-    decode    = 2*N_mm*R + 4*L*nq*dh*(R*P + R*(R+1)/2)                   (step t attends to P+t keys, t=1..R)
+    N_mm        = N_body + d*V,  N_body = L*(d*nq*dh + 2*d*nkv*dh + nq*dh*d + 3*d*dff)   (2*d*dff non-gated)
+    F_fwd(S, h) = 2*N_body*S + 2*d*V*h + 2*L*nq*dh*S^2     (LM head at h positions; causal; 4*L*nq*dh*S^2 non-causal)
+    F_score(P, R) = F_fwd(P + R, R)                         (teacher-forced pass reading the response's logits)
+    F_train     = 3*F_fwd
+    prefill     = F_fwd(P, 1)
+    decode      = 2*N_mm*(R-1) + 4*L*nq*dh*((R-1)*P + (R-1)*R/2)   (fed-back token t = 1..R-1 attends to P+t keys)
 
 Per step (``grpo_step_flops`` / ``opd_step_flops`` return the components separately)::
 
-    GRPO: gen + (1[old-logprob recompute] + 1[reference KL] + 3*epochs) * sum_i F_fwd_student(S_i)
-    OPD:  gen_student + sum_i [F_fwd_teacher(S_i) + (1[recompute] + 3*epochs) * F_fwd_student(S_i)]
+    GRPO: gen + (1[old-logprob recompute] + 1[reference KL] + 3*epochs) * sum_i F_score_student(P_i, R_i)
+    OPD:  gen_student + sum_i [F_score_teacher(P_i, R_i) + (1[recompute] + 3*epochs) * F_score_student(P_i, R_i)]
 
 All functions are pure and return Python ints (exact integer arithmetic). No torch import.
 """
@@ -48,9 +54,7 @@ __all__ = [
     "decode_flops",
     "generation_flops",
     "rollout_flops",
-    "sequence_lengths",
-    "sum_forward_flops",
-    "teacher_forward_flops",
+    "scoring_flops",
     "grpo_step_flops",
     "opd_step_flops",
 ]
@@ -81,12 +85,22 @@ class ModelShape:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
     @property
-    def matmul_params(self) -> int:
-        """N_mm: parameters that multiply per token, including the LM head d*V (counted even when tied)."""
+    def body_params(self) -> int:
+        """N_body: parameters that multiply per token in the decoder layers (attention projections and MLP)."""
         d, dh = self.d_model, self.head_dim
         attn = d * self.n_heads * dh + 2 * d * self.n_kv_heads * dh + self.n_heads * dh * d
         mlp = (3 if self.gated_mlp else 2) * d * self.d_ff
-        return self.n_layers * (attn + mlp) + d * self.vocab_size
+        return self.n_layers * (attn + mlp)
+
+    @property
+    def head_params(self) -> int:
+        """d*V: the LM head's parameters (counted even when tied to the embedding)."""
+        return self.d_model * self.vocab_size
+
+    @property
+    def matmul_params(self) -> int:
+        """N_mm = N_body + d*V: parameters that multiply per token when the LM head runs at every position."""
+        return self.body_params + self.head_params
 
     @property
     def attn_width(self) -> int:
@@ -137,30 +151,35 @@ def _nonneg(name: str, v: int) -> int:
     return int(v)
 
 
-def forward_flops(shape: ModelShape, seq_len: int, causal: bool = True) -> int:
-    """Teacher-forced forward of one sequence of ``seq_len`` real tokens:
-    2*N_mm*S + 2*L*nq*dh*S^2 (causal, halved) or 2*N_mm*S + 4*L*nq*dh*S^2 (``causal=False``)."""
+def forward_flops(shape: ModelShape, seq_len: int, causal: bool = True, head_positions: int | None = None) -> int:
+    """Teacher-forced forward of one sequence of ``seq_len`` real tokens, the LM head at ``head_positions`` of them
+    (default: all): 2*N_body*S + 2*d*V*h + 2*L*nq*dh*S^2 (causal, halved) or + 4*L*nq*dh*S^2 (``causal=False``)."""
     s = _nonneg("seq_len", seq_len)
+    h = s if head_positions is None else _nonneg("head_positions", head_positions)
+    if h > s:
+        raise ValueError(f"head_positions={h} exceeds seq_len={s}")
     attn = (2 if causal else 4) * shape.attn_width * s * s
-    return 2 * shape.matmul_params * s + attn
+    return 2 * shape.body_params * s + 2 * shape.head_params * h + attn
 
 
-def train_flops(shape: ModelShape, seq_len: int, causal: bool = True) -> int:
+def train_flops(shape: ModelShape, seq_len: int, causal: bool = True, head_positions: int | None = None) -> int:
     """Forward + backward of one sequence: 3 * forward_flops."""
-    return 3 * forward_flops(shape, seq_len, causal)
+    return 3 * forward_flops(shape, seq_len, causal, head_positions)
 
 
 def prefill_flops(shape: ModelShape, prompt_len: int, causal: bool = True) -> int:
-    """Prefill of one prompt (a teacher-forced forward of the prompt, LM head on every prompt position)."""
-    return forward_flops(shape, prompt_len, causal)
+    """Prefill of one prompt: a forward of the prompt with the LM head at its last position (the first token's
+    logits)."""
+    return forward_flops(shape, prompt_len, causal, head_positions=min(1, _nonneg("prompt_len", prompt_len)))
 
 
 def decode_flops(shape: ModelShape, prompt_len: int, response_len: int) -> int:
-    """KV-cache decode of ``response_len`` tokens after a prompt of ``prompt_len``:
-    2*N_mm*R + 4*L*nq*dh*(R*P + R*(R+1)/2). Step t (1..R) processes one token attending to P+t keys."""
+    """KV-cache decode of a ``response_len``-token response after a prompt of ``prompt_len``: R-1 single-token
+    forwards, 2*N_mm*(R-1) + 4*L*nq*dh*((R-1)*P + (R-1)*R/2). Fed-back token t (1..R-1) attends to P+t keys; the
+    prefill gave token 1 and the last token is never fed back."""
     p = _nonneg("prompt_len", prompt_len)
-    r = _nonneg("response_len", response_len)
-    return 2 * shape.matmul_params * r + 4 * shape.attn_width * (r * p + r * (r + 1) // 2)
+    steps = max(_nonneg("response_len", response_len) - 1, 0)
+    return 2 * shape.matmul_params * steps + 4 * shape.attn_width * (steps * p + steps * (steps + 1) // 2)
 
 
 def generation_flops(
@@ -199,15 +218,6 @@ def _check_groups(prompt_lens: Sequence[int], response_lens: Sequence[int], grou
         )
 
 
-def sequence_lengths(prompt_lens: Sequence[int], response_lens: Sequence[int], group_size: int) -> list[int]:
-    """Per-sample S_i = P_prompt(i) + R_i, with samples grouped consecutively, ``group_size`` per prompt."""
-    _check_groups(prompt_lens, response_lens, group_size)
-    return [
-        _nonneg("prompt_len", prompt_lens[i // group_size]) + _nonneg("response_len", r)
-        for i, r in enumerate(response_lens)
-    ]
-
-
 def rollout_flops(
     shape: ModelShape,
     prompt_lens: Sequence[int],
@@ -225,24 +235,22 @@ def rollout_flops(
     )
 
 
-def sum_forward_flops(shape: ModelShape, seq_lens: Sequence[int], causal: bool = True) -> int:
-    """sum_i F_fwd(S_i) over full sequences (prompt + response) of real lengths ``seq_lens``."""
-    return sum(forward_flops(shape, s, causal) for s in seq_lens)
-
-
-def teacher_forward_flops(
-    teacher: ModelShape,
+def scoring_flops(
+    shape: ModelShape,
     prompt_lens: Sequence[int],
     response_lens: Sequence[int],
     group_size: int,
     causal: bool = True,
 ) -> int:
-    """Teacher forward (scoring) FLOPs of these sequences: sum_i F_fwd_teacher(P_i + R_i).
-
-    For multi-teacher routing, call it once per routed group (or per routed sub-batch) with that teacher's shape
-    and sum, or use ``sum_forward_flops`` on explicit sequence lengths.
-    """
-    return sum_forward_flops(teacher, sequence_lengths(prompt_lens, response_lens, group_size), causal)
+    """Teacher-forced passes over every sample that read its response logits (old-logprob, reference, teacher
+    scoring, and one third of training): sum_i F_fwd(P_i + R_i, head at R_i positions). Samples are grouped
+    consecutively, ``group_size`` per prompt."""
+    _check_groups(prompt_lens, response_lens, group_size)
+    return sum(
+        forward_flops(shape, _nonneg("prompt_len", prompt_lens[i // group_size]) + _nonneg("response_len", r), causal,
+                      head_positions=r)
+        for i, r in enumerate(response_lens)
+    )
 
 
 def grpo_step_flops(
@@ -262,8 +270,7 @@ def grpo_step_flops(
     consecutively (``group_size`` samples per prompt). Returns {"rollout", "old_logprob", "reference", "teacher"
     (always 0), "train"}; the step total is ``sum(result.values())``.
     """
-    seqs = sequence_lengths(prompt_lens, response_lens, group_size)
-    fwd = sum_forward_flops(shape, seqs, causal)
+    fwd = scoring_flops(shape, prompt_lens, response_lens, group_size, causal)
     return {
         "rollout": rollout_flops(shape, prompt_lens, response_lens, group_size, prefix_cached, causal),
         "old_logprob": fwd if recompute_old else 0,
@@ -287,21 +294,21 @@ def opd_step_flops(
     """FLOPs of one on-policy-distillation step, by component.
 
     ``teacher`` is one ``ModelShape``, or a sequence with one (routed) teacher shape per prompt, or None when the
-    caller bills the teacher itself (e.g. with ``teacher_forward_flops`` per routed group); then "teacher" is 0.
+    caller bills the teacher itself (e.g. with ``scoring_flops`` per routed group); then "teacher" is 0.
     Lengths as in ``grpo_step_flops``. Returns {"rollout", "old_logprob", "reference" (always 0), "teacher",
     "train"}; the step total is ``sum(result.values())``.
     """
     g = samples_per_prompt
-    seqs = sequence_lengths(prompt_lens, response_lens, g)
-    fwd = sum_forward_flops(student, seqs, causal)
+    fwd = scoring_flops(student, prompt_lens, response_lens, g, causal)
     if teacher is None:
         teach = 0
     elif isinstance(teacher, ModelShape):
-        teach = sum_forward_flops(teacher, seqs, causal)
+        teach = scoring_flops(teacher, prompt_lens, response_lens, g, causal)
     else:
         if len(teacher) != len(prompt_lens):
             raise ValueError(f"{len(teacher)} teacher shapes for {len(prompt_lens)} prompts")
-        teach = sum(sum_forward_flops(t, seqs[k * g:(k + 1) * g], causal) for k, t in enumerate(teacher))
+        teach = sum(scoring_flops(t, [p], response_lens[k * g:(k + 1) * g], g, causal)
+                    for k, (t, p) in enumerate(zip(teacher, prompt_lens)))
     return {
         "rollout": rollout_flops(student, prompt_lens, response_lens, g, prefix_cached, causal),
         "old_logprob": fwd if recompute_old else 0,

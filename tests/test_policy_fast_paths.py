@@ -1,7 +1,7 @@
 """The policy's and the local engine's fast paths give the numbers of the straightforward computation.
 
 HFPolicy projects to the vocabulary only at response positions and drops the attention mask of right-padded
-batches; LocalEngine samples by inverse CDF, decodes with a ready 4D mask and a preallocated KV cache. Each is
+batches; LocalEngine samples by inverse CDF and decodes with a fused step (``megaopd.decode``). Each is
 checked here against the plain form: full-sequence logits with the 2D attention mask, ``token_logprobs`` /
 ``log_softmax`` over every position and the gradients they give (to 1e-6 in fp32), the sampling distribution itself,
 and greedy decoding through HF's own DynamicCache with the 2D mask.
@@ -17,6 +17,7 @@ import torch
 from megaopd.batch import collate
 from megaopd.config import ModelConfig, OptimConfig
 from megaopd.data.rows import load_rows
+from megaopd.decode import FusedDecoder
 from megaopd.objectives import clipped_pg_loss, full_vocab_reverse_kl
 from megaopd.policy import HFPolicy, token_logprobs
 from megaopd.rollout import LocalEngine, sample_tokens
@@ -152,14 +153,26 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     assert torch.allclose(logprob, tempered[tokens], atol=ATOL)
 
 
-def test_fast_decode_matches_hf_dynamic_cache_decoding(assets):
-    """Greedy decoding through LocalEngine (4D decode mask, preallocated cache, shared group prefill) gives the
-    tokens and logprobs of a plain per-prompt loop over HF's DynamicCache with the 2D mask."""
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_local_engine_decoding_matches_hf_dynamic_cache_decoding(assets, monkeypatch, preset, fused):
+    """Greedy decoding through LocalEngine (shared group prefill, left padding, the fused decode step or the
+    model's own forward) gives the tokens and logprobs of a plain per-prompt loop over HF's DynamicCache."""
     from transformers import DynamicCache
 
-    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")))
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / preset)), OptimConfig(lr=1e-3))  # train mode
+    assert FusedDecoder.supports(policy.model)
+    steps = []
+    if fused:
+        step = FusedDecoder.step
+        monkeypatch.setattr(FusedDecoder, "step", lambda self, *a: steps.append(a[2]) or step(self, *a))
+    else:
+        monkeypatch.setattr(FusedDecoder, "supports", classmethod(lambda cls, model: False))
     rows = _rows(assets, 2)
     samples = LocalEngine(policy).generate(rows, 2, 0.0, 1.0, 10, torch.Generator().manual_seed(0))
+    assert policy.model.training  # restored after the rollout
+    assert bool(steps) == fused
+    policy.model.eval()
     for i, row in enumerate(rows):
         ids = torch.tensor([samples[2 * i].prompt_ids])
         cache, mask, out_tokens, out_lp = DynamicCache(), torch.ones_like(ids), [], []
@@ -177,23 +190,48 @@ def test_fast_decode_matches_hf_dynamic_cache_decoding(assets):
             n = len(s.response_ids)  # the engine stops at EOS; the plain loop runs on
             assert s.response_ids == out_tokens[:n] and (n == 10 or out_tokens[n - 1] == policy.eos_id)
             assert torch.allclose(torch.tensor(s.rollout_logprobs), torch.tensor(out_lp[:n]), atol=1e-5)
-
-
-def test_fast_decode_path_is_taken_and_restores_the_model(assets, monkeypatch):
-    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")))
-    assert LocalEngine._plain_causal(policy.model.config)
-    calls = []
-    decode = LocalEngine._decode_attention
-    monkeypatch.setattr(LocalEngine, "_decode_attention",
-                        staticmethod(lambda *a, **k: calls.append(a[1].shape) or decode(*a, **k)))
-    rows = _rows(assets, 2)
-    samples = LocalEngine(policy).generate(rows, 2, 1.0, 1.0, 6, torch.Generator().manual_seed(0))
-    assert calls and all(shape[2] == 1 for shape in calls)  # decode steps: one query per row
-    assert policy.model.config._attn_implementation == "sdpa" and policy.model.training is False
     # The chunk's batched tokenisation is chat_prompt_ids of each row.
     from megaopd.policy import chat_prompt_ids
 
     assert [s.prompt_ids for s in samples[::2]] == [chat_prompt_ids(policy.tokenizer, r.prompt) for r in rows]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_fused_decode_step_matches_the_model_forward(family):
+    """One FusedDecoder step against the model's forward over the same cache, for each family it accepts, with
+    biases (Llama ``attention_bias`` / ``mlp_bias``, Qwen2's q/k/v bias), untrained norm weights and left padding."""
+    from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
+
+    config_cls, model_cls, extra = {
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True}),
+        "llama": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True, "mlp_bias": True}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    }[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, intermediate_size=128, vocab_size=128, **extra)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    batch, width, new = 3, 7, 5
+    ids = torch.randint(0, 128, (batch, width))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=DynamicCache(), use_cache=True)
+        decoder = FusedDecoder(model, out.past_key_values, width + new)
+        additive = torch.zeros((batch, 1, 1, width + new))
+        additive[:, 0, 0, :width].masked_fill_(mask == 0, -torch.inf)
+        token, position, cache = out.logits[:, -1].argmax(-1), positions[:, -1] + 1, out.past_key_values
+        for t in range(new):
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], 1)
+            expected = model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
+                             cache=cache, use_cache=True).logits[:, -1]
+            assert torch.allclose(decoder.step(token, position, width + t, additive), expected, atol=1e-5)
+            token, position = expected.argmax(-1), position + 1
 
 
 def test_micro_batch_without_response_tokens(assets, rollout):
