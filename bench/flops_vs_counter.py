@@ -141,7 +141,9 @@ def main(argv: list[str]) -> None:
         for preset in a.presets:
             model_dir = build_model(preset, tmp / preset)
             rows += rows_for(preset, model_dir, batch, seq, gen_p, gen_r, group)
-            teacher = build_model(preset, tmp / f"{preset}-teacher", seed=1)
+            # OPD's teacher: the next size of the family where there is one (same embedded tokenizer)
+            teacher_preset = {"qwen3-tiny": "qwen3-small", "llama-tiny": "llama-small"}.get(preset, preset)
+            teacher = build_model(teacher_preset, tmp / f"{preset}-teacher", seed=1)
             rows += trainer_rows(preset, model_dir, teacher, tmp / "data", tmp / f"runs-{preset}", group, gen_r)
     print("| model | measurement | FlopCounterMode | analytic (causal=False) | measured / analytic |")
     print("|---|---|---|---|---|")

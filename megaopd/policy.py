@@ -18,7 +18,8 @@ from megaopd.batch import TokenBatch
 from megaopd.config import ModelConfig, OptimConfig
 from megaopd.flops import ModelShape
 
-# (logprobs [b, S-1], full log-softmax [b, S-1, V] or None, micro-batch) -> (per-token loss, per-token metrics)
+# (logprobs [b, S-1], full log-softmax at the N response positions [N, V] (rows in ``response_mask.nonzero()`` order)
+#  or None, micro-batch) -> (per-token loss [b, S-1], per-token metrics)
 TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -147,8 +148,8 @@ class HFPolicy:
 
         Each micro-batch's summed token loss is divided by the token count of the whole minibatch, so gradient
         accumulation gives the same gradient as one big batch (the recurring TRL / verl aggregation bug).
-        ``loss_fn`` gets logprobs [b, S-1] (and the log-softmax [b, S-1, V] when ``full_vocab``) computed at the
-        response positions only and zero elsewhere; the loss is masked to the response anyway.
+        ``loss_fn`` gets logprobs [b, S-1] computed at the response positions only and zero elsewhere (the loss is
+        masked to the response anyway), and with ``full_vocab`` the log-softmax of those N positions, [N, V].
         """
         assert self.optimizer is not None, "this policy was built frozen (no optimizer)"
         total_tokens = batch.response_mask.sum().clamp(min=1.0)
@@ -160,9 +161,8 @@ class HFPolicy:
             mask = mb.response_mask.to(self.device)
             targets = self._targets(mb, where, logits.device)[:, None]
             if full_vocab:
-                full_n = logits.log_softmax(-1)
-                logp_n = full_n.gather(-1, targets).squeeze(-1)
-                full = self._scatter(full_n, where, (*mask.shape, full_n.shape[-1]))
+                full = logits.log_softmax(-1)
+                logp_n = full.gather(-1, targets).squeeze(-1)
             else:
                 logp_n = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
                 full = None

@@ -451,7 +451,8 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
                                                              f" ({len(dirs)} seeds)"), "",
           "## Conventions", "",
           f"- x axis: `flops/total_{x}`, cumulative model FLOPs (1 MAC = 2 FLOPs, backward = 2x forward, causal "
-          "attention halved as in megaopd/flops.py, real token counts); E6 shares and E7 totals always use stage FLOPs "
+          "attention halved, LM head where logits are used, R-1 decode forwards per response, real token counts: "
+          "megaopd/flops.py); E6 shares and E7 totals always use stage FLOPs "
           "(`flops/total_stage`); the ledger table gives all totals.",
           f"- accuracy: `accuracy_{metric}`; curves are the periodic evals on a fixed held-out subset, targets and "
           "per-domain comparisons use the final eval on all held-out prompts. Points at 0 FLOPs are off the log axis.",

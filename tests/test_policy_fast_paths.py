@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from megaopd.batch import collate
-from megaopd.config import ModelConfig, OptimConfig
+from megaopd.config import ModelConfig, OPDConfig, OptimConfig
 from megaopd.data.rows import load_rows
 from megaopd.decode import FusedDecoder
-from megaopd.objectives import clipped_pg_loss, full_vocab_reverse_kl
+from megaopd.objectives import OPD, clipped_pg_loss, full_vocab_reverse_kl
 from megaopd.policy import HFPolicy, token_logprobs
 from megaopd.rollout import LocalEngine, sample_tokens
 
@@ -96,7 +96,9 @@ def _grpo_loss(logp, full, mb):
     return loss, {"clip_fraction": clipped}
 
 
-def _kl_loss(logp, full, mb):
+def _grid_kl_loss(logp, full, mb):
+    """The full-vocabulary KL over the whole [b, S-1, V] grid, as the loss was written before the fast paths (the
+    objective now gets, and computes on, the response positions only)."""
     kl = full_vocab_reverse_kl(full, mb.teacher_full_logprobs)
     return kl, {"reverse_kl": kl.detach()}
 
@@ -117,11 +119,11 @@ def test_train_minibatch_matches_the_full_sequence_update(assets, rollout, form,
         teacher = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny-seed1")))
         with torch.no_grad():
             batch.teacher_full_logprobs = _reference_logits(teacher, batch)[:, :-1].log_softmax(-1)
-        loss_fn, full_vocab = _kl_loss, True
+        ref_loss_fn, loss_fn, full_vocab = _grid_kl_loss, OPD(OPDConfig(form="full_vocab")).token_loss, True
     else:
-        loss_fn, full_vocab = _grpo_loss, False
+        ref_loss_fn, loss_fn, full_vocab = _grpo_loss, _grpo_loss, False
     start = copy.deepcopy(policy.model.state_dict())
-    ref_loss = _reference_step(policy, batch, loss_fn, micro_batch_size)
+    ref_loss = _reference_step(policy, batch, ref_loss_fn, micro_batch_size)
     assert float(ref_loss) != 0
     ref_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
     ref_grads = {n: p.grad.clone() for n, p in policy.model.named_parameters()}

@@ -227,7 +227,7 @@ class MegatronPolicy:
         if full_vocab:
             # Vocabulary-additive loss on this rank's slice; the realised-token logprob for metrics only.
             local = TokenBatch(**{**mb.__dict__, "teacher_full_logprobs": shard.slice(mb.teacher_full_logprobs)})
-            per_token, metrics = loss_fn(shard.token_logprobs(targets).detach(), shard.log_softmax, local)
+            per_token, metrics = loss_fn(shard.token_logprobs(targets).detach(), shard.log_softmax[mask.bool()], local)
             backprop = (per_token * mask).sum()  # this rank's share; the vocab all-reduces sum the gradients
         else:
             per_token, metrics = loss_fn(shard.token_logprobs(targets), None, mb)
