@@ -1,6 +1,8 @@
 """Analytic FLOP calculator for megaopd (the x-axis of every result: held-out accuracy vs training FLOPs).
 
-Implements ``shared/reference/flops.md`` exactly. Conventions (state them in every report):
+Implements ``shared/reference/flops.md`` with two deviations, both so that the ledger bills what runs (the LM head
+only where logits are used; R-1 decode forwards per response; ``megaopd.flop_audit`` checks a real trainer step
+against it). Conventions (state them in every report):
 
 * **1 multiply-accumulate = 2 FLOPs.** Backward = 2x forward, so a training pass = 3x forward.
 * **Model FLOPs, not hardware FLOPs.** Only matmuls count: no activation-recompute forward, no optimizer, no
