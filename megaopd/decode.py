@@ -55,13 +55,14 @@ class FusedDecoder:
         self.layers = []
         for index, layer in enumerate(body.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q_scale = 1.0 if hasattr(attn, "q_norm") else scale  # with q/k norms the scale goes into the q norm
+            has_qk_norm = hasattr(attn, "q_norm")
+            q_scale = 1.0 if has_qk_norm else scale  # with q/k norms the scale goes into the q norm
             w_qkv = torch.cat([attn.q_proj.weight * q_scale, attn.k_proj.weight, attn.v_proj.weight])
             b_qkv = (torch.cat([attn.q_proj.bias * q_scale, attn.k_proj.bias, attn.v_proj.bias])
                      if attn.q_proj.bias is not None else None)
             qk_norm = (torch.cat([(attn.q_norm.weight * scale).expand(self.heads, -1),
                                   attn.k_norm.weight.expand(self.kv_heads, -1)])
-                       if hasattr(attn, "q_norm") else None)
+                       if has_qk_norm else None)
             gate_up_bias = (torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
                             if mlp.gate_proj.bias is not None else None)
             keys, values = cache.layers[index].keys, cache.layers[index].values

@@ -247,8 +247,8 @@ class Trainer:
                                   [0.0] * len(response), "stop", 0))
         batch = collate(samples, policy.pad_id)
         update = policy.train_minibatch(batch, lambda logp, full, mb: (-logp, {}), cfg.train.micro_batch_size)
-        self.ledger.add("train", sum(flops.train_flops(policy.shape, len(s.prompt_ids) + len(s.response_ids),
-                                                       head_positions=len(s.response_ids)) for s in samples))
+        self.ledger.add("train", 3 * flops.scoring_flops(policy.shape, [len(s.prompt_ids) for s in samples],
+                                                         [len(s.response_ids) for s in samples], group_size=1))
         return {f"train/{k}": v for k, v in update.items()}
 
     def _sft_band_reached(self, eval_metrics: dict[str, float]) -> bool:
