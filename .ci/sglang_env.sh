@@ -30,14 +30,11 @@ free=$(free_gb)
 
 python3 -m venv "$VENV" || exit 1
 log=$(mktemp)
+trap 'rm -f "$log"' EXIT
 if ! "$VENV/bin/python" -m pip install --quiet --no-cache-dir sglang==0.5.23 2>"$log"; then
   grep -v "is ignored: it is neither a file nor a directory" "$log" >&2
-  if grep -q -e "No space left on device" -e "Errno 28" "$log"; then
-    rm -f "$log"
+  grep -q -e "No space left on device" -e "Errno 28" "$log" &&
     give_up "the disk filled while installing sglang into $VENV (it had $free GB free before)"
-  fi
-  rm -f "$log"
   exit 1
 fi
-rm -f "$log"
 touch "$VENV/.installed"

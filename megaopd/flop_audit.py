@@ -52,7 +52,13 @@ def audit_rl_step(cfg: RunConfig) -> dict[str, Audit]:
         trainer = Trainer(cfg)
         try:
             rollout, samples = counted("rollout", trainer.engine.generate), []
-            trainer.engine.generate = lambda *args, **kwargs: samples.extend(rollout(*args, **kwargs)) or samples
+
+            def generate(*args, **kwargs):  # keeps the step's samples: their real lengths give the formulas
+                out = rollout(*args, **kwargs)
+                samples.extend(out)
+                return out
+
+            trainer.engine.generate = generate
             trainer.policy.logprobs = counted("old_logprob", trainer.policy.logprobs)
             trainer.policy.train_minibatch = counted("train", trainer.policy.train_minibatch)
             frozen = {"reference": [trainer.reference] if trainer.reference else [],

@@ -114,9 +114,10 @@ class OPD:
     def token_loss(self, logp, full, mb: TokenBatch):
         if self.full_vocab:
             # `full` holds the student's N response positions only; the KL is computed there and placed in the grid.
-            where = mb.response_mask.to(full.device).bool()
-            kl_n = full_vocab_reverse_kl(full, mb.teacher_full_logprobs.to(full.device)[where])
-            kl = logp.new_zeros(logp.shape).index_put_(where.nonzero(as_tuple=True), kl_n)
+            where, teacher = mb.response_mask.bool(), mb.teacher_full_logprobs
+            teacher_n = teacher[where.to(teacher.device)].to(full.device)  # pick the N rows first, then move them
+            kl_n = full_vocab_reverse_kl(full, teacher_n)
+            kl = logp.new_zeros(logp.shape).index_put_(where.to(logp.device).nonzero(as_tuple=True), kl_n)
             return kl, {"reverse_kl": kl.detach()}
         loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip, self.cfg.clip)
         if mb.is_weights is not None:

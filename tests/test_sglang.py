@@ -1,8 +1,9 @@
 """A real SGLang 0.5.23 server on CPU serving the embedded tiny model: rollouts, verified weight sync, teachers.
 
 SGLang lives in its own environment (it pins torch 2.14.1): `make test` builds `.venv-sglang` and points
-MEGAOPD_SGLANG_PYTHON at it; where the disk cannot hold it, MEGAOPD_SGLANG_UNAVAILABLE says why and these skip. Every server is launched through megaopd's own `SGLangServer` and stopped by its
-process group when the test ends, passed or failed.
+MEGAOPD_SGLANG_PYTHON at it; where the disk cannot hold it, MEGAOPD_SGLANG_UNAVAILABLE says why and these skip.
+Every server is launched through megaopd's own `SGLangServer` and stopped by its process group when the test ends,
+passed or failed.
 """
 
 from __future__ import annotations
