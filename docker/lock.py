@@ -23,6 +23,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 ROOT = Path(__file__).resolve().parents[1]
 REGENERATE = "make lock"
 
@@ -38,8 +40,9 @@ IMAGES = {
     # The embedded default on CPU: torch's CPU build (the file on this disk in CI, PyTorch's CPU index in the image).
     "cpu": Image("cpu", ("verifiers",), ("torch==2.13.0",)),
     # Trainer and servers in one environment, built around the torch that SGLang pins. Transformer Engine from
-    # PyPI: its CUDA core is a wheel, its torch extension a source package built in the image against that torch.
-    "gpu": Image("gpu", ("verifiers", "megatron"), ("sglang==0.5.23", "transformer-engine[pytorch]")),
+    # PyPI: its CUDA core is a wheel, its torch extension a source package built in the image against that torch
+    # (with --no-build-isolation, so its setup.py's imports must be in the set: wheel).
+    "gpu": Image("gpu", ("verifiers", "megatron"), ("sglang==0.5.23", "transformer-engine[pytorch]", "wheel")),
 }
 
 
@@ -67,9 +70,19 @@ def inputs_sha256(image: Image, pyproject: Path = ROOT / "pyproject.toml") -> st
 
 
 @dataclass
+class Pin:
+    version: str
+    # A package pip builds from source in the image: what its metadata required at resolution time (its
+    # metadata comes from running its setup.py, which for Transformer Engine's torch extension needs a CUDA torch:
+    # the tests check these against the lock without building it again).
+    requires: list[str] | None = None
+
+
+@dataclass
 class Lock:
     header: dict[str, str]  # "key: value" comment lines at the top
     pins: dict[str, str]  # canonical name -> version
+    from_source: dict[str, list[str]]  # canonical name -> its recorded requirements
 
     @property
     def inputs_sha256(self) -> str:
@@ -77,23 +90,27 @@ class Lock:
 
 
 def read_lock(path: Path) -> Lock:
-    header, pins = {}, {}
+    header, pins, from_source = {}, {}, {}
     for number, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.split(" #", 1)[0].strip()
         if raw.startswith("# ") and ": " in raw and not pins:
             key, value = raw[2:].split(": ", 1)
             header[key.strip()] = value.strip()
+        if raw.startswith("#   requires: ") and pins:
+            from_source[list(pins)[-1]].append(raw.split(": ", 1)[1])
+        if raw.endswith("# built from source"):
+            from_source[canonical(line.partition("==")[0])] = []
         if not line or line.startswith("#"):
             continue
         name, sep, version = line.partition("==")
         if not sep or not version:
             raise ValueError(f"{path}:{number}: expected name==version, got {raw!r}")
         pins[canonical(name)] = version
-    return Lock(header, pins)
+    return Lock(header, pins, from_source)
 
 
-def resolve(image: Image, python: str = sys.executable) -> tuple[dict[str, tuple[str, bool]], str]:
-    """pip's resolution of megaopd[extras] + the image's requirements: {name: (version, built_from_source)}."""
+def resolve(image: Image, python: str = sys.executable) -> tuple[dict[str, Pin], str]:
+    """pip's resolution of megaopd[extras] + the image's requirements, and pip's version."""
     target = f"{ROOT}[{','.join(image.extras)}]"
     command = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", "-",
                target, *image.requirements]
@@ -106,12 +123,15 @@ def resolve(image: Image, python: str = sys.executable) -> tuple[dict[str, tuple
         name = canonical(item["metadata"]["name"])
         if name == "megaopd":
             continue
-        url = item["download_info"]["url"]
-        pins[name] = (item["metadata"]["version"], not url.endswith(".whl"))
+        metadata = item["metadata"]
+        requires = [r for r in metadata.get("requires_dist", [])  # those of the package itself, not of its extras
+                    if not (m := Requirement(r).marker) or m.evaluate({"extra": ""})]
+        from_source = not item["download_info"]["url"].endswith(".whl")
+        pins[name] = Pin(metadata["version"], requires if from_source else None)
     return dict(sorted(pins.items())), report["pip_version"]
 
 
-def write_lock(image: Image, pins: dict[str, tuple[str, bool]], pip_version: str) -> Path:
+def write_lock(image: Image, pins: dict[str, Pin], pip_version: str) -> Path:
     python = f"CPython {platform.python_version()} {sys.platform} {platform.machine()}"
     lines = [f"# The {image.name} image's requirement set, pinned by pip's resolver; do not edit by hand.",
              f"# regenerate: {REGENERATE}   (python docker/lock.py {image.name})",
@@ -119,8 +139,11 @@ def write_lock(image: Image, pins: dict[str, tuple[str, bool]], pip_version: str
              f"# inputs: megaopd[{','.join(image.extras)}] {' '.join(image.requirements)}",
              f"# inputs-sha256: {inputs_sha256(image)}",
              f"# packages: {len(pins)}"]
-    for name, (version, from_source) in pins.items():
-        lines.append(f"{name}=={version}" + ("  # built from source" if from_source else ""))
+    for name, pin in pins.items():
+        if pin.requires is None:
+            lines.append(f"{name}=={pin.version}")
+        else:
+            lines += [f"{name}=={pin.version}  # built from source", *(f"#   requires: {r}" for r in pin.requires)]
     path = lock_path(image.name)
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -61,9 +61,9 @@ def table_in_doc(doc: Path = DOC) -> str:
 
 
 def write_table(doc: Path = DOC) -> Path:
-    text = doc.read_text()
-    old = table_in_doc(doc)
-    doc.write_text(text.replace(f"{BEGIN}\n{old}\n{END}", f"{BEGIN}\n{table()}\n{END}", 1))
+    table_in_doc(doc)  # the markers are there
+    before, rest = doc.read_text().split(BEGIN, 1)
+    doc.write_text(f"{before}{BEGIN}\n{table()}\n{END}{rest.split(END, 1)[1]}")
     return doc
 
 

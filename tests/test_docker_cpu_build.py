@@ -46,16 +46,19 @@ def env_pairs(args: str) -> dict[str, str]:
     return dict(pair.split("=", 1) for pair in shlex.split(args))
 
 
-def copy_context(source: str, dest: Path) -> None:
+def copy_context(source: str, workdir: Path, dest: str) -> None:
+    """COPY SOURCE DEST: `.` is the tracked files (what a clone has); a DEST ending in / is a folder."""
+    target = workdir / dest
     if source == ".":
         files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, text=True,
                                check=True, timeout=60).stdout.split("\0")
         for name in filter(None, files):
             if (ROOT / name).is_file():
-                (dest / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / name, dest / name)
+                (target / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, target / name)
     else:
-        target = dest / Path(source).name if str(dest).endswith("/") or dest.is_dir() else dest
+        if dest.endswith("/"):
+            target = target / Path(source).name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / source, target)
 
@@ -92,7 +95,7 @@ def test_cpu_image_run_steps_build_a_working_environment(tmp_path):
         elif keyword == "COPY":
             *sources, dest = shlex.split(args)
             for source in sources:
-                copy_context(source, workdir / dest if dest != "." else workdir)
+                copy_context(source, workdir, dest)
         elif keyword == "RUN":
             start = time.monotonic()
             result = subprocess.run(["bash", "-c", args], cwd=workdir, env=env, capture_output=True, text=True,

@@ -81,6 +81,8 @@ def quoted_in_markdown(path: Path) -> list[Quoted]:
 
 def quoted_in_docker(text: str, name: str) -> list[Quoted]:
     """Usage lines: `#   command` in a Dockerfile, an indented command line in a script's docstring."""
+    if name.endswith(".py"):
+        text = '"""'.join(text.split('"""')[:2])  # the module docstring, not the code after it
     pattern = r"#\s{2,}(\S.*)" if name.startswith("Dockerfile") else r"\s{4}(\S.*)"
     found = [(n, m.group(1)) for n, line in enumerate(text.splitlines(), 1)
              if (m := re.fullmatch(pattern, line)) and _starts_with_command(m.group(1))]
@@ -94,8 +96,9 @@ def all_quoted() -> list[Quoted]:
 
 
 def segments(text: str) -> list[list[str]]:
+    text = re.sub(r"(^|\s)#.*", "", text)  # a comment starts a word: `docker://host#repo:tag` is no comment
     lexer = shlex.shlex(text, posix=True, punctuation_chars=";&|")
-    lexer.whitespace_split, lexer.commenters = True, "#"
+    lexer.whitespace_split, lexer.commenters = True, ""
     out: list[list[str]] = [[]]
     for token in lexer:
         if token in SEPARATORS:
@@ -162,9 +165,12 @@ def source_problems(kind: str, name: str, args: list[str]) -> list[str]:
         if not path.exists():
             return []  # path_problems reports it
     else:
-        if not name.startswith("megaopd"):
-            return []  # another package's module (sglang.launch_server)
-        spec = importlib.util.find_spec(name)
+        if not re.fullmatch(r"megaopd(\.\w+)*", name):
+            return []  # another package's module (sglang.launch_server), or a placeholder (megaopd...)
+        try:
+            spec = importlib.util.find_spec(name)
+        except ModuleNotFoundError:
+            spec = None
         if spec is None or spec.origin is None:
             return [f"no module {name}"]
         path = Path(spec.origin)
