@@ -63,12 +63,12 @@ def test_lock_matches_pyproject(image):
 
 def test_changing_a_pin_in_pyproject_makes_the_lock_stale(tmp_path):
     original = (ROOT / "pyproject.toml").read_text()
-    assert '"megatron-core==0.16.1"' in original
+    (pin,) = re.findall(r'"megatron-core==([^"]+)"', original)
     changed = tmp_path / "pyproject.toml"
-    changed.write_text(original.replace('"megatron-core==0.16.1"', '"megatron-core==0.16.0"'))
+    changed.write_text(original.replace(f'"megatron-core=={pin}"', '"megatron-core==0.0.1"'))
     gpu, pins = lock.IMAGES["gpu"], lock.read_lock(lock.lock_path("gpu")).pins
     assert lock.inputs_sha256(gpu, changed) != lock.inputs_sha256(gpu)
-    assert unsatisfied(gpu, pins, changed) == [f"megatron-core==0.16.0: the lock has {pins['megatron-core']}"]
+    assert unsatisfied(gpu, pins, changed) == [f"megatron-core==0.0.1: the lock has {pins['megatron-core']}"]
     # An extra the CPU image does not install leaves its lock as it is.
     assert lock.inputs_sha256(lock.IMAGES["cpu"], changed) == lock.inputs_sha256(lock.IMAGES["cpu"])
 

@@ -92,7 +92,8 @@ def quoted_in_docker(text: str, name: str) -> list[Quoted]:
 def all_quoted() -> list[Quoted]:
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     docker = sorted(p for p in (ROOT / "docker").iterdir() if p.name.startswith("Dockerfile") or p.suffix == ".py")
-    return [q for p in docs for q in quoted_in_markdown(p)] + [q for p in docker for q in quoted_in_docker(p.read_text(), p.name)]
+    return ([q for p in docs for q in quoted_in_markdown(p)]
+            + [q for p in docker for q in quoted_in_docker(p.read_text(), p.name)])
 
 
 def segments(text: str) -> list[list[str]]:
