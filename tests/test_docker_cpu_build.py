@@ -2,7 +2,7 @@
 
 The Dockerfile is read here, not copied: FROM must name this interpreter's Python version, ENV is applied,
 WORKDIR and COPY map into a scratch folder (`COPY . .` copies the tracked files, what a clone has), each RUN
-line runs under bash with the venv first on PATH (so `pip` is the venv's), and the CMD must exit 0 at the end.
+line runs under /bin/sh, as Docker runs it, with the venv first on PATH (so `pip` is the venv's), and the CMD must exit 0 at the end.
 Two ENV values are the image's own and are left out here: PyTorch's CPU index (CI reaches PyPI only; the file
 of torch 2.13.0+cpu lies on the CI machine's disk, where pip's configuration finds it, as for `make setup`)
 and PIP_NO_CACHE_DIR (CI reuses pip's cache between runs; an image has no use for one).
@@ -99,7 +99,7 @@ def test_cpu_image_run_steps_build_a_working_environment(tmp_path):
                 copy_context(source, workdir, dest)
         elif keyword == "RUN":
             start = time.monotonic()
-            result = subprocess.run(["bash", "-c", args], cwd=workdir, env=env, capture_output=True, text=True,
+            result = subprocess.run(["/bin/sh", "-c", args], cwd=workdir, env=env, capture_output=True, text=True,
                                     timeout=1500)
             timings.append((args, time.monotonic() - start))
             assert result.returncode == 0, f"RUN {args}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
