@@ -5,7 +5,7 @@ EXTRAS ?= dev,verifiers,cluster,nemo,bench,megatron
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup setup-sglang demo test
+.PHONY: setup setup-sglang demo test lock
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -31,3 +31,8 @@ test: setup setup-sglang
 	MEGAOPD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	MEGAOPD_SGLANG_UNAVAILABLE="$$(cat $(SGLANG_VENV).unavailable 2>/dev/null)" \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; exit $$status
+
+# The images' locked requirement sets (docker/requirements-*.lock) and the versions table in docs/docker.md, from
+# pip's resolver on this Python (3.11, the images' own); minutes: see docs/docker.md.
+lock: setup
+	$(PY) docker/lock.py
