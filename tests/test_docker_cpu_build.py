@@ -75,6 +75,7 @@ def test_instructions_parse_the_dockerfile():
 
 @pytest.mark.slow
 @pytest.mark.registry
+@pytest.mark.timeout(1800)  # a fresh venv from the registry: 6-11 min measured on a loaded machine
 def test_cpu_image_run_steps_build_a_working_environment(tmp_path):
     steps = instructions(DOCKERFILE.read_text())
     python = re.fullmatch(r"python:(\d+\.\d+)[-.\w]*", steps[0][1])

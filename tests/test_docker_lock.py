@@ -109,6 +109,7 @@ def test_versions_table_in_the_doc_is_generated_from_the_locks():
 
 @pytest.mark.slow
 @pytest.mark.registry
+@pytest.mark.timeout(1500)  # the GPU set: 5.5 min measured on a loaded machine
 @pytest.mark.parametrize("image", IMAGES)
 def test_pip_resolves_the_locked_set_as_it_stands(image, tmp_path):
     """pip's resolver, asked for the locked pins, answers with exactly those pins.
