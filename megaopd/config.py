@@ -44,6 +44,9 @@ class ModelConfig:
     # keeps fp32 master weights and optimizer state beside them (master_dtype), so small updates are not lost.
     dtype: str = "float32"
     master_dtype: str = "float32"  # optimizer's copy of the weights and its Adam state; = dtype keeps no copy
+    # HF backend: keep only each layer's input for backward and recompute the layer (one more forward per train
+    # pass, not billed: the ledger counts model FLOPs); what fits 4k-token responses at micro-batch 8 on one GPU.
+    activation_checkpointing: bool = False
     device: str = "cpu"
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 

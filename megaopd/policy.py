@@ -64,6 +64,8 @@ class HFPolicy:
             self.model.eval().requires_grad_(False)
         else:
             self.model.train()
+            if cfg.activation_checkpointing:
+                self.model.gradient_checkpointing_enable({"use_reentrant": False})
             weights = list(self.model.parameters())
             if mixed:
                 self.masters = [p.detach().clone() for p in weights]
