@@ -233,7 +233,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     items.append(Item("optimizer state (Adam, 2 moments)", "all", 2 * local * master_b / shard + steps,
                       "model.megatron.distributed_optimizer=true" if megatron else fits_more))
     grad_b = 4 if megatron else (master_b if mixed else b)
-    items.append(Item("gradients", "all" if megatron else "train", local * grad_b, fits_more))
+    items.append(Item("gradients", "all", local * grad_b, fits_more))  # kept from one update to the next
 
     seq = p.prompt_tokens + r.max_new_tokens
     rows_per_mb = min(t.micro_batch_size, t.prompts_per_step * r.samples_per_prompt)

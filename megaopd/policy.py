@@ -199,8 +199,8 @@ class HFPolicy:
         return hook
 
     def _optimizer_step(self) -> torch.Tensor:
-        """Clip, step the optimizer (on the masters when mixed), round the masters into the compute weights, and
-        free the gradients so that they do not sit beside the next rollout's KV cache."""
+        """Clip, step the optimizer (on the masters when mixed) and round the masters into the compute weights.
+        The clipped gradients stay until the next minibatch (tests and diagnostics read them)."""
         weights = self.masters or list(self.model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(weights, self.grad_clip or math.inf)
         self.optimizer.step()
@@ -208,7 +208,6 @@ class HFPolicy:
         if self.masters:
             with torch.no_grad():
                 torch._foreach_copy_(list(self.model.parameters()), self.masters)
-        self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def state_dict(self) -> dict:
