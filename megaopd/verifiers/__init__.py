@@ -1,7 +1,10 @@
 """Rewards: one verifier per task, looked up by a row's ``data_source`` and then its ``ability``.
 
 A verifier is a plain function ``(response_text, ground_truth, extra_info) -> float`` in [0, 1]. It costs no model
-FLOPs (the ledger logs its wall time only). Implementations register themselves by name:
+FLOPs (the ledger logs its wall time only). :func:`score`, the call training makes, never raises for a response:
+a verifier that fails scores 0 and the failure is counted by reason (:func:`verifier_errors`, logged by the trainer
+as ``rollout/verifier_errors``). Only set-up errors raise: no verifier for the row, or a machine that cannot
+sandbox code. Implementations register themselves by name:
 
     @register("synthetic/add")
     def score_add(response, ground_truth, extra_info): ...
@@ -9,11 +12,18 @@ FLOPs (the ledger logs its wall time only). Implementations register themselves 
 
 from __future__ import annotations
 
+import collections
 import difflib
 import importlib
+import logging
+import math
+import threading
 from typing import Any, Callable
 
 from megaopd.data.rows import Row
+from megaopd.verifiers.sandbox import SandboxUnavailable
+
+log = logging.getLogger(__name__)
 
 Verifier = Callable[[str, Any, dict], float]
 
@@ -57,5 +67,30 @@ def get_verifier(row: Row) -> Verifier:
                    f"known: {sorted(_REGISTRY)}")
 
 
+_errors: collections.Counter[str] = collections.Counter()
+_errors_lock = threading.Lock()
+
+
+def verifier_errors() -> dict[str, int]:
+    """Failures of the verifiers themselves since start, by reason (a running count: callers take differences)."""
+    with _errors_lock:
+        return dict(_errors)
+
+
 def score(row: Row, response: str) -> float:
-    return float(get_verifier(row)(response, row.ground_truth, row.extra_info))
+    """The row's reward for ``response`` in [0, 1]; a verifier failure is 0, logged and counted, never raised."""
+    verifier = get_verifier(row)
+    try:
+        value = float(verifier(response, row.ground_truth, row.extra_info))
+        if not 0.0 <= value <= 1.0 or math.isnan(value):
+            raise ValueError(f"score {value} outside [0, 1]")
+        return value
+    except SandboxUnavailable:
+        raise
+    except Exception as e:  # noqa: BLE001: any failure of the harness is a 0 with its reason, not a dead run
+        reason = getattr(e, "reason", type(e).__name__)
+        with _errors_lock:
+            _errors[reason] += 1
+        log.warning("verifier %s failed on a %s row (%s): %s", getattr(verifier, "__name__", verifier), row.data_source,
+                    reason, str(e)[:300])
+        return 0.0
