@@ -70,6 +70,7 @@ def candidate(*args):
     raise error() if isinstance(error, type) and issubclass(error, Exception) else RuntimeError(line[1:-1])
 ns = {"__name__": "__check__"}
 exec(compile(spec["prompt"], "prompt.py", "exec"), ns)
+ns[spec["entry_point"]] = candidate  # as in HumanEval, where the test shares the solution's globals
 exec(compile(spec["test"], "test.py", "exec"), ns)
 ns["check"](candidate)
 verdict.write("pass\n")
@@ -208,7 +209,7 @@ def run_checker(program: str, spec: dict, limits: Limits) -> Result | bool:
         os.close(reply_r)
     try:
         try:
-            checker.stdin.write(json.dumps({"prompt": spec.get("prompt", ""), "test": spec["test"]}).encode())
+            checker.stdin.write(json.dumps({key: spec.get(key, "") for key in ("prompt", "test", "entry_point")}).encode())
             checker.stdin.close()
         except BrokenPipeError:
             pass
@@ -217,13 +218,13 @@ def run_checker(program: str, spec: dict, limits: Limits) -> Result | bool:
     finally:
         os.close(request_r)
         os.close(reply_w)
-        try:
-            verdict = checker.communicate(timeout=limits.wall_s)[0]
+        try:  # its stdout holds the verdict only (a few bytes), so waiting before reading cannot deadlock
+            checker.wait(timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
-            verdict = b""
-        finally:
             checker.kill()
             checker.wait()
+        verdict = checker.stdout.read() if checker.returncode == 0 else b""
+        checker.stdout.close()
     if result.status == "sandbox_error":
         return result
     return result.ok and verdict == b"pass\n"
