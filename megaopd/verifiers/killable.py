@@ -62,12 +62,16 @@ class _Worker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      env=env, start_new_session=True)
         self._pending = b""
-        if self._line(time.monotonic() + startup_s) != b"ready":
+        try:
+            ready = self._line(time.monotonic() + startup_s) == b"ready"
+        except WorkerFailed:
+            ready = False
+        if not ready:
             self.kill()
             raise WorkerFailed(f"worker for {target} did not start within {startup_s:.0f} s")
 
     def _line(self, deadline: float) -> bytes | None:
-        """The next line from the worker, or None if none comes before ``deadline`` (or it died)."""
+        """The next line from the worker, None if none comes before ``deadline``; WorkerFailed if it died."""
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._pending:
             left = deadline - time.monotonic()
@@ -75,7 +79,8 @@ class _Worker:
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                return None
+                self.proc.wait()
+                raise WorkerFailed("worker died")
             self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
         return line
@@ -88,7 +93,7 @@ class _Worker:
             raise WorkerFailed(f"worker is gone: {e}") from None
         line = self._line(time.monotonic() + timeout_s)
         if line is None:
-            raise CallTimeout() if self.proc.poll() is None else WorkerFailed("worker died during a call")
+            raise CallTimeout()
         reply = json.loads(line)
         if "error" in reply:
             raise WorkerFailed(reply["error"])
