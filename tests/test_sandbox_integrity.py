@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
+import megaopd
 from megaopd.data.rows import Row
 from megaopd.verifiers import sandbox, score
 from megaopd.verifiers.code import score_code
 from test_sandbox_adversarial import LIMITS, attack, leftover_processes, mode  # noqa: F401 (mode is a fixture)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(megaopd.__file__).resolve().parents[1]  # the megaopd under test (a non-root user must read it)
 
 
 def secret_rows(secret: str) -> dict[str, dict]:
@@ -76,16 +77,13 @@ def f(*args):
 
 
 def test_replacing_what_the_harness_calls_does_not_pass(mode):
-    """Rebinding builtins and streams the harness would use after the program ran (exec, compile, print, json,
-    sys.stdout.write) only changes the program's own process."""
+    """Rebinding what the harness would use after the program ran (exec, compile, json) only changes the
+    program's own process."""
     program = """
-import builtins, json, sys
-real_exec = builtins.exec
+import builtins, json
 builtins.exec = lambda code, ns=None, *a: ns.update(check=lambda c: None) if isinstance(ns, dict) else None
 builtins.compile = lambda *a, **k: "pass"
-builtins.print = lambda *a, **k: None
 json.dumps = lambda *a, **k: '"forged"'
-sys.stdout.write = lambda s: 0
 def f(*args):
     return None
 """
@@ -197,8 +195,12 @@ def heartbeat():
     for i in range(100):
         open("/dev/shm/{token}-%d" % i, "w").close()
         time.sleep(0.05)
-threading.Thread(target=heartbeat).start()
-ctypes.CDLL(None).syscall({exit_thread}, 0)  # exit the main thread only: the leader shows as a zombie
+if os.fork() == 0:  # a daemon out of the process group...
+    os.setsid()
+    threading.Thread(target=heartbeat).start()
+    time.sleep(0.2)
+    ctypes.CDLL(None).syscall({exit_thread}, 0)  # ...whose main thread exits: its leader shows as a zombie
+time.sleep(0.5)
 """
     attack(body)
     time.sleep(0.3)
@@ -265,7 +267,7 @@ print(json.dumps(score_code("```python\\n" + program + "\\n```", {"inputs": [""]
 def test_a_non_root_trainer_keeps_its_files_or_refuses_to_start(tmp_path):
     """As an unprivileged trainer (here `nobody`), the program cannot read or rewrite that user's files; where the
     full guarantee is not available the sandbox refuses at start-up, naming what is missing."""
-    home = Path(f"/var/tmp/megaopd-nonroot-{os.getpid()}")
+    home = Path(f"/var/cache/megaopd-nonroot-{os.getpid()}")  # outside /tmp: the user's own files
     home.mkdir(mode=0o700)
     try:
         secret = "zq-" + secrets.token_hex(12)
@@ -316,7 +318,7 @@ def test_malformed_replies_never_crash_score(mode):
     assert score(row, f"```python\n{FORGER}\n```") == 0.0
 
 
-def test_a_scratch_tree_thousands_deep_is_removed_and_the_uid_released(mode):
+def test_a_scratch_tree_deeper_than_path_max_is_removed_and_the_uid_released(mode):
     """Deeper than Python's recursion limit and than PATH_MAX (1,200 levels of 5 characters)."""
     body = """
 import os
