@@ -67,6 +67,21 @@ def get_verifier(row: Row) -> Verifier:
                    f"known: {sorted(_REGISTRY)}")
 
 
+def check_ready(rows: list[Row]) -> None:
+    """Start-up check: if any row's verifier runs programs, this machine must be able to sandbox them
+    (SandboxUnavailable names what is missing), so a run fails now rather than at its first code row."""
+    for row in {(r.data_source, r.ability): r for r in rows}.values():
+        try:
+            verifier = get_verifier(row)
+        except KeyError:
+            continue  # reported when the row is scored (an SFT run never scores)
+        if getattr(verifier, "needs_sandbox", False):
+            from megaopd.verifiers.sandbox import isolation
+
+            log.info("code sandbox: %s", isolation())
+            return
+
+
 _errors: collections.Counter[str] = collections.Counter()
 _errors_lock = threading.Lock()
 

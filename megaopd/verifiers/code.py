@@ -225,6 +225,9 @@ def score_code(response: str, ground_truth: Any, extra_info: dict) -> float:
     return _run_tests(program, spec, _limits(extra_info), bool(extra_info.get("partial_credit", False)))
 
 
+score_code.needs_sandbox = True  # verifiers.check_ready probes the sandbox at start-up for rows scored here
+
+
 def score_many(responses: Sequence[str], ground_truths: Sequence[Any], extra_infos: Sequence[dict],
                workers: int | None = None) -> list[float]:
     """Score many responses at once on a pool of ``workers`` (default: one per core); results in input order."""

@@ -245,12 +245,11 @@ def run_python(source: str, stdin: str | int = "", limits: Limits = Limits(), fi
     except OSError as e:
         return Result("sandbox_error", -1, "", f"sandbox failed: {e}", 0.0)
     finally:
-        if uid is not None and not iso.namespaces:
-            if kill_uid(uid):  # a uid whose processes survive is never handed out again
-                _sweep_files(uid, iso.swept)
-                _slots.release(uid)
-        elif uid is not None:
-            _slots.release(uid)  # the namespace's init took every process with it
+        # The namespace dies with its init, but asynchronously to our wait; as root we make sure before the uid is
+        # reused. A uid whose processes survive SIGKILL is never handed out again.
+        if uid is not None and kill_uid(uid):
+            _sweep_files(uid, iso.swept)
+            _slots.release(uid)
         if root is not None:
             remove_tree(str(root))
 
