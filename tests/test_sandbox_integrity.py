@@ -242,8 +242,7 @@ for d in {dirs!r}:
         pass
 """
     attack(body)
-    assert [d for d in dirs if os.path.exists(os.path.join(d, token)) or os.path.exists(os.path.join(d, token + ".d"))] \
-        == []
+    assert [p for d in dirs for p in (os.path.join(d, token), os.path.join(d, token + ".d")) if os.path.exists(p)] == []
 
 
 NONROOT_SCRIPT = """
@@ -275,7 +274,8 @@ def test_a_non_root_trainer_keeps_its_files_or_refuses_to_start(tmp_path):
         (home / "victim.py").write_text("original")
         subprocess.run(["chown", "-R", "nobody:nogroup", str(home)], check=True)
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(home)}
-        cmd = [shutil.which("runuser"), "-u", "nobody", "--", "/usr/bin/python3", "-c", NONROOT_SCRIPT, str(home), secret]
+        python = sandbox.isolation().python  # one an unprivileged user can run
+        cmd = [shutil.which("runuser"), "-u", "nobody", "--", python, "-c", NONROOT_SCRIPT, str(home), secret]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=str(home))
         if "SandboxUnavailable" in done.stderr:  # user namespaces are off here: the refusal is the guarantee
             assert "user namespaces" in done.stderr

@@ -50,7 +50,8 @@ def kill_uid(uid: int, timeout_s: float = 10.0) -> bool:
             return False
         try:
             subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[], stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=5, env={"PATH": "/usr/bin:/bin"})
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=5,
+                           env={"PATH": "/usr/bin:/bin"})
         except (OSError, subprocess.SubprocessError) as e:
             log.error("sandbox uid %d: kill -1 failed: %s", uid, e)
         time.sleep(0.002)

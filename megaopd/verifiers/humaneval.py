@@ -209,7 +209,8 @@ def run_checker(program: str, spec: dict, limits: Limits) -> Result | bool:
         os.close(reply_r)
     try:
         try:
-            checker.stdin.write(json.dumps({key: spec.get(key, "") for key in ("prompt", "test", "entry_point")}).encode())
+            task = {key: spec.get(key, "") for key in ("prompt", "test", "entry_point")}
+            checker.stdin.write(json.dumps(task).encode())
             checker.stdin.close()
         except BrokenPipeError:
             pass
