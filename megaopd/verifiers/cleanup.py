@@ -1,4 +1,5 @@
-"""Leave nothing behind after a sandboxed run, without ever raising: kill a uid's processes, remove trees.
+"""Leave nothing behind after a sandboxed run, without ever raising: kill a uid's processes, remove trees, and
+(fallback mode) remove what the uid left in world-writable directories.
 
 Both run in the verifier's ``finally`` blocks, so a failure here must not escape (it would stop training and, in the
 fallback mode, keep a uid slot busy forever): errors are logged and counted, never raised.
@@ -137,3 +138,43 @@ def _quietly(fn, *args, **kwargs) -> bool:
     except OSError as e:
         log.error("cleanup: %s%s: %s", fn.__name__, args, e)
         return False
+
+
+def world_writable_dirs() -> tuple[str, ...]:
+    """Directories any uid may create files in, two levels down from / (the fallback sweeps these)."""
+    found = []
+    level = ["/"]
+    for _ in range(3):
+        below = []
+        for top in level:
+            try:
+                entries = list(os.scandir(top))
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.path in ("/proc", "/sys") or not entry.is_dir(follow_symlinks=False):
+                    continue
+                try:
+                    if entry.stat(follow_symlinks=False).st_mode & 0o002:
+                        found.append(entry.path)
+                    below.append(entry.path)
+                except OSError:
+                    pass
+        level = below
+    return tuple(sorted(found))
+
+
+def sweep_files(uid: int, dirs: tuple[str, ...]) -> None:
+    """Remove what the uid left in world-writable directories (fallback only: namespaces give fresh, private
+    ones)."""
+    for top in dirs:
+        try:
+            entries = list(os.scandir(top))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid == uid:
+                    remove_tree(entry.path)
+            except OSError:
+                pass

@@ -37,8 +37,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megaopd.verifiers.cleanup import kill_uid, live_pids_of_uid, remove_tree
-from megaopd.verifiers.sandbox_init import CHILD, NS_INIT
+from megaopd.verifiers.cleanup import kill_uid, live_pids_of_uid, remove_tree, sweep_files, world_writable_dirs
+from megaopd.verifiers.sandbox_init import CHILD, INIT_FAILED as _INIT_FAILED, NS_INIT
 
 __all__ = ["Limits", "Result", "Isolation", "SandboxUnavailable", "isolation", "run_python", "live_pids_of_uid",
            "default_workers", "describe"]
@@ -122,30 +122,6 @@ def _probe_python(python: str, uid: int | None) -> tuple[str, list[str]] | None:
         return None
 
 
-def _world_writable_dirs() -> tuple[str, ...]:
-    """Directories any uid may create files in, two levels down from / (the fallback sweeps these)."""
-    found = []
-    level = ["/"]
-    for _ in range(3):
-        below = []
-        for top in level:
-            try:
-                entries = list(os.scandir(top))
-            except OSError:
-                continue
-            for entry in entries:
-                if entry.path in ("/proc", "/sys") or not entry.is_dir(follow_symlinks=False):
-                    continue
-                try:
-                    if entry.stat(follow_symlinks=False).st_mode & 0o002:
-                        found.append(entry.path)
-                    below.append(entry.path)
-                except OSError:
-                    pass
-        level = below
-    return tuple(sorted(found))
-
-
 @functools.lru_cache(maxsize=None)
 def isolation() -> Isolation:
     """Probe once which isolation this machine allows (env MEGAOPD_SANDBOX_NAMESPACES=0 turns namespaces off) and
@@ -178,9 +154,20 @@ def isolation() -> Isolation:
     trees = [t for t in _SYSTEM_TREES if os.path.isdir(t) and not os.path.islink(t)]
     if not any(prefix == t or prefix.startswith(t + "/") for t in trees):
         trees.append(prefix)
-    return Isolation(namespaces=namespaces, user_namespace=namespaces and not root, uid_drop=root, python=python,
-                     visible=tuple(trees), hidden=tuple(sites),
-                     swept=() if namespaces else _world_writable_dirs())
+    # Each mode this machine may use, best first, must run a program end to end: a namespace that unshare allows
+    # but whose new root cannot be built (an odd container) is found here, not as a silent 0 on every program.
+    modes = [namespaces] + ([False] if root and namespaces else [])
+    problems = []
+    for ns in modes:
+        iso = Isolation(namespaces=ns, user_namespace=ns and not root, uid_drop=root, python=python,
+                        visible=tuple(trees), hidden=tuple(sites), swept=() if ns else world_writable_dirs())
+        probe = _run(iso, "print('ok')", "", Limits(cpu_s=10, wall_s=60), {}, None)
+        if probe.stdout == "ok\n":
+            if problems:
+                log.warning("sandbox: namespaces unusable (%s); using the fallback mode", problems[0])
+            return iso
+        problems.append(f"{probe.status}: {probe.stderr[-1000:]}")
+    raise SandboxUnavailable(f"the sandbox cannot run a program here: {'; '.join(problems)}")
 
 
 class _UidSlots:
@@ -208,22 +195,6 @@ class _UidSlots:
 _slots = _UidSlots()
 
 
-def _sweep_files(uid: int, dirs: tuple[str, ...]) -> None:
-    """Remove what the uid left in world-writable directories (fallback only: namespaces give fresh, private
-    ones)."""
-    for top in dirs:
-        try:
-            entries = list(os.scandir(top))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.stat(follow_symlinks=False).st_uid == uid:
-                    remove_tree(entry.path)
-            except OSError:
-                pass
-
-
 def _scrubbed_env(home: str) -> dict[str, str]:
     # Nothing from the parent: API keys, tokens and cluster credentials live in the environment.
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home,
@@ -236,19 +207,23 @@ def run_python(source: str, stdin: str | int = "", limits: Limits = Limits(), fi
     ``limits``. ``stdin`` is text written to its stdin pipe, or a pipe descriptor to hand it; ``stdout`` may be a
     descriptor to write to instead of the returned text. Never raises for anything the program does, nor for a
     failure to clean up after it (that is logged)."""
-    iso = isolation()
+    return _run(isolation(), source, stdin, limits, files or {}, stdout)
+
+
+def _run(iso: Isolation, source: str, stdin: str | int, limits: Limits, files: dict[str, str],
+         stdout: int | None) -> Result:
     uid = _slots.acquire() if iso.uid_drop else None
     root = None
     try:
         root = Path(tempfile.mkdtemp(prefix="megaopd-sandbox-"))
-        return _run_in(root, source, stdin, stdout, limits, files or {}, iso, uid)
+        return _run_in(root, source, stdin, stdout, limits, files, iso, uid)
     except OSError as e:
         return Result("sandbox_error", -1, "", f"sandbox failed: {e}", 0.0)
     finally:
         # The namespace dies with its init, but asynchronously to our wait; as root we make sure before the uid is
         # reused. A uid whose processes survive SIGKILL is never handed out again.
         if uid is not None and kill_uid(uid):
-            _sweep_files(uid, iso.swept)
+            sweep_files(uid, iso.swept)
             _slots.release(uid)
         if root is not None:
             remove_tree(str(root))
@@ -313,7 +288,9 @@ def _run_in(root: Path, source: str, stdin: str | int, stdout: int | None, limit
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
-    if outcome == "exited":
+    if outcome == "exited" and iso.namespaces and returncode == _INIT_FAILED:
+        outcome = "sandbox_error"
+    elif outcome == "exited":
         if returncode < 0 or returncode >= 128:  # killed by a signal (directly, or reported by the namespace init)
             outcome = "killed"
         else:

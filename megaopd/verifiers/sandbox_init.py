@@ -28,8 +28,15 @@ sys.argv = ["main.py"]
 runpy.run_path("main.py", run_name="__main__")
 """
 
+INIT_FAILED = 125  # NS_INIT's exit status when it could not build the sandbox (or the program exits 125 itself)
+
 NS_INIT = r"""
-import ctypes, json, os, sys
+import ctypes, json, os, sys, traceback
+def failed(*exc):  # the run is a sandbox error, not the program's failure
+    traceback.print_exception(*exc)
+    sys.stderr.flush()
+    os._exit(INIT_FAILED_STATUS)
+sys.excepthook = failed
 cfg = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
@@ -106,4 +113,4 @@ while True:
     if pid == child:
         code = os.waitstatus_to_exitcode(status)
         os._exit(128 - code if code < 0 else code)
-"""
+""".replace("INIT_FAILED_STATUS", str(INIT_FAILED))
