@@ -16,7 +16,6 @@ import collections
 import difflib
 import importlib
 import logging
-import math
 import threading
 from typing import Any, Callable
 
@@ -97,7 +96,7 @@ def score(row: Row, response: str) -> float:
     verifier = get_verifier(row)
     try:
         value = float(verifier(response, row.ground_truth, row.extra_info))
-        if not 0.0 <= value <= 1.0 or math.isnan(value):
+        if not 0.0 <= value <= 1.0:  # NaN too
             raise ValueError(f"score {value} outside [0, 1]")
         return value
     except SandboxUnavailable:

@@ -151,6 +151,7 @@ def isolation() -> Isolation:
         raise SandboxUnavailable(f"no Python interpreter the sandbox uid can run among {candidates}; "
                                  "set MEGAOPD_SANDBOX_PYTHON to one installed in a world-readable place")
     prefix, sites = probed
+    python = os.path.realpath(python)  # a venv's bin/python is a link into a tree the new root may not hold
     trees = [t for t in _SYSTEM_TREES if os.path.isdir(t) and not os.path.islink(t)]
     if not any(prefix == t or prefix.startswith(t + "/") for t in trees):
         trees.append(prefix)
@@ -239,7 +240,7 @@ def _command(iso: Isolation, root: Path, work: Path, limits: Limits, uid: int | 
         "RLIMIT_NOFILE": limits.nofile,
         "RLIMIT_CORE": 0,
     }
-    child = [iso.python, "-I", "-S", "-c", CHILD, json.dumps(rlimits)]
+    child = [iso.python, "-I", "-S", "-c", CHILD, json.dumps(rlimits), "-" if iso.namespaces else "no_new_privs"]
     if not iso.namespaces:
         return child, str(work)
     (root / "newroot").mkdir()

@@ -1,7 +1,7 @@
 """The two small programs that start a sandboxed run, kept as source text (they run in fresh interpreters).
 
-``CHILD`` is the program's own interpreter (``python -I -S -c CHILD RLIMITS``): no_new_privs, rlimits, the socket
-audit hook, then ``main.py`` as ``__main__``.
+``CHILD`` is the program's own interpreter (``python -I -S -c CHILD RLIMITS no_new_privs|-``): no_new_privs (unless
+its parent set it), rlimits, the socket audit hook, then ``main.py`` as ``__main__``.
 
 ``NS_INIT`` is init of a fresh PID namespace (started by ``unshare``), root inside its namespaces. It builds a new
 root on a small tmpfs holding only what an interpreter needs: /usr, /bin, /lib* (read-only binds, Python's
@@ -13,8 +13,11 @@ kills everything left in the namespace, daemons included.
 """
 
 CHILD = r"""
-import ctypes, json, resource, sys
-ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: a setuid binary (su, sudo) cannot raise privileges
+import json, resource, sys
+if sys.argv[2] == "no_new_privs":  # (the namespace init has set it already)
+    import ctypes
+    ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: a setuid binary (su) cannot raise privileges
+    del ctypes
 for name, value in json.loads(sys.argv[1]).items():
     # CPU: SIGXCPU at the soft limit, SIGKILL a second later for a program that catches it.
     resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
@@ -22,7 +25,7 @@ def _no_network(event, args):
     if event in ("socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo"):
         raise PermissionError("network access is disabled in the sandbox")
 sys.addaudithook(_no_network)
-del ctypes, json, resource, name, value, _no_network
+del json, resource, name, value, _no_network
 import runpy
 sys.argv = ["main.py"]
 runpy.run_path("main.py", run_name="__main__")
@@ -31,9 +34,9 @@ runpy.run_path("main.py", run_name="__main__")
 INIT_FAILED = 125  # NS_INIT's exit status when it could not build the sandbox (or the program exits 125 itself)
 
 NS_INIT = r"""
-import ctypes, json, os, sys, traceback
+import ctypes, json, os, sys
 def failed(*exc):  # the run is a sandbox error, not the program's failure
-    traceback.print_exception(*exc)
+    __import__("traceback").print_exception(*exc)
     sys.stderr.flush()
     os._exit(INIT_FAILED_STATUS)
 sys.excepthook = failed
