@@ -353,3 +353,17 @@ def test_the_harmless_program_still_passes_every_path(mode):
             "functional": {"fn_name": "f", "inputs": [[1]], "outputs": [2]}}
     assert {k: score_code(f"```python\n{program}```", spec, LIMITS) for k, spec in rows.items()} == \
         {"split": 1.0, "checker": 1.0, "functional": 1.0}
+
+
+def test_system_v_ipc_objects_do_not_outlive_the_run(mode):
+    key = 0x5EED0000 + os.getpid() % 0xFFFF
+    body = f"""
+import ctypes
+libc = ctypes.CDLL(None)
+assert libc.shmget({key}, 4096, 0o1000 | 0o666) >= 0  # IPC_CREAT: a segment outlives every process
+assert libc.msgget({key}, 0o1000 | 0o666) >= 0
+"""
+    attack(body)
+    left = [line for kind in ("shm", "msg") for line in Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]
+            if int(line.split()[0]) == key]
+    assert left == []

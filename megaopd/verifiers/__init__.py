@@ -93,9 +93,13 @@ def verifier_errors() -> dict[str, int]:
 
 def score(row: Row, response: str) -> float:
     """The row's reward for ``response`` in [0, 1]; a verifier failure is 0, logged and counted, never raised."""
-    verifier = get_verifier(row)
+    return guarded(get_verifier(row), response, row.ground_truth, row.extra_info, row.data_source)
+
+
+def guarded(verifier: Verifier, response: str, ground_truth: Any, extra_info: dict, source: str = "") -> float:
+    """``verifier``'s score, or 0 (logged and counted by reason) when it fails; SandboxUnavailable still raises."""
     try:
-        value = float(verifier(response, row.ground_truth, row.extra_info))
+        value = float(verifier(response, ground_truth, extra_info))
         if not 0.0 <= value <= 1.0:  # NaN too
             raise ValueError(f"score {value} outside [0, 1]")
         return value
@@ -105,6 +109,6 @@ def score(row: Row, response: str) -> float:
         reason = getattr(e, "reason", type(e).__name__)
         with _errors_lock:
             _errors[reason] += 1
-        log.warning("verifier %s failed on a %s row (%s): %s", getattr(verifier, "__name__", verifier), row.data_source,
+        log.warning("verifier %s failed on a %s row (%s): %s", getattr(verifier, "__name__", verifier), source,
                     reason, str(e)[:300])
         return 0.0

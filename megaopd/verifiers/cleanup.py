@@ -178,3 +178,22 @@ def sweep_files(uid: int, dirs: tuple[str, ...]) -> None:
                     remove_tree(entry.path)
             except OSError:
                 pass
+
+
+def sweep_ipc(uid: int) -> None:
+    """Remove the System V shared memory segments, message queues and semaphores the uid owns: they outlive every
+    process (fallback only; an IPC namespace takes them with it)."""
+    for kind, flag in (("shm", "-m"), ("msg", "-q"), ("sem", "-s")):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = f.read().splitlines()
+            column = header.split().index("uid")
+            ids = [row.split()[1] for row in rows if row.split()[column] == str(uid)]
+            if ids:
+                done = subprocess.run(["ipcrm", *[arg for i in ids for arg in (flag, i)]], capture_output=True,
+                                      timeout=10)
+                if done.returncode != 0:
+                    log.error("sandbox uid %d: ipcrm failed: %s", uid, done.stderr.decode(errors="replace")[:300])
+        except (OSError, ValueError, IndexError, subprocess.SubprocessError) as e:
+            log.error("sandbox uid %d: sweeping %s: %s", uid, kind, e)
+

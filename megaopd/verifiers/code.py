@@ -38,9 +38,10 @@ import json
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Sequence
 
-from megaopd.verifiers import register, wire
+from megaopd.verifiers import guarded, register, wire
 from megaopd.verifiers.humaneval import call_server, parse_replies, run_checker, run_split, split_check
 from megaopd.verifiers.sandbox import Limits, Result, default_workers, run_python
 
@@ -230,6 +231,7 @@ score_code.needs_sandbox = True  # verifiers.check_ready probes the sandbox at s
 
 def score_many(responses: Sequence[str], ground_truths: Sequence[Any], extra_infos: Sequence[dict],
                workers: int | None = None) -> list[float]:
-    """Score many responses at once on a pool of ``workers`` (default: one per core); results in input order."""
+    """Score many responses at once on a pool of ``workers`` (default: one per core); results in input order. Like
+    ``verifiers.score``, a failure of the verifier is a 0, counted, never raised."""
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
-        return list(pool.map(score_code, responses, ground_truths, extra_infos))
+        return list(pool.map(partial(guarded, score_code), responses, ground_truths, extra_infos))

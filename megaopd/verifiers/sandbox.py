@@ -6,12 +6,12 @@ a thread pool of :func:`default_workers` (threads only wait on child processes).
 has the threat model and what each guarantees):
 
 * **Namespaces** (when ``unshare`` works; as root, or unprivileged through a user namespace): a network namespace
-  (only a down loopback), a PID namespace (its own /proc; everything in it dies with its init) and a mount
+  (only a down loopback), an IPC namespace, a PID namespace (its own /proc; everything in it dies with its init) and a mount
   namespace whose root is a new, mostly read-only tree with no host files but the interpreter's (see
   ``sandbox_init``). As root the program runs as a uid of its own; in a user namespace with no capabilities.
 * **Fallback** (root without namespaces, e.g. Docker without CAP_SYS_ADMIN): a uid of its own per worker slot, an
   audit hook against sockets, and afterwards every process of that uid is killed and its files in world-writable
-  directories removed. A non-root trainer without user namespaces gets no fallback: :func:`isolation` refuses,
+  directories and its System V IPC objects removed. A non-root trainer without user namespaces gets no fallback: :func:`isolation` refuses,
   since the program would run as the trainer's own user with the user's files.
 
 In both: rlimits (CPU, memory, processes, file size, descriptors, no core), no_new_privs, a scrubbed environment,
@@ -37,7 +37,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megaopd.verifiers.cleanup import kill_uid, live_pids_of_uid, remove_tree, sweep_files, world_writable_dirs
+from megaopd.verifiers.cleanup import (kill_uid, live_pids_of_uid, remove_tree, sweep_files, sweep_ipc,
+                                       world_writable_dirs)
 from megaopd.verifiers.sandbox_init import CHILD, INIT_FAILED as _INIT_FAILED, NS_INIT
 
 __all__ = ["Limits", "Result", "Isolation", "SandboxUnavailable", "isolation", "run_python", "live_pids_of_uid",
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 # its own block of 64 so two trainers on one host do not share NPROC or kill each other's programs.
 _UID_BASE = 3_000_000_000
 _UID_BLOCK = 64
-_NS_FLAGS = ("--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private")
+_NS_FLAGS = ("--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount", "--propagation", "private")
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217, "riscv64": 41}
 _SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group")
@@ -221,13 +222,22 @@ def _run(iso: Isolation, source: str, stdin: str | int, limits: Limits, files: d
     except OSError as e:
         return Result("sandbox_error", -1, "", f"sandbox failed: {e}", 0.0)
     finally:
-        # The namespace dies with its init, but asynchronously to our wait; as root we make sure before the uid is
-        # reused. A uid whose processes survive SIGKILL is never handed out again.
+        _clean_up(iso, uid, root)
+
+
+def _clean_up(iso: Isolation, uid: int | None, root: Path | None) -> None:
+    """Never raises. The namespace dies with its init, but asynchronously to our wait, so as root we make sure
+    before the uid is reused; a uid whose processes survive SIGKILL is never handed out again."""
+    try:
         if uid is not None and kill_uid(uid):
-            sweep_files(uid, iso.swept)
+            if not iso.namespaces:
+                sweep_files(uid, iso.swept)
+                sweep_ipc(uid)
             _slots.release(uid)
         if root is not None:
             remove_tree(str(root))
+    except Exception:  # noqa: BLE001: a cleanup bug must not stop training; it is logged
+        log.exception("sandbox cleanup failed (uid %s, %s)", uid, root)
 
 
 def _command(iso: Isolation, root: Path, work: Path, limits: Limits, uid: int | None) -> tuple[list[str], str]:
