@@ -152,7 +152,6 @@ def random_expression(rng: random.Random, depth: int = 0) -> str:
                        f"(a + b + ({left} > {right}))", f"max({left}, {right})", f"(a + b) // 1 + ({left} == 0)"])
 
 
-@pytest.mark.slow
 def test_random_wrong_programs_never_score_above_a_right_but_slow_reference():
     """Property: over random programs, the partial-credit score is exactly the share of tests a program gets
     right (judged here by plain Python, independently of the verifier), so a wrong one always scores below the
