@@ -109,7 +109,10 @@ def _unshare_works(args: tuple[str, ...]) -> bool:
     return done.returncode == 0
 
 
-_PROBE = "import json, sys, site, sysconfig; print(json.dumps([sys.base_prefix, site.getsitepackages()]))"
+# The prefix and every site-packages (a venv's and its base interpreter's), which the new root covers up.
+_PROBE = ("import json, sys, site, sysconfig; v = {'base': sys.base_prefix, 'platbase': sys.base_exec_prefix}; "
+          "print(json.dumps([sys.base_prefix, site.getsitepackages() + "
+          "[sysconfig.get_path(k, vars=v) for k in ('purelib', 'platlib')]]))")
 
 
 def _probe_python(python: str, uid: int | None) -> tuple[str, list[str]] | None:
@@ -118,7 +121,7 @@ def _probe_python(python: str, uid: int | None) -> tuple[str, list[str]] | None:
         done = subprocess.run([python, "-I", "-c", _PROBE], capture_output=True, timeout=30, cwd="/", user=uid,
                               group=uid, extra_groups=[] if uid is not None else None)
         prefix, sites = json.loads(done.stdout)
-        return os.path.realpath(prefix), [os.path.realpath(s) for s in sites]
+        return os.path.realpath(prefix), list(dict.fromkeys(os.path.realpath(s) for s in sites))
     except (OSError, subprocess.TimeoutExpired, ValueError):
         return None
 
