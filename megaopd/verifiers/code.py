@@ -43,7 +43,7 @@ from typing import Any, Sequence
 
 from megaopd.verifiers import guarded, register, wire
 from megaopd.verifiers.humaneval import call_server, parse_replies, run_checker, run_split, split_check
-from megaopd.verifiers.sandbox import Limits, Result, default_workers, run_python
+from megaopd.verifiers.sandbox import Limits, default_workers, run_python
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _CODE_HINT = re.compile(r"^\s*(def |class |import |from \w+ import |print\(|for |while |if __name__)", re.MULTILINE)
@@ -159,23 +159,9 @@ def return_matches(got: Any, want: Any) -> bool:
 # ----------------------------------------------------------------------------------------------- running
 
 
-class HarnessError(RuntimeError):
-    """The sandbox itself failed (not the program): the verifier reports it instead of scoring a silent 0."""
-
-    def __init__(self, result: Result):
-        super().__init__(f"sandbox_error: {result.stderr[:500]}")
-        self.reason = "sandbox_error"
-
-
 def _limits(extra_info: dict) -> Limits:
     cpu = float(extra_info.get("time_limit_s", 4.0))
     return Limits(cpu_s=cpu, wall_s=2 * cpu + 1, memory_mb=int(extra_info.get("memory_mb", 1024)))
-
-
-def _checked(outcome: Result | bool) -> bool:
-    if isinstance(outcome, Result):
-        raise HarnessError(outcome)
-    return outcome
 
 
 def _run_humaneval(program: str, spec: dict, limits: Limits) -> float:
@@ -184,18 +170,16 @@ def _run_humaneval(program: str, spec: dict, limits: Limits) -> float:
         program = spec.get("prompt", "") + program
     calls = split_check(spec["test"])
     if calls is not None:
-        return float(_checked(run_split(program, entry, calls, limits)))
-    return float(_checked(run_checker(program, spec, limits)))
+        return float(run_split(program, entry, calls, limits))
+    return float(run_checker(program, spec, limits))
 
 
 def _run_one(program: str, fn_name: str | None, test_input: Any, expected: Any, limits: Limits) -> bool:
     if not fn_name:
-        result = run_python(program, test_input, limits)
-        _checked(result if result.status == "sandbox_error" else True)
+        result = run_python(program, test_input, limits).raise_for_sandbox()
         return result.ok and stdout_matches(result.stdout, expected)
     result = run_python(call_server(fn_name, True), wire.dumps(list(test_input)) + "\n", limits,
-                        files={"solution.py": program})
-    _checked(result if result.status == "sandbox_error" else True)
+                        files={"solution.py": program}).raise_for_sandbox()
     replies = parse_replies(result, 1)
     return result.ok and len(replies) == 1 and replies[0][0] == "r" and return_matches(replies[0][1], expected)
 

@@ -186,17 +186,15 @@ def judge(call: Call, reply: tuple[str, Any]) -> bool:
         return False
 
 
-def run_split(program: str, entry: str, calls: list[Call], limits: Limits) -> Result | bool:
-    """Run all calls in one process; True when every reply passes (the Result when the run itself failed)."""
+def run_split(program: str, entry: str, calls: list[Call], limits: Limits) -> bool:
+    """Run all calls in one process; True when every reply passes."""
     requests = "".join(wire.dumps(list(c.args)) + "\n" for c in calls)
     result = run_python(call_server(entry, False), requests, limits, files={"solution.py": program})
-    if result.status == "sandbox_error":
-        return result
-    replies = parse_replies(result, len(calls))
+    replies = parse_replies(result.raise_for_sandbox(), len(calls))
     return result.ok and len(replies) == len(calls) and all(map(judge, calls, replies))
 
 
-def run_checker(program: str, spec: dict, limits: Limits) -> Result | bool:
+def run_checker(program: str, spec: dict, limits: Limits) -> bool:
     """Run the test unchanged in a trusted process that calls the program through pipes; True when it passes."""
     request_r, request_w = os.pipe()
     reply_r, reply_w = os.pipe()
@@ -226,6 +224,4 @@ def run_checker(program: str, spec: dict, limits: Limits) -> Result | bool:
             checker.wait()
         verdict = checker.stdout.read() if checker.returncode == 0 else b""
         checker.stdout.close()
-    if result.status == "sandbox_error":
-        return result
-    return result.ok and verdict == b"pass\n"
+    return result.raise_for_sandbox().ok and verdict == b"pass\n"

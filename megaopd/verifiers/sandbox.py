@@ -41,7 +41,7 @@ from megaopd.verifiers.cleanup import (kill_uid, live_pids_of_uid, remove_tree, 
                                        world_writable_dirs)
 from megaopd.verifiers.sandbox_init import CHILD, INIT_FAILED as _INIT_FAILED, NS_INIT
 
-__all__ = ["Limits", "Result", "Isolation", "SandboxUnavailable", "isolation", "run_python", "live_pids_of_uid",
+__all__ = ["Limits", "Result", "Isolation", "SandboxError", "SandboxUnavailable", "isolation", "run_python", "live_pids_of_uid",
            "default_workers", "describe"]
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,12 @@ _NS_FLAGS = ("--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount", "--
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217, "riscv64": 41}
 _SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group")
+
+
+class SandboxError(RuntimeError):
+    """One run could not be sandboxed (counted by ``verifiers.score`` under this reason)."""
+
+    reason = "sandbox_error"
 
 
 class SandboxUnavailable(RuntimeError):
@@ -82,6 +88,13 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    def raise_for_sandbox(self) -> "Result":
+        """This result, unless the sandbox itself failed: that is no verdict on the program, so it is raised (and
+        ``verifiers.score`` counts it) rather than scored as a silent 0."""
+        if self.status == "sandbox_error":
+            raise SandboxError(self.stderr[-500:])
+        return self
 
 
 @dataclass(frozen=True)
