@@ -144,3 +144,11 @@ def test_a_check_that_raises_or_dies_is_an_error_not_a_hang():
     finally:
         pool.close()
         dies.close()
+
+
+def test_an_answer_that_would_build_a_huge_number_does_not_hang_the_caller():
+    """The cheap exact-number path runs in the caller's process, so it must not expand 1e999999999 (a subprocess
+    keeps this test bounded even where that hangs)."""
+    code = "from megaopd.verifiers.math import score_math; print(score_math(r'\\boxed{1e999999999}', '1', {}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "0.0", done.stderr[-2000:]

@@ -109,6 +109,9 @@ def normalize(answer: str) -> str:
 _FRAC = re.compile(r"^(-?)\\frac\{?(-?\d+)\}?\{?(-?\d+)\}?$")
 
 
+_MAX_EXPONENT = 1000
+
+
 def to_number(answer: str) -> tuple[Fraction, bool] | None:
     """An exact rational and whether it was a percentage, for normalised answers like 0.5, -3/4, \\frac{1}{2}, 50%."""
     s = answer
@@ -119,7 +122,9 @@ def to_number(answer: str) -> tuple[Fraction, bool] | None:
         if frac:
             value = Fraction(int(frac.group(2)), int(frac.group(3)))
             return (-value if frac.group(1) else value), percent
-        if re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)(/\d+)?|-?\d+(\.\d+)?e-?\d+", s):
+        number = re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)(/\d+)?|-?\d+(\.\d+)?e(-?\d+)", s)
+        # An exponent is bounded: Fraction("1e999999999") would build a billion-digit integer in this process.
+        if number and (number.group(5) is None or abs(int(number.group(5)[:6])) <= _MAX_EXPONENT):
             return Fraction(s), percent
     except (ValueError, ZeroDivisionError):
         pass
