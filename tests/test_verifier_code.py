@@ -2,6 +2,8 @@
 
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -179,3 +181,13 @@ def test_random_wrong_programs_never_score_above_a_right_but_slow_reference():
                      for v, (a, b) in zip(values, pairs)]
             assert got == sum(right) / len(pairs), (kind, expression)
             assert got < scores[0] or all(right)
+
+
+def test_extraction_is_linear_in_the_response():
+    """Model output the trainer parses in its own process: a line of fences, thousands of blank lines. Run in a
+    subprocess so the test stays bounded where extraction backtracks."""
+    code = ("from megaopd.verifiers.code import extract_code\n"
+            "for text in ['```' * 200000, '\\n' * 200000, ' \\n' * 200000, '```a\\n' * 50000]:\n"
+            "    extract_code(text)\nprint('done')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "done", done.stderr[-2000:]

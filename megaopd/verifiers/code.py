@@ -45,13 +45,28 @@ from megaopd.verifiers import guarded, register, wire
 from megaopd.verifiers.humaneval import call_server, parse_replies, run_checker, run_split, split_check
 from megaopd.verifiers.sandbox import Limits, default_workers, run_python
 
-_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_CODE_HINT = re.compile(r"^\s*(def |class |import |from \w+ import |print\(|for |while |if __name__)", re.MULTILINE)
+# Both scans are linear in the response: a backtracking regex over model output (a line of 20,000 fences, 20,000
+# blank lines) took minutes in the trainer's process.
+_LANG = re.compile(r"[ \t]*([\w+-]*)")
+_CODE_HINT = re.compile(r"^[ \t]*(def |class |import |from \w+ import |print\(|for |while |if __name__)", re.MULTILINE)
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of each ```lang ... ``` block, in order."""
+    blocks, pos = [], 0
+    while (start := text.find("```", pos)) >= 0:
+        newline = text.find("\n", start + 3)
+        end = text.find("```", newline + 1) if newline >= 0 else -1
+        if end < 0:
+            break
+        blocks.append((_LANG.match(text, start + 3, newline).group(1), text[newline + 1:end]))
+        pos = end + 3
+    return blocks
 
 
 def extract_code(response: str) -> str | None:
     """The program in a response: the last Python (or unlabelled) fenced block, else the bare text if it is code."""
-    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(response)]
+    blocks = [(lang.lower(), body) for lang, body in fenced_blocks(response)]
     python = [body for lang, body in blocks if lang in ("python", "python3", "py", "")]
     if python:
         return python[-1]
