@@ -152,3 +152,13 @@ def test_an_answer_that_would_build_a_huge_number_does_not_hang_the_caller():
     code = "from megaopd.verifiers.math import score_math; print(score_math(r'\\boxed{1e999999999}', '1', {}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "0.0", done.stderr[-2000:]
+
+
+def test_extraction_is_linear_in_the_response():
+    """Blank lines and long whitespace after "the answer" / "####" backtracked for minutes in the caller's process
+    (run in a subprocess so the test stays bounded where that happens)."""
+    code = ("from megaopd.verifiers.math import extract_answer, normalize\n"
+            "for text in ['\\n' * 200000, ' \\n' * 200000, 'the answer' + ' ' * 100000, '####' + '\\n' * 100000]:\n"
+            "    normalize(extract_answer(text) or '')\nprint('done')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "done", done.stderr[-2000:]

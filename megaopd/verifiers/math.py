@@ -38,8 +38,10 @@ _pool = KillablePool("megaopd.verifiers.math:slow_equal", size=2)
 # ----------------------------------------------------------------------------------------------- extraction
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
-_GSM8K = re.compile(r"####\s*([^\n]+)")
-_FINAL = re.compile(r"(?:final answer|the answer)\s*(?:is|:)?\s*[:=]?\s*(.+)|^\s*\**answer\**\s*[:=]\s*(.+)",
+# Possessive whitespace (*+) and same-line ^[ \t]: these run on model output in the trainer's process, where a
+# backtracking \s* took minutes on a response of blank lines.
+_GSM8K = re.compile(r"####\s*+([^\n]+)")
+_FINAL = re.compile(r"(?:final answer|the answer)\s*+(?:is|:)?\s*+[:=]?\s*+(.+)|^[ \t]*+\**answer\**\s*+[:=]\s*+(.+)",
                     re.IGNORECASE | re.MULTILINE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
