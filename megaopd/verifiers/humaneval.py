@@ -202,16 +202,23 @@ def run_checker(program: str, spec: dict, limits: Limits) -> bool:
         checker = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHECKER, str(request_w), str(reply_r)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                    pass_fds=(request_w, reply_r), start_new_session=True)
-    finally:
-        os.close(request_w)
-        os.close(reply_r)
+    except OSError:
+        for fd in (request_r, request_w, reply_r, reply_w):
+            os.close(fd)
+        raise
+    os.close(request_w)
+    os.close(reply_r)
     try:
         try:
             task = {key: spec.get(key, "") for key in ("prompt", "test", "entry_point")}
             checker.stdin.write(json.dumps(task).encode())
-            checker.stdin.close()
         except BrokenPipeError:
             pass
+        finally:
+            try:
+                checker.stdin.close()
+            except BrokenPipeError:
+                pass
         result = run_python(call_server(spec["entry_point"], False), request_r, limits,
                             files={"solution.py": program}, stdout=reply_w)
     finally:
