@@ -1,8 +1,9 @@
 """Verifier throughput on this machine: math checks per second and sandboxed programs per second.
 
 Run as ``python bench/verifier_throughput.py``. Math responses mix the cheap paths (exact numbers) with ones that
-need math-verify and sympy; code programs are HumanEval's canonical solutions (one sandboxed run each) and an
-APPS-style stdin program with 5 tests (5 runs each), scored one after another and then on the worker pool.
+need math-verify and sympy (in the killable worker pool); code programs are HumanEval's canonical solutions (one
+sandboxed run each, plus a trusted check process for the 5 of these 32 checks that cannot be split into calls) and
+an APPS-style stdin program with 5 tests (5 runs each), scored one after another and then on the worker pool.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from megaopd import flops
+from megaopd import flops, verifiers
 from megaopd.batch import Sample, collate
 from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state
 from megaopd.config import RunConfig, save_config
@@ -132,6 +132,7 @@ class Trainer:
                                      cfg.train.seed)
         self.evaluator = Evaluator(load_split(cfg.data.eval, cfg.data.strict), cfg.eval, cfg.rollout.max_new_tokens,
                                    cfg.train.seed)
+        verifiers.check_ready(self.sampler.rows + [r for rows in self.evaluator.by_domain.values() for r in rows])
         self.generator = torch.Generator().manual_seed(cfg.train.seed)  # rollout sampling only
         self.ledger = Ledger(self.run_dir.name, cfg.counts_as)
         self.ledger.add_upstream("init", cfg.model.path)
@@ -166,7 +167,9 @@ class Trainer:
         samples = self.engine.generate(rows, cfg.rollout.samples_per_prompt, cfg.rollout.temperature,
                                        cfg.rollout.top_p, cfg.rollout.max_new_tokens, self.generator)
         t_rollout = time.perf_counter()
+        errors_before = sum(verifiers.verifier_errors().values())
         verifier_seconds = score_samples(policy.tokenizer, samples)
+        verifier_errors = sum(verifiers.verifier_errors().values()) - errors_before  # each scored 0
         batch = collate(samples, policy.pad_id)
 
         mbs = cfg.train.micro_batch_size
@@ -189,6 +192,7 @@ class Trainer:
 
         self._book_rl_flops(rows, samples, routes)
         metrics |= self._rollout_metrics(samples, batch, routes)
+        metrics["rollout/verifier_errors"] = verifier_errors
         metrics |= {"perf/rollout_seconds": t_rollout - t0, "perf/verifier_seconds": verifier_seconds,
                     "perf/step_seconds": time.perf_counter() - t0}
         return metrics

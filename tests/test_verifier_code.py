@@ -1,6 +1,9 @@
 """Code verifier: extraction, test layouts, comparison, partial credit, and the real HumanEval problems."""
 
 import json
+import random
+import subprocess
+import sys
 
 import pytest
 
@@ -124,3 +127,67 @@ def test_a_few_humaneval_problems_fast(humaneval_rows):
     truths, infos = [r.ground_truth for r in rows], [r.extra_info for r in rows]
     assert score_many(good, truths, infos) == [1.0] * 3
     assert score_many(swapped, truths, infos) == [0.0] * 3
+
+
+def test_integers_compare_exactly_and_floats_within_tolerance():
+    big = "123456789012345678901234567890"
+    stdin = {"inputs": [""], "outputs": [big + "\n"]}
+    assert score_code(f"```python\nprint({big})\n```", stdin, {}) == 1.0
+    assert score_code(f"```python\nprint({big} + 1)\n```", stdin, {}) == 0.0
+    assert not stdout_matches("100000000000000000001", "100000000000000000000")
+    assert not stdout_matches("3.0000000001", "3") and stdout_matches("+3", "3")
+    assert stdout_matches("2.00000000001", "2.0")  # the expected value is a float: tolerance
+    functional = {"fn_name": "f", "inputs": [[]], "outputs": [10**20]}
+    assert score_code("```python\ndef f():\n    return 10**20\n```", functional, {}) == 1.0
+    assert score_code("```python\ndef f():\n    return 10**20 + 1\n```", functional, {}) == 0.0
+    assert not return_matches(1e20, 10**20) and not return_matches("1", 1)
+    assert return_matches([1.0000000001, "a"], [1.0, "a"])
+
+
+def random_expression(rng: random.Random, depth: int = 0) -> str:
+    """A random integer-ish expression over a and b: usually not a + b, sometimes close to it."""
+    leaves = ["a", "b", str(rng.randint(-3, 3)), "10**18", "1"]
+    if depth > 2 or rng.random() < 0.3:
+        return rng.choice(leaves)
+    left, right = random_expression(rng, depth + 1), random_expression(rng, depth + 1)
+    return rng.choice([f"({left} + {right})", f"({left} - {right})", f"({left} * {right})", f"float({left})",
+                       f"(a + b + ({left} > {right}))", f"max({left}, {right})", f"(a + b) // 1 + ({left} == 0)"])
+
+
+def test_random_wrong_programs_never_score_above_a_right_but_slow_reference():
+    """Property: over random programs, the partial-credit score is exactly the share of tests a program gets
+    right (judged here by plain Python, independently of the verifier), so a wrong one always scores below the
+    correct-but-slow reference, which scores 1."""
+    pairs = [(3, 4), (10**18, 7), (-5, 5), (123456789123456789, 987654321987654321)]
+    slow = "__import__('time').sleep(0.4)\n"  # right, but slow: most of the time limit goes to sleeping
+    specs = {
+        "stdin": ({"inputs": [f"{a} {b}\n" for a, b in pairs], "outputs": [f"{a + b}\n" for a, b in pairs]},
+                  "a, b = map(int, input().split())\n" + slow + "print({})\n"),
+        "functional": ({"fn_name": "add", "inputs": [[a, b] for a, b in pairs], "outputs": [a + b for a, b in pairs]},
+                       "def add(a, b):\n    " + slow + "    return {}\n"),
+    }
+    info = {"partial_credit": True, "time_limit_s": 1}
+    rng = random.Random(15)
+    for kind, (spec, template) in specs.items():
+        reference = template.format("a + b")
+        expressions = [random_expression(rng) for _ in range(10)]
+        programs = [f"```python\n{reference}```"] + [f"```python\n{template.format(e).replace(slow, '')}```"
+                                                     for e in expressions]
+        scores = score_many(programs, [spec] * len(programs), [info] * len(programs))
+        assert scores[0] == 1.0
+        for expression, got in zip(expressions, scores[1:]):
+            values = [eval(expression, {}, {"a": a, "b": b}) for a, b in pairs]  # our own expressions
+            right = [str(v) == str(a + b) if kind == "stdin" else type(v) is int and v == a + b
+                     for v, (a, b) in zip(values, pairs)]
+            assert got == sum(right) / len(pairs), (kind, expression)
+            assert got < scores[0] or all(right)
+
+
+def test_extraction_is_linear_in_the_response():
+    """Model output the trainer parses in its own process: a line of fences, thousands of blank lines. Run in a
+    subprocess so the test stays bounded where extraction backtracks."""
+    code = ("from megaopd.verifiers.code import extract_code\n"
+            "for text in ['```' * 200000, '\\n' * 200000, ' \\n' * 200000, '```a\\n' * 50000]:\n"
+            "    extract_code(text)\nprint('done')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "done", done.stderr[-2000:]

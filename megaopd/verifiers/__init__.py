@@ -1,7 +1,10 @@
 """Rewards: one verifier per task, looked up by a row's ``data_source`` and then its ``ability``.
 
 A verifier is a plain function ``(response_text, ground_truth, extra_info) -> float`` in [0, 1]. It costs no model
-FLOPs (the ledger logs its wall time only). Implementations register themselves by name:
+FLOPs (the ledger logs its wall time only). :func:`score`, the call training makes, never raises for a response:
+a verifier that fails scores 0 and the failure is counted by reason (:func:`verifier_errors`, logged by the trainer
+as ``rollout/verifier_errors``). Only set-up errors raise: no verifier for the row, or a machine that cannot
+sandbox code. Implementations register themselves by name:
 
     @register("synthetic/add")
     def score_add(response, ground_truth, extra_info): ...
@@ -9,11 +12,17 @@ FLOPs (the ledger logs its wall time only). Implementations register themselves 
 
 from __future__ import annotations
 
+import collections
 import difflib
 import importlib
+import logging
+import threading
 from typing import Any, Callable
 
 from megaopd.data.rows import Row
+from megaopd.verifiers.sandbox import SandboxUnavailable
+
+log = logging.getLogger(__name__)
 
 Verifier = Callable[[str, Any, dict], float]
 
@@ -57,5 +66,49 @@ def get_verifier(row: Row) -> Verifier:
                    f"known: {sorted(_REGISTRY)}")
 
 
+def check_ready(rows: list[Row]) -> None:
+    """Start-up check: if any row's verifier runs programs, this machine must be able to sandbox them
+    (SandboxUnavailable names what is missing), so a run fails now rather than at its first code row."""
+    for row in {(r.data_source, r.ability): r for r in rows}.values():
+        try:
+            verifier = get_verifier(row)
+        except KeyError:
+            continue  # reported when the row is scored (an SFT run never scores)
+        if getattr(verifier, "needs_sandbox", False):
+            from megaopd.verifiers.sandbox import isolation
+
+            log.info("code sandbox: %s", isolation())
+            return
+
+
+_errors: collections.Counter[str] = collections.Counter()
+_errors_lock = threading.Lock()
+
+
+def verifier_errors() -> dict[str, int]:
+    """Failures of the verifiers themselves since start, by reason (a running count: callers take differences)."""
+    with _errors_lock:
+        return dict(_errors)
+
+
 def score(row: Row, response: str) -> float:
-    return float(get_verifier(row)(response, row.ground_truth, row.extra_info))
+    """The row's reward for ``response`` in [0, 1]; a verifier failure is 0, logged and counted, never raised."""
+    return guarded(get_verifier(row), response, row.ground_truth, row.extra_info, row.data_source)
+
+
+def guarded(verifier: Verifier, response: str, ground_truth: Any, extra_info: dict, source: str = "") -> float:
+    """``verifier``'s score, or 0 (logged and counted by reason) when it fails; SandboxUnavailable still raises."""
+    try:
+        value = float(verifier(response, ground_truth, extra_info))
+        if not 0.0 <= value <= 1.0:  # NaN too
+            raise ValueError(f"score {value} outside [0, 1]")
+        return value
+    except SandboxUnavailable:
+        raise
+    except Exception as e:  # noqa: BLE001: any failure of the harness is a 0 with its reason, not a dead run
+        reason = getattr(e, "reason", type(e).__name__)
+        with _errors_lock:
+            _errors[reason] += 1
+        log.warning("verifier %s failed on a %s row (%s): %s", getattr(verifier, "__name__", verifier), source,
+                    reason, str(e)[:300])
+        return 0.0

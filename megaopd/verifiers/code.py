@@ -7,26 +7,29 @@ fence but looks like code. ``ground_truth`` is one of these layouts (or a JSON s
 
       {"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}
 
-  Output matches when equal line by line after trailing whitespace, or token by token with numbers within 1e-6.
+  Output matches when equal line by line after trailing whitespace, or token by token: integers exactly, and a
+  token within 1e-6 where the expected token is a float.
 * functional (LeetCode, APPS/TACO with ``fn_name``, LiveCodeBench "functional")::
 
       {"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9], ...], "outputs": [[0, 1], ...]}
 
   Each entry of ``inputs`` is the list of positional arguments. The call goes to ``Solution().fn_name`` when the
-  program defines ``class Solution`` (LeetCode starter code), else to the top-level function. The return value is
-  compared after a JSON round trip (tuples become lists); an expected value wrapped in a one-element list, as
-  TACO stores them, also matches.
+  program defines ``class Solution`` (LeetCode starter code), else to the top-level function. The return value
+  comes back as plain data (``wire``) and is compared here in its JSON view (tuples become lists): integers,
+  strings and bools exactly, floats within 1e-6 only where the expected value is a float; an expected value
+  wrapped in a one-element list, as TACO stores them, also matches.
 * HumanEval::
 
       {"test": "def check(candidate): ...", "entry_point": "f", "prompt": "def f(x):\\n    \\"\\"\\"...\\"\\"\\"\\n"}
 
-  ``prompt`` is prepended when the response only holds the function body. ``check(candidate)`` runs in the
-  program's own process, so a program that sets out to introspect the harness could forge a pass; a program
-  that merely exits early (``os._exit(0)``) does not pass.
+  ``prompt`` is prepended when the response only holds the function body. ``check`` never runs in the program's
+  process: its assertions are split into calls judged here, or it runs in a trusted process that calls the
+  program through pipes (``humaneval``).
 
+The program's process never receives an expected value, and nothing it can read tells it whether it passed.
 ``extra_info`` options: ``partial_credit`` (score the fraction of tests passed; default all-or-nothing, which stops
 at the first failure), ``time_limit_s`` (CPU seconds per test, default 4; wall clock is twice that plus one) and
-``memory_mb`` (default 1024). Every test is a fresh sandboxed process.
+``memory_mb`` (default 1024). Every test is a fresh sandboxed process (a HumanEval check is one, for all calls).
 """
 
 from __future__ import annotations
@@ -34,20 +37,36 @@ from __future__ import annotations
 import json
 import math
 import re
-import secrets
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Sequence
 
-from megaopd.verifiers import register
-from megaopd.verifiers.sandbox import Limits, Result, default_workers, run_python
+from megaopd.verifiers import guarded, register, wire
+from megaopd.verifiers.humaneval import call_server, parse_replies, run_checker, run_split, split_check
+from megaopd.verifiers.sandbox import Limits, default_workers, run_python
 
-_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_CODE_HINT = re.compile(r"^\s*(def |class |import |from \w+ import |print\(|for |while |if __name__)", re.MULTILINE)
+# Both scans are linear in the response: a backtracking regex over model output (a line of 20,000 fences, 20,000
+# blank lines) took minutes in the trainer's process.
+_LANG = re.compile(r"[ \t]*([\w+-]*)")
+_CODE_HINT = re.compile(r"^[ \t]*(def |class |import |from \w+ import |print\(|for |while |if __name__)", re.MULTILINE)
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of each ```lang ... ``` block, in order."""
+    blocks, pos = [], 0
+    while (start := text.find("```", pos)) >= 0:
+        newline = text.find("\n", start + 3)
+        end = text.find("```", newline + 1) if newline >= 0 else -1
+        if end < 0:
+            break
+        blocks.append((_LANG.match(text, start + 3, newline).group(1), text[newline + 1:end]))
+        pos = end + 3
+    return blocks
 
 
 def extract_code(response: str) -> str | None:
     """The program in a response: the last Python (or unlabelled) fenced block, else the bare text if it is code."""
-    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(response)]
+    blocks = [(lang.lower(), body) for lang, body in fenced_blocks(response)]
     python = [body for lang, body in blocks if lang in ("python", "python3", "py", "")]
     if python:
         return python[-1]
@@ -81,28 +100,31 @@ def parse_tests(ground_truth: Any) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- comparison
+# Exact where the task is exact: integers and strings compare exactly, floats with a tolerance only when the
+# expected value is a float (docs/verifiers.md states the rule).
 
-def _close(a: Any, b: Any) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
-    return a == b
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?")
 
 
-def _token_equal(a: str, b: str) -> bool:
-    try:
-        return a == b or math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-6)
-    except ValueError:
-        return False
+def _canonical_int(token: str) -> str:
+    digits = token.lstrip("+-").lstrip("0") or "0"
+    return "-" + digits if token.startswith("-") and digits != "0" else digits
+
+
+def _token_equal(got: str, want: str) -> bool:
+    if got == want:
+        return True
+    if _INT.fullmatch(want):  # compared as text: exact at any size, no int conversion limit
+        return bool(_INT.fullmatch(got)) and _canonical_int(got) == _canonical_int(want)
+    if _FLOAT.fullmatch(want) and _FLOAT.fullmatch(got):
+        return math.isclose(float(got), float(want), rel_tol=1e-6, abs_tol=1e-6)
+    return False
 
 
 def stdout_matches(got: str, want: str) -> bool:
-    """Judge-style comparison: lines equal up to trailing whitespace, or tokens equal with float tolerance."""
+    """Judge-style comparison: lines equal up to trailing whitespace, or tokens equal (integers exactly, floats
+    within 1e-6 when the expected token is a float)."""
     def lines(s: str) -> list[str]:
         return [line.rstrip() for line in s.strip("\n").split("\n")]
 
@@ -112,35 +134,44 @@ def stdout_matches(got: str, want: str) -> bool:
     return len(got_tokens) == len(want_tokens) and all(map(_token_equal, got_tokens, want_tokens))
 
 
+def _same(got: Any, want: Any) -> bool:
+    if isinstance(want, bool) or want is None:
+        return got is want
+    if isinstance(want, int):
+        return type(got) is int and got == want
+    if isinstance(want, float):
+        return type(got) in (int, float) and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-6)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(map(_same, got, want))
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
+    return type(got) is type(want) and got == want
+
+
+def _json_key(key: Any) -> Any:
+    if isinstance(key, bool) or key is None:
+        return json.dumps(key)
+    return repr(key) if isinstance(key, (int, float)) else key
+
+
+def as_json(value: Any) -> Any:
+    """A returned value as JSON would carry it (tuples become lists, dict keys text), since expected values are
+    JSON; other types (sets, bytes) stay and so do not match."""
+    if isinstance(value, (list, tuple)):
+        return [as_json(x) for x in value]
+    if isinstance(value, dict):
+        return {_json_key(k): as_json(v) for k, v in value.items()}
+    return value
+
+
 def return_matches(got: Any, want: Any) -> bool:
-    """Functional comparison after a JSON round trip; TACO wraps expected return values in a one-element list."""
-    want = json.loads(json.dumps(want))
-    return _close(got, want) or (isinstance(want, list) and len(want) == 1 and _close(got, want[0]))
+    """Functional comparison on the JSON view of the returned value; TACO wraps expected return values in a
+    one-element list."""
+    got = as_json(got)
+    return _same(got, want) or (isinstance(want, list) and len(want) == 1 and _same(got, want[0]))
 
 
-# ----------------------------------------------------------------------------------------------- harnesses
-# Each harness is main.py; the model's program is solution.py beside it, so its `if __name__ == "__main__"` block
-# does not run for functional tests and its globals are not the harness's.
-
-_CALL_HARNESS = """
-import json, runpy, sys
-args = json.loads(sys.stdin.readline())
-ns = runpy.run_path("solution.py", run_name="solution")
-fn = getattr(ns["Solution"](), {fn!r}) if "Solution" in ns else ns[{fn!r}]
-result = json.loads(json.dumps(fn(*args)))
-sys.stdout.write("\\n" + {marker!r} + json.dumps(result) + "\\n")
-"""
-
-_CHECK_HARNESS = """
-import runpy, sys
-def main():  # nonce and tests stay locals, read before the program runs: it cannot print the pass line or read
-    nonce, test = sys.stdin.readline().strip(), sys.stdin.read()  # the asserts without digging through frames
-    ns = runpy.run_path("solution.py", run_name="solution")
-    exec(compile(test, "test.py", "exec"), ns)
-    ns["check"](ns[{entry_point!r}])
-    sys.stdout.write("\\n" + {marker!r} + nonce + "\\n")
-main()
-"""
+# ----------------------------------------------------------------------------------------------- running
 
 
 def _limits(extra_info: dict) -> Limits:
@@ -148,34 +179,33 @@ def _limits(extra_info: dict) -> Limits:
     return Limits(cpu_s=cpu, wall_s=2 * cpu + 1, memory_mb=int(extra_info.get("memory_mb", 1024)))
 
 
-def _last_marked(result: Result, marker: str) -> str | None:
-    lines = [line for line in result.stdout.split("\n") if line.startswith(marker)]
-    return lines[-1][len(marker):] if result.ok and lines else None
+def _run_humaneval(program: str, spec: dict, limits: Limits) -> float:
+    entry = spec["entry_point"]
+    if not re.search(rf"def\s+{re.escape(entry)}\s*\(", program):
+        program = spec.get("prompt", "") + program
+    calls = split_check(spec["test"])
+    if calls is not None:
+        return float(run_split(program, entry, calls, limits))
+    return float(run_checker(program, spec, limits))
+
+
+def _run_one(program: str, fn_name: str | None, test_input: Any, expected: Any, limits: Limits) -> bool:
+    if not fn_name:
+        result = run_python(program, test_input, limits).raise_for_sandbox()
+        return result.ok and stdout_matches(result.stdout, expected)
+    result = run_python(call_server(fn_name, True), wire.dumps(list(test_input)) + "\n", limits,
+                        files={"solution.py": program}).raise_for_sandbox()
+    replies = parse_replies(result, 1)
+    return result.ok and len(replies) == 1 and replies[0][0] == "r" and return_matches(replies[0][1], expected)
 
 
 def _run_tests(program: str, spec: dict, limits: Limits, partial: bool) -> float:
     """Fraction of tests passed (all-or-nothing mode stops at the first failure and returns 0)."""
-    marker = f"@@megaopd-result-{secrets.token_hex(8)}@@"
     if "test" in spec:
-        entry = spec["entry_point"]
-        if not re.search(rf"def\s+{re.escape(entry)}\s*\(", program):
-            program = spec.get("prompt", "") + program
-        nonce = secrets.token_hex(16)
-        harness = _CHECK_HARNESS.format(entry_point=entry, marker=marker)
-        result = run_python(harness, nonce + "\n" + spec["test"], limits, files={"solution.py": program})
-        return float(_last_marked(result, marker) == nonce)
-
-    fn_name = spec.get("fn_name")
+        return _run_humaneval(program, spec, limits)
     passed = 0
     for test_input, expected in zip(spec["inputs"], spec["outputs"]):
-        if fn_name:
-            harness = _CALL_HARNESS.format(fn=fn_name, marker=marker)
-            result = run_python(harness, json.dumps(test_input) + "\n", limits, files={"solution.py": program})
-            raw = _last_marked(result, marker)
-            ok = raw is not None and return_matches(json.loads(raw), expected)
-        else:
-            result = run_python(program, test_input, limits)
-            ok = result.ok and stdout_matches(result.stdout, expected)
+        ok = _run_one(program, spec.get("fn_name"), test_input, expected, limits)
         passed += ok
         if not ok and not partial:
             return 0.0
@@ -195,8 +225,12 @@ def score_code(response: str, ground_truth: Any, extra_info: dict) -> float:
     return _run_tests(program, spec, _limits(extra_info), bool(extra_info.get("partial_credit", False)))
 
 
+score_code.needs_sandbox = True  # verifiers.check_ready probes the sandbox at start-up for rows scored here
+
+
 def score_many(responses: Sequence[str], ground_truths: Sequence[Any], extra_infos: Sequence[dict],
                workers: int | None = None) -> list[float]:
-    """Score many responses at once on a pool of ``workers`` (default: one per core); results in input order."""
+    """Score many responses at once on a pool of ``workers`` (default: one per core); results in input order. Like
+    ``verifiers.score``, a failure of the verifier is a 0, counted, never raised."""
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
-        return list(pool.map(score_code, responses, ground_truths, extra_infos))
+        return list(pool.map(partial(guarded, score_code), responses, ground_truths, extra_infos))

@@ -7,71 +7,41 @@ the text as a fallback.
 Equivalence, cheapest first: equal normalised strings (LaTeX spacing, ``\\dfrac``, ``\\left``, ``\\text{units}``,
 degrees, dollar signs, thousands separators stripped); equal exact rationals (fractions, decimals, percentages, so
 ``1/2``, ``\\frac12``, ``0.5`` and ``50\\%`` agree); ``math-verify`` (LaTeX and expressions through sympy); and a plain
-sympy path (``simplify(a - b) == 0``) for answers written as code-like expressions (``sqrt(2)/2``). Each check has a
-deadline (``extra_info["timeout_s"]``, default 5 s) that works from any thread.
+sympy path (``simplify(a - b) == 0``) for answers written as code-like expressions (``sqrt(2)/2``). The last two run
+in a small pool of worker processes (``killable``) with a hard wall-clock limit (``extra_info["timeout_s"]``, default
+5 s): a check past it is killed with its worker and scores 0, from any thread and however loaded the machine is.
 
 ``ground_truth`` is the reference answer (a string or number), or a list of acceptable answers.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import re
-import threading
 from fractions import Fraction
 from tokenize import TokenError  # sympy's parse_expr raises it for unbalanced input
 from typing import Any
 
 from megaopd.verifiers import register
+from megaopd.verifiers.killable import CallTimeout, KillablePool
 
-# math-verify warns on every call that we disabled its signal-based timeouts; we keep our own deadline instead.
+# math-verify warns on every call that we disabled its signal-based timeouts; the worker's kill is the deadline.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 DEFAULT_TIMEOUT_S = 5.0
 
 
-class CheckTimeout(Exception):
-    """An equivalence check ran past its deadline."""
-
-
-class _Deadline:
-    """Raise CheckTimeout in the calling thread after ``seconds``.
-
-    math-verify's own timeout uses SIGALRM, which only works on the main thread; a trainer scores from worker
-    threads too. An asynchronous exception reaches the thread at its next bytecode, exactly when a SIGALRM handler
-    would run, so pure-Python sympy loops are interrupted either way (a single long C call is not, in both cases).
-    """
-
-    def __init__(self, seconds: float):
-        self._seconds, self._thread = seconds, threading.get_ident()
-        self._lock, self._active, self._fired = threading.Lock(), True, False
-
-    def _fire(self) -> None:
-        with self._lock:
-            if self._active:
-                self._fired = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread), ctypes.py_object(CheckTimeout))
-
-    def __enter__(self) -> "_Deadline":
-        self._timer = threading.Timer(self._seconds, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        with self._lock:
-            self._active = False
-            self._timer.cancel()
-            if self._fired:  # clear it if it has not been raised yet, so it cannot land outside the block
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread), None)
+# The slow checks run in killable worker processes: a hard wall-clock limit, from any thread, under any load.
+_pool = KillablePool("megaopd.verifiers.math:slow_equal", size=2)
 
 
 # ----------------------------------------------------------------------------------------------- extraction
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
-_GSM8K = re.compile(r"####\s*([^\n]+)")
-_FINAL = re.compile(r"(?:final answer|the answer)\s*(?:is|:)?\s*[:=]?\s*(.+)|^\s*\**answer\**\s*[:=]\s*(.+)",
+# Possessive whitespace (*+) and same-line ^[ \t]: these run on model output in the trainer's process, where a
+# backtracking \s* took minutes on a response of blank lines.
+_GSM8K = re.compile(r"####\s*+([^\n]+)")
+_FINAL = re.compile(r"(?:final answer|the answer)\s*+(?:is|:)?\s*+[:=]?\s*+(.+)|^[ \t]*+\**answer\**\s*+[:=]\s*+(.+)",
                     re.IGNORECASE | re.MULTILINE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
@@ -141,6 +111,9 @@ def normalize(answer: str) -> str:
 _FRAC = re.compile(r"^(-?)\\frac\{?(-?\d+)\}?\{?(-?\d+)\}?$")
 
 
+_MAX_EXPONENT = 1000
+
+
 def to_number(answer: str) -> tuple[Fraction, bool] | None:
     """An exact rational and whether it was a percentage, for normalised answers like 0.5, -3/4, \\frac{1}{2}, 50%."""
     s = answer
@@ -151,7 +124,9 @@ def to_number(answer: str) -> tuple[Fraction, bool] | None:
         if frac:
             value = Fraction(int(frac.group(2)), int(frac.group(3)))
             return (-value if frac.group(1) else value), percent
-        if re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)(/\d+)?|-?\d+(\.\d+)?e-?\d+", s):
+        number = re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)(/\d+)?|-?\d+(\.\d+)?e(-?\d+)", s)
+        # An exponent is bounded: Fraction("1e999999999") would build a billion-digit integer in this process.
+        if number and (number.group(5) is None or abs(int(number.group(5)[:6])) <= _MAX_EXPONENT):
             return Fraction(s), percent
     except (ValueError, ZeroDivisionError):
         pass
@@ -205,10 +180,14 @@ def is_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     if numeric is not None:
         return numeric
     try:
-        with _Deadline(timeout_s):
-            return _math_verify_equal(pred, gold) or _sympy_equal(p, g)
-    except CheckTimeout:
+        return _pool.call([pred, gold, p, g], timeout_s)
+    except CallTimeout:
         return False
+
+
+def slow_equal(pred: str, gold: str, pred_normalized: str, gold_normalized: str) -> bool:
+    """math-verify, then sympy; runs in a worker process (see ``_pool``)."""
+    return _math_verify_equal(pred, gold) or _sympy_equal(pred_normalized, gold_normalized)
 
 
 @register("math", "openai/gsm8k", "gsm8k", "DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH",

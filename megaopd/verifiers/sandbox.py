@@ -2,32 +2,30 @@
 
 Every program is hostile until proven otherwise. One call to :func:`run_python` runs one program once, in a fresh
 child process, and returns what it printed. Many run at once: ``megaopd.verifiers.code.score_many`` runs them on
-a thread pool of :func:`default_workers` (threads only wait on child processes). The layers, outermost first:
+a thread pool of :func:`default_workers` (threads only wait on child processes). Two modes (``docs/verifiers.md``
+has the threat model and what each guarantees):
 
-* **Namespaces** (when ``unshare`` works here): a new network namespace (no interfaces but a down loopback, so no
-  connection can leave), a new PID namespace with its own /proc (the program cannot see or signal host processes,
-  and every process in it dies when its init exits) and a mount namespace where /tmp, /var/tmp and /dev/shm are
-  fresh tmpfs mounts that vanish with it. As root this is a plain ``unshare``; unprivileged it adds a user
-  namespace (``--user --map-root-user``), which most clusters allow.
-* **Another uid** (when we are root): the program runs as an unprivileged uid unique to this process and worker
-  slot, so ``RLIMIT_NPROC`` is really enforced (it is not for root), file permissions keep it out of everything that
-  is not its scratch directory, it cannot signal its parent, and ``kill(-1)`` only reaches itself. Afterwards every
-  process left with that uid is killed and its files in world-writable directories are removed, which catches
-  daemons that left the process group when namespaces are unavailable.
-* **rlimits**: CPU seconds, address space, processes, file size, open files, no core dumps.
-* **An audit hook** inside the child refuses socket creation: the no-network fallback when there is no network
-  namespace, and a second wall when there is one.
-* **The parent** keeps the wall clock, kills the whole process group, reads at most ``max_output`` bytes of each
-  stream, and deletes the scratch directory.
+* **Namespaces** (when ``unshare`` works; as root, or unprivileged through a user namespace): a network namespace
+  (only a down loopback), an IPC namespace, a PID namespace (its own /proc; everything in it dies with its init) and a mount
+  namespace whose root is a new, mostly read-only tree with no host files but the interpreter's (see
+  ``sandbox_init``). As root the program runs as a uid of its own; in a user namespace with no capabilities.
+* **Fallback** (root without namespaces, e.g. Docker without CAP_SYS_ADMIN): a uid of its own per worker slot, an
+  audit hook against sockets, and afterwards every process of that uid is killed and its files in world-writable
+  directories and its System V IPC objects removed. A non-root trainer without user namespaces gets no fallback: :func:`isolation` refuses,
+  since the program would run as the trainer's own user with the user's files.
 
-``isolation()`` says which layers are active on this machine.
+In both: rlimits (CPU, memory, processes, file size, descriptors, no core), no_new_privs, a scrubbed environment,
+stdin/stdout/stderr as pipes (nothing on disk to re-read or for another run to read), a wall clock and an output cap
+kept by the parent, and cleanup that never raises.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+import platform
 import select
 import shutil
 import signal
@@ -39,11 +37,33 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megaopd.verifiers.cleanup import (kill_uid, live_pids_of_uid, remove_tree, sweep_files, sweep_ipc,
+                                       world_writable_dirs)
+from megaopd.verifiers.sandbox_init import CHILD, INIT_FAILED as _INIT_FAILED, NS_INIT
+
+__all__ = ["Limits", "Result", "Isolation", "SandboxError", "SandboxUnavailable", "isolation", "run_python", "live_pids_of_uid",
+           "default_workers", "describe"]
+
+log = logging.getLogger(__name__)
+
 # High uids that no real account is likely to own (sssd and container ranges stay below 2**31); each process gets
 # its own block of 64 so two trainers on one host do not share NPROC or kill each other's programs.
 _UID_BASE = 3_000_000_000
 _UID_BLOCK = 64
-_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+_NS_FLAGS = ("--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount", "--propagation", "private")
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217, "riscv64": 41}
+_SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group")
+
+
+class SandboxError(RuntimeError):
+    """One run could not be sandboxed (counted by ``verifiers.score`` under this reason)."""
+
+    reason = "sandbox_error"
+
+
+class SandboxUnavailable(RuntimeError):
+    """This machine cannot contain programs as promised; raised at start-up, never a silent weaker mode."""
 
 
 @dataclass(frozen=True)
@@ -52,14 +72,14 @@ class Limits:
     wall_s: float = 8.0  # parent's clock: sleeping, blocking on input, waiting on children
     memory_mb: int = 1024  # RLIMIT_AS: memory bombs that would push the host into swap or the OOM killer
     nproc: int = 16  # RLIMIT_NPROC (per uid, hence the per-slot uid): fork bombs
-    fsize_mb: int = 16  # RLIMIT_FSIZE: filling the disk (also caps what the program writes to stdout/stderr)
+    fsize_mb: int = 16  # RLIMIT_FSIZE: filling the disk
     nofile: int = 64  # RLIMIT_NOFILE: exhausting file descriptors
-    max_output: int = 1 << 20  # bytes of stdout and stderr the parent reads back
+    max_output: int = 1 << 20  # bytes of stdout and of stderr the parent reads; past that the program is killed
 
 
 @dataclass
 class Result:
-    status: str  # "ok", "error" (non-zero exit), "timeout", "killed" (a signal: rlimit, memory), "sandbox_error"
+    status: str  # "ok", "error" (non-zero exit), "timeout", "killed" (a signal), "output_limit", "sandbox_error"
     returncode: int
     stdout: str
     stderr: str
@@ -69,68 +89,27 @@ class Result:
     def ok(self) -> bool:
         return self.status == "ok"
 
+    def raise_for_sandbox(self) -> "Result":
+        """This result, unless the sandbox itself failed: that is no verdict on the program, so it is raised (and
+        ``verifiers.score`` counts it) rather than scored as a silent 0."""
+        if self.status == "sandbox_error":
+            raise SandboxError(self.stderr[-500:])
+        return self
+
 
 @dataclass(frozen=True)
 class Isolation:
-    namespaces: bool  # network + pid + mount namespaces through unshare
+    namespaces: bool  # network + pid + mount namespaces and a new root, through unshare
     user_namespace: bool  # unprivileged: namespaces need a user namespace too
     uid_drop: bool  # running as root: the program gets its own unprivileged uid
     python: str  # the interpreter that runs programs; the sandbox uid must be able to read it
+    visible: tuple[str, ...] = ()  # host trees the program sees, read-only (namespaces)
+    hidden: tuple[str, ...] = ()  # site-packages inside them, covered by empty mounts
+    swept: tuple[str, ...] = ()  # world-writable directories cleaned of the uid's files (fallback)
 
     @property
     def network(self) -> str:
         return "network namespace" if self.namespaces else "audit hook (Python-level socket block)"
-
-
-# The program's own interpreter, started as `python -I -S -c _CHILD CONFIG` (as the sandbox uid when we are root):
-# sets the rlimits, blocks sockets, then runs main.py as __main__.
-_CHILD = r"""
-import json, resource, sys
-for name, value in json.loads(sys.argv[1]).items():
-    # CPU: SIGXCPU at the soft limit, SIGKILL a second later for a program that catches it.
-    resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
-def _no_network(event, args):
-    if event in ("socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo"):
-        raise PermissionError("network access is disabled in the sandbox")
-sys.addaudithook(_no_network)
-del json, resource, name, value, _no_network
-import runpy
-sys.argv = ["main.py"]
-runpy.run_path("main.py", run_name="__main__")
-"""
-
-# Init of the fresh PID namespace, as root inside it: private tmpfs mounts, then fork the program (dropping to the
-# sandbox uid) and reap. Init itself ignores signals it has no handler for (so RLIMIT_CPU would not bite if the
-# program were init), and its exit kills everything left in the namespace, daemons included.
-_NS_INIT = r"""
-import ctypes, os, sys
-uid, tmpfs = int(sys.argv[1]), sys.argv[2].split(":")
-libc = ctypes.CDLL(None, use_errno=True)
-def mount(source, target, fstype, flags, options):
-    if libc.mount(source, target.encode(), fstype, flags, options) != 0:  # fail closed
-        raise OSError(ctypes.get_errno(), f"sandbox init: mount on {target} failed")
-# The scratch dir usually lives under /tmp, which is about to be covered: keep a handle on it and bind it back at
-# the same path on the new tmpfs, so paths the program computes from its cwd still work.
-work, keep = os.getcwd(), os.open(".", os.O_RDONLY)
-for path in tmpfs:
-    mount(b"tmpfs", path, b"tmpfs", 0, b"size=16m,mode=1777")
-os.makedirs(work, exist_ok=True)
-mount(f"/proc/self/fd/{keep}".encode(), work, None, 4096, None)  # 4096 = MS_BIND
-os.chdir(work)
-os.close(keep)
-child = os.fork()
-if child == 0:
-    if uid >= 0:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    os.execv(sys.argv[3], sys.argv[3:])
-while True:
-    pid, status = os.wait()
-    if pid == child:
-        code = os.waitstatus_to_exitcode(status)
-        os._exit(128 - code if code < 0 else code)
-"""
 
 
 def _unshare_works(args: tuple[str, ...]) -> bool:
@@ -143,35 +122,70 @@ def _unshare_works(args: tuple[str, ...]) -> bool:
     return done.returncode == 0
 
 
-_NS_FLAGS = ("--net", "--pid", "--fork", "--kill-child", "--mount-proc")
+# The prefix and every site-packages (a venv's and its base interpreter's), which the new root covers up.
+_PROBE = ("import json, sys, site, sysconfig; v = {'base': sys.base_prefix, 'platbase': sys.base_exec_prefix}; "
+          "print(json.dumps([sys.base_prefix, site.getsitepackages() + "
+          "[sysconfig.get_path(k, vars=v) for k in ('purelib', 'platlib')]]))")
 
 
-def _python_works(python: str, uid: int | None) -> bool:
+def _probe_python(python: str, uid: int | None) -> tuple[str, list[str]] | None:
+    """(prefix, site-packages dirs) of an interpreter the sandbox uid can run, else None."""
     try:
-        done = subprocess.run([python, "-I", "-S", "-c", "import json, resource, runpy, socket"], capture_output=True,
-                              timeout=30, cwd="/", user=uid, group=uid, extra_groups=[] if uid is not None else None)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
+        done = subprocess.run([python, "-I", "-c", _PROBE], capture_output=True, timeout=30, cwd="/", user=uid,
+                              group=uid, extra_groups=[] if uid is not None else None)
+        prefix, sites = json.loads(done.stdout)
+        return os.path.realpath(prefix), list(dict.fromkeys(os.path.realpath(s) for s in sites))
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
 
 
 @functools.lru_cache(maxsize=None)
 def isolation() -> Isolation:
-    """Probe once which isolation layers this machine allows (env MEGAOPD_SANDBOX_NAMESPACES=0 turns them off) and
+    """Probe once which isolation this machine allows (env MEGAOPD_SANDBOX_NAMESPACES=0 turns namespaces off) and
     which interpreter the sandbox uid can run: MEGAOPD_SANDBOX_PYTHON, else ours, else a system python3 (ours may
-    live under a directory only root can read, such as a pyenv in /root)."""
+    live under a directory only root can read, such as a pyenv in /root). SandboxUnavailable when neither mode's
+    guarantee can be kept."""
     root = os.geteuid() == 0
     user_ns = () if root else ("--user", "--map-root-user")
     wanted = os.environ.get("MEGAOPD_SANDBOX_NAMESPACES", "1") != "0"
-    namespaces = wanted and sys.platform == "linux" and _unshare_works(user_ns + _NS_FLAGS)
+    namespaces = (wanted and sys.platform == "linux" and platform.machine() in _PIVOT_ROOT
+                  and _unshare_works(user_ns + _NS_FLAGS))
+    if not namespaces and not root:
+        why = ("MEGAOPD_SANDBOX_NAMESPACES=0" if not wanted else
+               "user namespaces are not available (`unshare --user --map-root-user --net --pid --mount true` fails: "
+               "check kernel.unprivileged_userns_clone, user.max_user_namespaces and AppArmor's "
+               "restrict_unprivileged_userns)")
+        raise SandboxUnavailable(f"cannot sandbox code as a non-root user: {why}. Without them programs would run "
+                                 "as this user, able to read and rewrite its files; run as root or enable them")
     probe_uid = _UID_BASE + _UID_BLOCK - 1 if root else None
     candidates = [os.environ.get("MEGAOPD_SANDBOX_PYTHON"), sys.executable, shutil.which("python3"),
                   "/usr/local/bin/python3", "/usr/bin/python3"]
-    python = next((p for p in candidates if p and _python_works(p, probe_uid)), None)
-    if python is None:
-        raise RuntimeError(f"no Python interpreter the sandbox uid can run among {candidates}; "
-                           "set MEGAOPD_SANDBOX_PYTHON to one installed in a world-readable place")
-    return Isolation(namespaces=namespaces, user_namespace=namespaces and not root, uid_drop=root, python=python)
+    for python in filter(None, candidates):
+        probed = _probe_python(python, probe_uid)
+        if probed:
+            break
+    else:
+        raise SandboxUnavailable(f"no Python interpreter the sandbox uid can run among {candidates}; "
+                                 "set MEGAOPD_SANDBOX_PYTHON to one installed in a world-readable place")
+    prefix, sites = probed
+    python = os.path.realpath(python)  # a venv's bin/python is a link into a tree the new root may not hold
+    trees = [t for t in _SYSTEM_TREES if os.path.isdir(t) and not os.path.islink(t)]
+    if not any(prefix == t or prefix.startswith(t + "/") for t in trees):
+        trees.append(prefix)
+    # Each mode this machine may use, best first, must run a program end to end: a namespace that unshare allows
+    # but whose new root cannot be built (an odd container) is found here, not as a silent 0 on every program.
+    modes = [namespaces] + ([False] if root and namespaces else [])
+    problems = []
+    for ns in modes:
+        iso = Isolation(namespaces=ns, user_namespace=ns and not root, uid_drop=root, python=python,
+                        visible=tuple(trees), hidden=tuple(sites), swept=() if ns else world_writable_dirs())
+        probe = _run(iso, "print('ok')", "", Limits(cpu_s=10, wall_s=60), {}, None)
+        if probe.stdout == "ok\n":
+            if problems:
+                log.warning("sandbox: namespaces unusable (%s); using the fallback mode", problems[0])
+            return iso
+        problems.append(f"{probe.status}: {probe.stderr[-1000:]}")
+    raise SandboxUnavailable(f"the sandbox cannot run a program here: {'; '.join(problems)}")
 
 
 class _UidSlots:
@@ -199,91 +213,51 @@ class _UidSlots:
 _slots = _UidSlots()
 
 
-def live_pids_of_uid(uid: int) -> list[int]:
-    """Processes running as ``uid``, zombies excluded (they are dead and wait for init to reap them)."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    with open(f"/proc/{entry.name}/stat", "rb") as f:
-                        if f.read().rsplit(b")", 1)[1].split()[0] != b"Z":
-                            pids.append(int(entry.name))
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                pass
-    return pids
-
-
-def _sweep_uid(uid: int) -> None:
-    """Kill every process still running as the sandbox uid (setsid daemons escape the process group), then remove
-    its files in world-writable directories. Loops because a process may fork while we kill its siblings; NPROC
-    bounds how many there can be."""
-    for _ in range(1000):
-        pids = live_pids_of_uid(uid)
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.001)
-    for top in _WORLD_WRITABLE:
-        try:
-            entries = list(os.scandir(top))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-            except OSError:
-                pass
-
-
 def _scrubbed_env(home: str) -> dict[str, str]:
     # Nothing from the parent: API keys, tokens and cluster credentials live in the environment.
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home,
             "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _read_capped(path: Path, limit: int) -> str:
-    with path.open("rb") as f:
-        return f.read(limit).decode("utf-8", errors="replace")
+def run_python(source: str, stdin: str | int = "", limits: Limits = Limits(), files: dict[str, str] | None = None,
+               stdout: int | None = None) -> Result:
+    """Run ``source`` as a Python program in a fresh scratch directory (plus ``files`` written there) under
+    ``limits``. ``stdin`` is text written to its stdin pipe, or a pipe descriptor to hand it; ``stdout`` may be a
+    descriptor to write to instead of the returned text. Never raises for anything the program does, nor for a
+    failure to clean up after it (that is logged)."""
+    return _run(isolation(), source, stdin, limits, files or {}, stdout)
 
 
-def run_python(source: str, stdin: str = "", limits: Limits = Limits(), files: dict[str, str] | None = None) -> Result:
-    """Run ``source`` as a Python program with ``stdin`` in a fresh scratch directory (plus ``files`` written there)
-    under ``limits``; never raises for anything the program does."""
-    iso = isolation()
+def _run(iso: Isolation, source: str, stdin: str | int, limits: Limits, files: dict[str, str],
+         stdout: int | None) -> Result:
     uid = _slots.acquire() if iso.uid_drop else None
-    root = Path(tempfile.mkdtemp(prefix="megaopd-sandbox-"))
+    root = None
     try:
-        return _run_in(root, source, stdin, limits, files or {}, iso, uid)
+        root = Path(tempfile.mkdtemp(prefix="megaopd-sandbox-"))
+        return _run_in(root, source, stdin, stdout, limits, files, iso, uid)
+    except OSError as e:
+        return Result("sandbox_error", -1, "", f"sandbox failed: {e}", 0.0)
     finally:
-        if uid is not None:
-            _sweep_uid(uid)
+        _clean_up(iso, uid, root)
+
+
+def _clean_up(iso: Isolation, uid: int | None, root: Path | None) -> None:
+    """Never raises. The namespace dies with its init, but asynchronously to our wait, so as root we make sure
+    before the uid is reused; a uid whose processes survive SIGKILL is never handed out again."""
+    try:
+        if uid is not None and kill_uid(uid):
+            if not iso.namespaces:
+                sweep_files(uid, iso.swept)
+                sweep_ipc(uid)
             _slots.release(uid)
-        shutil.rmtree(root, ignore_errors=True)
+        if root is not None:
+            remove_tree(str(root))
+    except Exception:  # noqa: BLE001: a cleanup bug must not stop training; it is logged
+        log.exception("sandbox cleanup failed (uid %s, %s)", uid, root)
 
 
-def _run_in(root: Path, source: str, stdin: str, limits: Limits, files: dict[str, str], iso: Isolation,
-            uid: int | None) -> Result:
-    # root/ (ours, 0700) holds the streams where the program cannot rewrite them; root/work is its scratch dir.
-    work = root / "work"
-    work.mkdir()
-    (work / "main.py").write_text(source, encoding="utf-8")
-    for name, text in files.items():
-        (work / name).write_text(text, encoding="utf-8")
-    if uid is not None:
-        os.chmod(root, 0o711)  # the program may pass through to its scratch dir but not list or read our files
-        for path in [work, *work.iterdir()]:
-            os.chown(path, uid, uid)
-    (root / "stdin").write_text(stdin, encoding="utf-8")
+def _command(iso: Isolation, root: Path, work: Path, limits: Limits, uid: int | None) -> tuple[list[str], str]:
+    """The command line that runs main.py in ``work`` under ``iso``, and the program's home directory."""
     rlimits = {
         "RLIMIT_CPU": max(1, int(limits.cpu_s + 0.999)),
         "RLIMIT_AS": limits.memory_mb << 20,
@@ -292,54 +266,128 @@ def _run_in(root: Path, source: str, stdin: str, limits: Limits, files: dict[str
         "RLIMIT_NOFILE": limits.nofile,
         "RLIMIT_CORE": 0,
     }
-    cmd = [iso.python, "-I", "-S", "-c", _CHILD, json.dumps(rlimits)]
-    drop: dict = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
-    if iso.namespaces:  # the namespace init drops the uid itself, after mounting as root
-        user_ns = ("--user", "--map-root-user") if iso.user_namespace else ()
-        cmd = ["unshare", *user_ns, *_NS_FLAGS, iso.python, "-I", "-S", "-c", _NS_INIT,
-               str(-1 if uid is None else uid), ":".join(_WORLD_WRITABLE), *cmd]
-        drop = {}
+    child = [iso.python, "-I", "-S", "-c", CHILD, json.dumps(rlimits), "-" if iso.namespaces else "no_new_privs"]
+    if not iso.namespaces:
+        return child, str(work)
+    (root / "newroot").mkdir()
+    config = {"root": str(root / "newroot"), "uid": -1 if uid is None else uid, "links": _links(),
+              "ro": list(iso.visible), "ro_files": [f for f in _ETC_FILES if os.path.isfile(f)],
+              "hide": list(iso.hidden), "tmpfs_mb": 64 + limits.fsize_mb, "inodes": 16384,
+              "pivot_root": _PIVOT_ROOT[platform.machine()], "argv": child, "env": _scrubbed_env("/scratch")}
+    user_ns = ("--user", "--map-root-user") if iso.user_namespace else ()
+    return ["unshare", *user_ns, *_NS_FLAGS, iso.python, "-I", "-S", "-c", NS_INIT, json.dumps(config)], "/scratch"
+
+
+@functools.lru_cache(maxsize=None)
+def _links() -> list[tuple[str, str]]:
+    return [(t, os.readlink(t)) for t in _SYSTEM_TREES if os.path.islink(t)]
+
+
+def _run_in(root: Path, source: str, stdin: str | int, stdout: int | None, limits: Limits, files: dict[str, str],
+            iso: Isolation, uid: int | None) -> Result:
+    # root/ is ours (0700; 0711 in the fallback so the uid can reach work/); root/work holds the program's files.
+    work = root / "work"
+    work.mkdir(mode=0o700)
+    (work / "main.py").write_text(source, encoding="utf-8")
+    for name, text in files.items():
+        (work / name).write_text(text, encoding="utf-8")
+    if uid is not None and not iso.namespaces:
+        os.chmod(root, 0o711)
+        for path in [work, *work.iterdir()]:
+            os.chown(path, uid, uid)
+    cmd, home = _command(iso, root, work, limits, uid)
+    drop: dict = {"user": uid, "group": uid, "extra_groups": []} if uid is not None and not iso.namespaces else {}
     start = time.monotonic()
-    with open(root / "stdin", "rb") as fin, open(root / "stdout", "wb") as fout, open(root / "stderr", "wb") as ferr:
-        try:
-            proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr, cwd=work, env=_scrubbed_env(str(work)),
-                                    start_new_session=True, close_fds=True, **drop)
-        except OSError as e:
-            return Result("sandbox_error", -1, "", f"could not start the sandbox: {e}", 0.0)
-        try:
-            timed_out = not _exited_within(proc, limits.wall_s)
-        finally:
-            try:  # the whole group: children and grandchildren that did not call setsid
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            returncode = proc.wait()
-    wall = time.monotonic() - start
-    if timed_out:
-        status = "timeout"
-    elif returncode < 0 or returncode >= 128:  # killed by a signal (directly, or reported by the namespace init)
-        status = "killed"
-    else:
-        status = "ok" if returncode == 0 else "error"
-    return Result(status, returncode, _read_capped(root / "stdout", limits.max_output),
-                  _read_capped(root / "stderr", limits.max_output), wall)
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if isinstance(stdin, str) else stdin,
+                                stdout=subprocess.PIPE if stdout is None else stdout, stderr=subprocess.PIPE,
+                                cwd=work, env=_scrubbed_env(home), start_new_session=True, close_fds=True, **drop)
+    except OSError as e:
+        return Result("sandbox_error", -1, "", f"could not start the sandbox: {e}", 0.0)
+    try:
+        outcome, out, err = _communicate(proc, stdin.encode() if isinstance(stdin, str) else b"", limits)
+    finally:
+        try:  # the whole group: children and grandchildren that did not call setsid
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        returncode = proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    if outcome == "exited" and iso.namespaces and returncode == _INIT_FAILED:
+        outcome = "sandbox_error"
+    elif outcome == "exited":
+        if returncode < 0 or returncode >= 128:  # killed by a signal (directly, or reported by the namespace init)
+            outcome = "killed"
+        else:
+            outcome = "ok" if returncode == 0 else "error"
+    decode = lambda b: b[:limits.max_output].decode("utf-8", errors="replace")  # noqa: E731
+    return Result(outcome, returncode, decode(out), decode(err), time.monotonic() - start)
 
 
-def _exited_within(proc: subprocess.Popen, seconds: float) -> bool:
-    """Wait for the child up to ``seconds``. Popen.wait(timeout) polls with sleeps growing to 50 ms, which costs
-    more than the typical program runs; a pidfd wakes us the moment it exits."""
+def _communicate(proc: subprocess.Popen, data: bytes, limits: Limits) -> tuple[str, bytes, bytes]:
+    """Feed stdin and read stdout/stderr until the program exits ("exited"), the wall clock runs out ("timeout")
+    or a stream passes ``max_output`` ("output_limit"). A pidfd wakes us the moment it exits; reading stops there
+    (a daemon holding the pipes open does not keep us waiting), then what is already buffered is drained."""
+    deadline = time.monotonic() + limits.wall_s
+    pidfd = os.pidfd_open(proc.pid)
+    buffers: dict[int, bytearray] = {}
+    readers = [p.fileno() for p in (proc.stdout, proc.stderr) if p is not None]
+    for fd in readers:
+        buffers[fd] = bytearray()
+        os.set_blocking(fd, False)
+    writer = proc.stdin.fileno() if proc.stdin is not None else None
+    if writer is not None:
+        os.set_blocking(writer, False)
+        if not data:
+            proc.stdin.close()
+            writer = None
+    outcome = "timeout"
     try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):  # not Linux >= 5.3
-        try:
-            proc.wait(timeout=seconds)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-    try:
-        return bool(select.select([pidfd], [], [], seconds)[0])
+        while time.monotonic() < deadline:
+            ready_r, ready_w, _ = select.select(readers + [pidfd], [writer] if writer is not None else [], [],
+                                                max(0.0, deadline - time.monotonic()))
+            if ready_w:
+                try:
+                    data = data[os.write(writer, data[:1 << 16]):]
+                except BlockingIOError:
+                    pass
+                except BrokenPipeError:  # it closed its stdin: the rest stays unread
+                    data = b""
+                if not data:
+                    proc.stdin.close()
+                    writer = None
+            for fd in ready_r:
+                if fd != pidfd:
+                    _read_into(fd, buffers[fd], readers)
+            if any(len(b) > limits.max_output for b in buffers.values()):
+                outcome = "output_limit"
+                break
+            if pidfd in ready_r:
+                outcome = "exited"
+                for fd in list(readers):  # whatever the program wrote before it exited
+                    while fd in readers and len(buffers[fd]) <= limits.max_output:
+                        if not _read_into(fd, buffers[fd], readers):
+                            break
+                break
     finally:
         os.close(pidfd)
+    out = bytes(buffers[proc.stdout.fileno()]) if proc.stdout is not None else b""
+    return outcome, out, bytes(buffers[proc.stderr.fileno()])
+
+
+def _read_into(fd: int, buffer: bytearray, readers: list[int]) -> bool:
+    """Read what is available; False when nothing more is now (at EOF ``fd`` also leaves ``readers``)."""
+    try:
+        chunk = os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return False
+    if not chunk:
+        readers.remove(fd)
+        return False
+    buffer += chunk
+    return True
 
 
 def default_workers() -> int:
