@@ -242,6 +242,7 @@ def stage(name: str, config: str, *overrides: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # its jobs have 1200 s; 716 s measured on a loaded 2-core machine
 def test_two_domain_study_runs_on_four_nodes_through_megaopd_submit(cluster, tmp_path):
     """GRPO experts (megatron DP over 2 trainer nodes), joint GRPO (+ an SGLang rollout node), self-teacher OPD
     (+ an SGLang teacher node) and multi-teacher OPD (+ two), then the report, all as dependent Slurm jobs."""
@@ -295,6 +296,7 @@ def test_two_domain_study_runs_on_four_nodes_through_megaopd_submit(cluster, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # its jobs have 600 s; 173 s measured on a loaded machine
 def test_preempted_multinode_stage_requeues_and_resumes_with_the_same_ledger(cluster, tmp_path):
     """Two identical megatron GRPO stages on 2 nodes each, side by side; one gets USR1 mid-stage (what
     `#SBATCH --signal=B:USR1@N` sends): it checkpoints, requeues, resumes and ends with its twin's ledger."""
