@@ -106,12 +106,20 @@ def topk_kl(student_logprobs: torch.Tensor, teacher_ids: torch.Tensor, teacher_t
     teacher_tail: [c] log of the teacher's remaining mass. By the data-processing inequality it is a lower bound
     of the full KL that tightens as K grows, and equals it when K covers the vocabulary (both tails are then 0).
     """
-    student_topk = student_logprobs.gather(-1, teacher_ids)
+    covers = teacher_ids.shape[-1] >= student_logprobs.shape[-1]
+    return coarse_kl(student_logprobs.gather(-1, teacher_ids),
+                     None if covers else tail_logprob(student_logprobs, teacher_ids), teacher_topk, teacher_tail,
+                     direction)
+
+
+def coarse_kl(student_topk: torch.Tensor, student_tail: torch.Tensor | None, teacher_topk: torch.Tensor,
+              teacher_tail: torch.Tensor, direction: str = "reverse") -> torch.Tensor:
+    """``topk_kl`` from both sides' logprobs at the K tokens [..., K] and their tails [...] (None: the K tokens are
+    the whole vocabulary, no tail and no 0 * log 0 to differentiate)."""
     p, q = (student_topk, teacher_topk) if direction == "reverse" else (teacher_topk, student_topk)
     head = (p.exp() * (p - q)).sum(-1)
-    if teacher_ids.shape[-1] >= student_logprobs.shape[-1]:
-        return head  # the top-K is the vocabulary: no tail (and no 0 * log 0 to differentiate)
-    student_tail = tail_logprob(student_logprobs, teacher_ids)
+    if student_tail is None:
+        return head
     teacher_tail = teacher_tail.clamp(min=TAIL_FLOOR)
     p_tail, q_tail = (student_tail, teacher_tail) if direction == "reverse" else (teacher_tail, student_tail)
     return head + p_tail.exp() * (p_tail - q_tail)

@@ -136,12 +136,14 @@ class HFPolicy:
 
     def _chunked(self, hidden: torch.Tensor, fn, grad: bool) -> list[torch.Tensor]:
         """``fn(hidden_rows, start) -> tensors with one row per hidden row``, over ``logit_chunk_rows`` rows at a
-        time, concatenated. With ``grad`` each chunk is checkpointed: its [c, V] logits are freed after the forward
-        and recomputed in the backward, so the graph holds one chunk's at a time, not all of them."""
+        time, concatenated. With ``grad`` and more than one chunk, each chunk is checkpointed: its [c, V] logits are
+        freed after the forward and recomputed in the backward, so the graph holds one chunk's at a time, not all of
+        them (one chunk holds no more than the bound: no recomputation then)."""
         parts = []
+        recompute = grad and hidden.shape[0] > self.logit_chunk_rows
         for start in range(0, hidden.shape[0], self.logit_chunk_rows):
             rows = hidden[start:start + self.logit_chunk_rows]
-            out = checkpoint(fn, rows, start, use_reentrant=False) if grad else fn(rows, start)
+            out = checkpoint(fn, rows, start, use_reentrant=False) if recompute else fn(rows, start)
             parts.append(out if isinstance(out, tuple) else (out,))
         if not parts:  # no response rows: empty results of the right trailing shape
             out = fn(hidden[:0], 0)
