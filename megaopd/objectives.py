@@ -151,6 +151,15 @@ class VocabTerm:
             student, teacher_rows(slice(start, start + student.shape[0])).to(student.device), self.direction)
 
 
+def form_label(algorithm: str, opd: OPDConfig) -> str:
+    """What a report calls a run's objective: e.g. ``opd:topk(K=16,reverse)``, ``grpo+opd:sampled(coef=0.5)``."""
+    if algorithm not in ("opd", "grpo_opd"):
+        return algorithm
+    detail = [f"K={opd.topk}"] * (opd.form == "topk") + [opd.kl] * (opd.form != "sampled") + \
+        [f"coef={opd.coef:g}"] * (algorithm == "grpo_opd")
+    return f"{algorithm.replace('_', '+')}:{opd.form}" + (f"({','.join(detail)})" if detail else "")
+
+
 def _check_opd(cfg: OPDConfig) -> None:
     if cfg.form not in OPD_FORMS:
         raise ValueError(f"opd.form must be one of {', '.join(OPD_FORMS)}, got {cfg.form!r}")

@@ -34,7 +34,7 @@ from megaopd.data.synthetic import corrupt
 from megaopd.evaluate import Evaluator, per_domain_means, score_samples
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger
-from megaopd.objectives import GRPO, OPD, TIS_LEVELS, GRPOWithOPD, truncated_is_weights
+from megaopd.objectives import GRPO, OPD, TIS_LEVELS, GRPOWithOPD, form_label, truncated_is_weights
 from megaopd.policy import HFPolicy, chat_prompt_ids
 from megaopd.rollout import LocalEngine
 from megaopd.teachers import TeacherRouter, local_teachers
@@ -349,7 +349,8 @@ class Trainer:
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
-        summary = {"run_dir": str(self.run_dir), "algorithm": self.cfg.train.algorithm, "steps": step,
+        summary = {"run_dir": str(self.run_dir), "algorithm": self.cfg.train.algorithm,
+                   "form": form_label(self.cfg.train.algorithm, self.cfg.opd), "steps": step,
                    "final": final_metrics, "ledger": self.ledger.state_dict()}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
