@@ -112,7 +112,7 @@ class OPDConfig:
     # "*" serves every domain. A domain with no teacher fails loudly at start-up.
     teachers: dict[str, str] = field(default_factory=dict)
     clip: float = 0.2  # clip of the importance ratio in the sampled-token form
-    # local (HF forward in the trainer) | sglang (prefill on servers; rollout.sglang settings, sampled form only).
+    # local (HF forward in the trainer) | sglang (prefill on servers; rollout.sglang settings, sampled or topk form).
     # Teacher servers are launched per teacher, or attached by route from $MEGAOPD_TEACHER_URLS / teacher_urls.
     teacher_engine: str = "local"
     teacher_urls: dict[str, list[str]] = field(default_factory=dict)
