@@ -1,9 +1,12 @@
 """The HF-transformers backend: one process, CPU or one GPU, any HF causal-LM directory.
 
-A policy owns a model, its tokenizer and (when trainable) its optimizer. The trainer talks to it through four
-calls: ``logprobs`` / ``full_logprobs`` (no grad, micro-batched), ``train_minibatch`` (forward, backward and
-one optimizer step over micro-batches with a token-mean loss) and ``save_hf``. The Megatron backend implements
-the same calls.
+A policy owns a model, its tokenizer and (when trainable) its optimizer. The trainer talks to it through
+``logprobs`` (no grad, micro-batched), ``train_minibatch`` (forward, backward and one optimizer step over
+micro-batches with a token-mean loss) and ``save_hf``; a teacher also through ``topk_logprobs`` and ``full_rows``.
+The Megatron backend implements the same calls.
+
+Memory: only the response rows are projected to the vocabulary, ``logit_chunk_rows`` rows at a time (checkpointed
+per chunk in the update), so no [rows x V] float32 tensor exceeds one chunk (docs/opd.md).
 """
 
 from __future__ import annotations
