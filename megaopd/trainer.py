@@ -81,7 +81,6 @@ def build_teachers(cfg: RunConfig, student_tokenizer) -> TeacherRouter:
             if cfg.opd.form == "full_vocab":
                 raise ValueError("model.backend=megatron computes the top-k OPD form, not full_vocab (docs/opd.md): "
                                  "set opd.form=topk with opd.topk=K (K = the vocabulary size is the exact full loss)")
-
             return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer, **sampling)
         return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model, cfg.train.logit_chunk_rows),
                              student_tokenizer, **sampling)
