@@ -192,7 +192,8 @@ class HFPolicy:
         """The teacher's view of each response position under the given sampling settings, without keeping [N, V]:
         ``realised`` [B, S-1] (logprob of each realised token), ``topk_ids`` / ``topk`` [B, S-1, K] (the K most likely
         tokens and their logprobs) and ``tail`` [B, S-1] (log of the mass outside them); 0 off the response."""
-        names, grids = ("realised", "topk_ids", "topk", "tail"), {n: [] for n in ("realised", "topk_ids", "topk", "tail")}
+        names = ("realised", "topk_ids", "topk", "tail")
+        grids = {name: [] for name in names}
         for mb in self._micro_batches(batch, micro_batch_size):
             hidden, where = self._response_hidden(mb)
             targets = self._targets(mb, where, self.device)

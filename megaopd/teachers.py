@@ -85,17 +85,17 @@ class TeacherRouter:
         sampling = dict(temperature=self.temperature, top_p=self.top_p)
         batch.teacher_logprobs = torch.zeros_like(batch.response_mask)
         batch.teacher_route = torch.tensor([self.routes.index(self.route(s.row.domain)) for s in samples])
-        if form == "topk":
-            k = topk
-            batch.teacher_topk_ids = torch.zeros((*batch.response_mask.shape, k), dtype=torch.long)
-            batch.teacher_topk_logprobs = torch.zeros((*batch.response_mask.shape, k))
-            batch.teacher_tail = torch.zeros_like(batch.response_mask)
         for route, indices in groups.items():
             sub, teacher = batch.select(torch.tensor(indices)), self.teachers[route]
             if form != "topk":
                 batch.teacher_logprobs[indices] = teacher.logprobs(sub, micro_batch_size, **sampling)
                 continue
             view = teacher.topk_logprobs(sub, topk, micro_batch_size, **sampling)
+            if batch.teacher_topk_ids is None:  # K, or the vocabulary size where opd.topk exceeds it
+                k = view["topk"].shape[-1]
+                batch.teacher_topk_ids = torch.zeros((*batch.response_mask.shape, k), dtype=torch.long)
+                batch.teacher_topk_logprobs = torch.zeros((*batch.response_mask.shape, k))
+                batch.teacher_tail = torch.zeros_like(batch.response_mask)
             batch.teacher_logprobs[indices] = view["realised"]
             batch.teacher_topk_ids[indices] = view["topk_ids"]
             batch.teacher_topk_logprobs[indices] = view["topk"]

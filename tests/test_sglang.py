@@ -161,7 +161,8 @@ def test_topk_teacher_scores_response_rows_only_and_equals_the_local_topk(fresh,
     the server names is checked against the local log-softmax, and the sorted values against the local top-K."""
     cfg = attached(assets, tmp_path, fresh)
     local = HFPolicy(cfg.model)
-    samples = LocalEngine(local).generate(rows(assets), 2, max_new_tokens=12, generator=torch.Generator().manual_seed(2))
+    samples = LocalEngine(local).generate(rows(assets), 2, max_new_tokens=12,
+                                          generator=torch.Generator().manual_seed(2))
     batch = collate(samples, local.pad_id)
     teacher = SGLangTeacher(cfg.model.path, [fresh.url], cfg, "teacher")
     starts = [len(s.prompt_ids) for s in samples]

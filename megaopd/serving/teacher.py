@@ -70,7 +70,7 @@ class SGLangTeacher:
 
     def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,
                       top_p: float = 1.0) -> dict[str, torch.Tensor]:
-        """As ``HFPolicy.topk_logprobs``; the tail is log(1 - sum of the top-K probabilities), -inf when none is left."""
+        """As ``HFPolicy.topk_logprobs``; the tail is log(1 - sum of the K probabilities), -inf when none is left."""
         grid = batch.response_mask.shape
         out = {"realised": torch.zeros(grid), "topk_ids": torch.zeros((*grid, k), dtype=torch.long),
                "topk": torch.zeros((*grid, k)), "tail": torch.zeros(grid)}
