@@ -38,7 +38,12 @@ class TokenBatch:
     old_logprobs: torch.Tensor | None = None  # [B, S-1] policy logprobs before this step's update
     ref_logprobs: torch.Tensor | None = None  # [B, S-1] reference policy, for the KL penalty
     teacher_logprobs: torch.Tensor | None = None  # [B, S-1] teacher logprob of each realised token
-    teacher_full_logprobs: torch.Tensor | None = None  # [B, S-1, V] for the full-vocabulary OPD form
+    # opd.form=topk: the teacher's K most likely tokens at each response position, their logprobs, and the log of
+    # the mass outside them (the tail bucket). The full form holds no [B, S-1, V] grid: see teachers.py.
+    teacher_topk_ids: torch.Tensor | None = None  # [B, S-1, K] long
+    teacher_topk_logprobs: torch.Tensor | None = None  # [B, S-1, K]
+    teacher_tail: torch.Tensor | None = None  # [B, S-1]
+    teacher_route: torch.Tensor | None = None  # [B] long: index of each sample's teacher in TeacherRouter.routes
     is_weights: torch.Tensor | None = None  # [B, S-1] truncated importance weights p_trainer / p_rollout (train.tis)
     extras: dict = field(default_factory=dict)
 

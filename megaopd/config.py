@@ -101,12 +101,18 @@ class GRPOConfig:
 
 @dataclass
 class OPDConfig:
-    form: str = "full_vocab"  # full_vocab | sampled
+    form: str = "full_vocab"  # full_vocab | topk | sampled (docs/opd.md)
+    topk: int = 0  # K of form=topk: the teacher's K most likely tokens per response position, plus a tail bucket
+    kl: str = "reverse"  # reverse | forward: the KL of the full_vocab and topk forms
+    coef: float = 1.0  # train.algorithm=grpo_opd: weight of the OPD term added to GRPO's group advantage / loss
+    # The teacher scores under the rollout's sampling settings: its logits divided by rollout.temperature (and, on
+    # the local teacher, its distribution cut to its own top-p nucleus when rollout.top_p < 1). False: temperature 1.
+    match_sampling: bool = True
     # Routing key -> teacher HF directory. The key is a row's domain (extra_info.domain, else data_source);
     # "*" serves every domain. A domain with no teacher fails loudly at start-up.
     teachers: dict[str, str] = field(default_factory=dict)
     clip: float = 0.2  # clip of the importance ratio in the sampled-token form
-    # local (HF forward in the trainer) | sglang (prefill on servers; rollout.sglang settings, sampled form only).
+    # local (HF forward in the trainer) | sglang (prefill on servers; rollout.sglang settings, sampled or topk form).
     # Teacher servers are launched per teacher, or attached by route from $MEGAOPD_TEACHER_URLS / teacher_urls.
     teacher_engine: str = "local"
     teacher_urls: dict[str, list[str]] = field(default_factory=dict)
@@ -123,7 +129,7 @@ class SFTConfig:
 
 @dataclass
 class TrainConfig:
-    algorithm: str = "grpo"  # sft | grpo | opd
+    algorithm: str = "grpo"  # sft | grpo | opd | grpo_opd (GRPO's advantage plus opd.coef times the OPD term)
     steps: int = 100
     prompts_per_step: int = 16
     micro_batch_size: int = 64  # sequences per forward/backward; gradients accumulate over the rest
@@ -135,6 +141,7 @@ class TrainConfig:
     tis: str = "none"  # none | token | sequence
     tis_cap: float = 2.0
     seed: int = 0
+    logit_chunk_rows: int = 1024  # response rows per vocabulary-projection chunk ([rows x V] float32 at most)
 
 
 @dataclass

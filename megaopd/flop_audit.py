@@ -40,12 +40,20 @@ def audit_rl_step(cfg: RunConfig) -> dict[str, Audit]:
                          "so that no sequence is padded")
     measured = dict.fromkeys(flops.COMPONENTS, 0)
 
-    def counted(component, fn):
+    def counted(component, fn, inside=None):
+        """Count fn's FLOPs as `component`; `inside`: a phase whose counter also sees them (nested: taken off it)."""
         def run(*args, **kwargs):
             with FlopCounterMode(display=False) as counter:
                 out = fn(*args, **kwargs)
             measured[component] += counter.get_total_flops()
+            if inside is not None:
+                measured[inside] -= counter.get_total_flops()
             return out
+        return run
+
+    def counted_rows(full_rows):  # full-vocab teacher rows, recomputed inside the update: the teacher's work
+        def run(*args, **kwargs):
+            return counted("teacher", counted("teacher", full_rows, "train")(*args, **kwargs), "train")
         return run
 
     with mock.patch.object(HFPolicy, "eos_id", new_callable=mock.PropertyMock, return_value=-1):
@@ -68,6 +76,8 @@ def audit_rl_step(cfg: RunConfig) -> dict[str, Audit]:
                 for model in models:
                     model.logprobs = counted(component, model.logprobs)
                     model.full_logprobs = counted(component, model.full_logprobs)
+                    if component == "teacher":
+                        model.full_rows = counted_rows(model.full_rows)
             for policy in [trainer.policy, *frozen["reference"], *frozen["teacher"]]:
                 policy.model.set_attn_implementation("eager")
             before = dict(trainer.ledger.own)
@@ -86,6 +96,7 @@ def audit_rl_step(cfg: RunConfig) -> dict[str, Audit]:
         teacher = trainer.teachers.shape(trainer.teachers.route(samples[0].row.domain))
 
         def formula(causal):
-            return flops.opd_step_flops(trainer.policy.shape, teacher, *lengths, causal=causal, **common)
+            return flops.opd_step_flops(trainer.policy.shape, teacher, *lengths, causal=causal, **common,
+                                        teacher_passes=flops.teacher_passes(cfg.opd.form, cfg.train.epochs))
     executed, ledger = formula(False), formula(True)
     return {c: Audit(measured[c], executed[c], ledger[c], trainer.ledger.own[c] - before[c]) for c in flops.COMPONENTS}

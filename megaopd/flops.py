@@ -282,6 +282,14 @@ def grpo_step_flops(
     }
 
 
+def teacher_passes(form: str, epochs: int) -> int:
+    """Teacher forwards per sample in one OPD step: one scoring pass (realised tokens, or the top-k), plus, in the
+    full-vocabulary form, one per epoch inside the training step (its [rows x V] distribution is recomputed per
+    micro-batch instead of stored; docs/opd.md). Each reads the response rows only: on SGLang with
+    ``logprob_start_len = prompt length - 1``, so the server's LM head runs over the R response rows, as billed."""
+    return 1 + (_nonneg("epochs", epochs) if form == "full_vocab" else 0)
+
+
 def opd_step_flops(
     student: ModelShape,
     teacher: Union[ModelShape, Sequence[ModelShape], None],
@@ -292,8 +300,9 @@ def opd_step_flops(
     epochs: int = 1,
     prefix_cached: bool = True,
     causal: bool = True,
+    teacher_passes: int = 1,
 ) -> dict[str, int]:
-    """FLOPs of one on-policy-distillation step, by component.
+    """FLOPs of one on-policy-distillation step, by component (``teacher_passes``: see ``teacher_passes``).
 
     ``teacher`` is one ``ModelShape``, or a sequence with one (routed) teacher shape per prompt, or None when the
     caller bills the teacher itself (e.g. with ``scoring_flops`` per routed group); then "teacher" is 0.
@@ -315,6 +324,6 @@ def opd_step_flops(
         "rollout": rollout_flops(student, prompt_lens, response_lens, g, prefix_cached, causal),
         "old_logprob": fwd if recompute_old else 0,
         "reference": 0,
-        "teacher": teach,
+        "teacher": _nonneg("teacher_passes", teacher_passes) * teach,
         "train": 3 * _nonneg("epochs", epochs) * fwd,
     }

@@ -1,18 +1,34 @@
-"""Losses as the field implements them (see shared/reference/losses.md). Per-token losses only: the policy turns
-them into a token-mean over the whole minibatch, so the aggregation stays right under gradient accumulation.
+"""Losses as the field implements them (see shared/reference/losses.md and docs/opd.md). Per-token losses only: the
+policy turns them into a token-mean over the whole minibatch, so the aggregation stays right under gradient
+accumulation.
 
 - GRPO: group-normalised advantages, PPO-clipped surrogate with separate low / high clip, optional k3 KL.
 - OPD sampled-token form: per-token advantage -(logp_student_old - logp_teacher), detached, in the same clipped
   policy-gradient surrogate (never backprop through the sampled k1 value: its expected gradient is zero).
-- OPD full-vocabulary form: KL(student || teacher) summed over the vocabulary at each response position.
+- OPD full-vocabulary form: KL(student || teacher) (or the forward KL) summed over the vocabulary at each response
+  position; the teacher's log-softmax is computed per chunk of rows inside the student's chunked projection.
+- OPD top-k form: the same KL restricted to the teacher's top-K tokens plus one tail bucket holding the rest of
+  both distributions' mass, exact when K covers the vocabulary.
+- GRPO + OPD in one objective: GRPO's group advantage plus ``opd.coef`` times the OPD term (the sampled-token
+  advantage, or the KL added to the loss).
+
+A KL form hands the policy a ``VocabTerm``: per micro-batch, a function from the student's log-softmax on a chunk of
+response rows [c, V] to one differentiable number per row, so no [rows x V] tensor exists beyond one chunk.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from megaopd.batch import Sample, TokenBatch
 from megaopd.config import GRPOConfig, OPDConfig
+
+OPD_FORMS = ("sampled", "topk", "full_vocab")
+KL_DIRECTIONS = ("reverse", "forward")
+# (student log-softmax of rows [start, start + c) of the micro-batch's response rows, [c, V]; start) -> [c]
+RowTerm = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_std: bool = True,
@@ -60,15 +76,103 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def full_vocab_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                  direction: str = "reverse") -> torch.Tensor:
+    """reverse: sum_v p_s (log p_s - log p_t); forward: sum_v p_t (log p_t - log p_s). Differentiable in the student.
+    Additive over the vocabulary, so a vocabulary slice gives that slice's share (Megatron's TP ranks)."""
+    if direction == "reverse":
+        return (student_logprobs.exp() * (student_logprobs - teacher_logprobs)).sum(-1)
+    return (teacher_logprobs.exp() * (teacher_logprobs - student_logprobs)).sum(-1)
+
+
 def full_vocab_reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
-    """sum_v p_s(v) (log p_s(v) - log p_t(v)) at each position; differentiable in the student."""
-    return (student_logprobs.exp() * (student_logprobs - teacher_logprobs)).sum(-1)
+    return full_vocab_kl(student_logprobs, teacher_logprobs, "reverse")
+
+
+TAIL_FLOOR = -30.0  # log of the smallest tail mass a server's rounded top-k can leave (its sum may reach 1)
+
+
+def tail_logprob(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log of the mass outside ``ids`` of a log-softmax [..., V], computed exactly (not as 1 - sum: cancellation).
+    -inf where the ids cover the vocabulary."""
+    return logprobs.scatter(-1, ids, -torch.inf).logsumexp(-1)
+
+
+def topk_kl(student_logprobs: torch.Tensor, teacher_ids: torch.Tensor, teacher_topk: torch.Tensor,
+            teacher_tail: torch.Tensor, direction: str = "reverse") -> torch.Tensor:
+    """The KL between the two distributions coarsened to {teacher's top-K tokens, everything else}, per row.
+
+    student_logprobs: [c, V] log-softmax; teacher_ids / teacher_topk: [c, K] token ids and teacher logprobs;
+    teacher_tail: [c] log of the teacher's remaining mass. By the data-processing inequality it is a lower bound
+    of the full KL that tightens as K grows, and equals it when K covers the vocabulary (both tails are then 0).
+    """
+    covers = teacher_ids.shape[-1] >= student_logprobs.shape[-1]
+    return coarse_kl(student_logprobs.gather(-1, teacher_ids),
+                     None if covers else tail_logprob(student_logprobs, teacher_ids), teacher_topk, teacher_tail,
+                     direction)
+
+
+def coarse_kl(student_topk: torch.Tensor, student_tail: torch.Tensor | None, teacher_topk: torch.Tensor,
+              teacher_tail: torch.Tensor, direction: str = "reverse") -> torch.Tensor:
+    """``topk_kl`` from both sides' logprobs at the K tokens [..., K] and their tails [...] (None: the K tokens are
+    the whole vocabulary, no tail and no 0 * log 0 to differentiate)."""
+    p, q = (student_topk, teacher_topk) if direction == "reverse" else (teacher_topk, student_topk)
+    head = (p.exp() * (p - q)).sum(-1)
+    if student_tail is None:
+        return head
+    teacher_tail = teacher_tail.clamp(min=TAIL_FLOOR)
+    p_tail, q_tail = (student_tail, teacher_tail) if direction == "reverse" else (teacher_tail, student_tail)
+    return head + p_tail.exp() * (p_tail - q_tail)
+
+
+class VocabTerm:
+    """The KL to the teacher at a micro-batch's response rows, for the policy's chunked vocabulary projection.
+
+    ``rows(mb)`` returns a ``RowTerm``: the student's log-softmax on rows [start, start + c) -> the KL per row. The
+    top-k form reads the teacher's top-K from the batch; the full form asks the teachers for their distribution
+    on those rows only (``TeacherRouter.full_rows``), so neither side ever holds [rows x V] beyond one chunk.
+    """
+
+    def __init__(self, form: str, direction: str, teachers=None):
+        self.form, self.direction, self.teachers = form, direction, teachers
+
+    def rows(self, mb: TokenBatch) -> RowTerm:
+        where = mb.response_mask.bool()
+        if self.form == "topk":
+            ids, topk, tail = (mb.teacher_topk_ids[where], mb.teacher_topk_logprobs[where], mb.teacher_tail[where])
+
+            def term(student: torch.Tensor, start: int) -> torch.Tensor:
+                end, device = start + student.shape[0], student.device
+                return topk_kl(student, ids[start:end].to(device), topk[start:end].to(device),
+                               tail[start:end].to(device), self.direction)
+            return term
+        teacher_rows = self.teachers.full_rows(mb)
+        return lambda student, start: full_vocab_kl(
+            student, teacher_rows(slice(start, start + student.shape[0])).to(student.device), self.direction)
+
+
+def form_label(algorithm: str, opd: OPDConfig) -> str:
+    """What a report calls a run's objective: e.g. ``opd:topk(K=16,reverse)``, ``grpo+opd:sampled(coef=0.5)``."""
+    if algorithm not in ("opd", "grpo_opd"):
+        return algorithm
+    detail = [f"K={opd.topk}"] * (opd.form == "topk") + [opd.kl] * (opd.form != "sampled") + \
+        [f"coef={opd.coef:g}"] * (algorithm == "grpo_opd")
+    return f"{algorithm.replace('_', '+')}:{opd.form}" + (f"({','.join(detail)})" if detail else "")
+
+
+def _check_opd(cfg: OPDConfig) -> None:
+    if cfg.form not in OPD_FORMS:
+        raise ValueError(f"opd.form must be one of {', '.join(OPD_FORMS)}, got {cfg.form!r}")
+    if cfg.kl not in KL_DIRECTIONS:
+        raise ValueError(f"opd.kl must be one of {', '.join(KL_DIRECTIONS)}, got {cfg.kl!r}")
+    if cfg.form == "topk" and cfg.topk < 1:
+        raise ValueError(f"opd.form=topk needs opd.topk=K >= 1 (teacher logprobs kept per position), got {cfg.topk}")
 
 
 class GRPO:
     """Group-relative policy optimisation; advantages from rewards, one per sample, broadcast to its tokens."""
 
-    full_vocab = False
+    vocab_term = None
 
     def __init__(self, cfg: GRPOConfig, group_size: int):
         self.cfg, self.group_size = cfg, group_size
@@ -83,7 +187,7 @@ class GRPO:
         batch.advantages = advantages[:, None] * batch.response_mask
         return {"zero_variance_groups": zero_var, "zero_variance_share": zero_var / (len(samples) / self.group_size)}
 
-    def token_loss(self, logp, full, mb: TokenBatch):
+    def token_loss(self, logp, vocab, mb: TokenBatch):
         loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip_low, self.cfg.clip_high)
         if mb.is_weights is not None:
             loss = loss * mb.is_weights
@@ -96,30 +200,56 @@ class GRPO:
 
 
 class OPD:
-    """Vanilla reverse-KL on-policy distillation from a frozen teacher (one per domain with routing)."""
+    """Vanilla on-policy distillation from a frozen teacher (one per domain with routing), in one of three forms."""
 
     needs_reference = False
 
-    def __init__(self, cfg: OPDConfig):
-        if cfg.form not in ("full_vocab", "sampled"):
-            raise ValueError(f"opd.form must be 'full_vocab' or 'sampled', got {cfg.form!r}")
-        self.cfg = cfg
-        self.full_vocab = cfg.form == "full_vocab"
+    def __init__(self, cfg: OPDConfig, teachers=None):
+        _check_opd(cfg)
+        self.cfg, self.form = cfg, cfg.form
+        self.vocab_term = None if cfg.form == "sampled" else VocabTerm(cfg.form, cfg.kl, teachers)
 
     def prepare(self, batch: TokenBatch, samples: list[Sample]) -> dict[str, float]:
-        # Detached per-token advantage of the sampled form; for the full form it is logged as the k1 estimate.
+        # Detached per-token advantage of the sampled form; for the KL forms it is logged as the k1 estimate.
         batch.advantages = -(batch.old_logprobs - batch.teacher_logprobs) * batch.response_mask
         return {}
 
-    def token_loss(self, logp, full, mb: TokenBatch):
-        if self.full_vocab:
-            # `full` holds the student's N response positions only; the KL is computed there and placed in the grid.
-            where, teacher = mb.response_mask.bool(), mb.teacher_full_logprobs
-            teacher_n = teacher[where.to(teacher.device)].to(full.device)  # pick the N rows first, then move them
-            kl_n = full_vocab_reverse_kl(full, teacher_n)
-            kl = logp.new_zeros(logp.shape).index_put_(where.to(logp.device).nonzero(as_tuple=True), kl_n)
-            return kl, {"reverse_kl": kl.detach()}
+    def token_loss(self, logp, vocab, mb: TokenBatch):
+        if self.vocab_term is not None:
+            return vocab, {f"{self.cfg.kl}_kl": vocab.detach()}
         loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip, self.cfg.clip)
         if mb.is_weights is not None:
             loss = loss * mb.is_weights
         return loss, {"clip_fraction": clipped, "reverse_kl_k1": -mb.advantages}
+
+
+class GRPOWithOPD:
+    """GRPO's group advantage plus ``opd.coef`` times the OPD term, per token, in one objective.
+
+    Sampled form: A_t = A_group + coef * -(logp_s_old(y_t) - logp_t(y_t)) in GRPO's clipped surrogate. KL forms: the
+    GRPO surrogate plus coef * KL(student, teacher) at each position. coef = 0 is GRPO exactly; all-zero rewards
+    (every group has zero variance) leave the OPD term alone, which is OPD exactly when grpo's clip equals opd.clip.
+    """
+
+    def __init__(self, grpo: GRPOConfig, opd: OPDConfig, group_size: int, teachers=None):
+        self.grpo, self.opd = GRPO(grpo, group_size), OPD(opd, teachers)
+        self.coef = opd.coef
+        self.vocab_term = self.opd.vocab_term
+        self.needs_reference = self.grpo.needs_reference
+
+    def prepare(self, batch: TokenBatch, samples: list[Sample]) -> dict[str, float]:
+        metrics = self.grpo.prepare(batch, samples)
+        group = batch.advantages
+        self.opd.prepare(batch, samples)
+        opd_advantage = batch.advantages
+        batch.advantages = group + (self.coef * opd_advantage if self.vocab_term is None else 0.0)
+        tokens = batch.response_mask.sum().clamp(min=1)
+        return metrics | {"opd_advantage": float((self.coef * opd_advantage).abs().sum() / tokens),
+                          "group_advantage": float(group.abs().sum() / tokens)}
+
+    def token_loss(self, logp, vocab, mb: TokenBatch):
+        loss, metrics = self.grpo.token_loss(logp, vocab, mb)
+        if self.vocab_term is not None:
+            loss = loss + self.coef * vocab
+            metrics[f"{self.opd.cfg.kl}_kl"] = vocab.detach()
+        return loss, metrics

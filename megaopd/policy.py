@@ -1,9 +1,12 @@
 """The HF-transformers backend: one process, CPU or one GPU, any HF causal-LM directory.
 
-A policy owns a model, its tokenizer and (when trainable) its optimizer. The trainer talks to it through four
-calls: ``logprobs`` / ``full_logprobs`` (no grad, micro-batched), ``train_minibatch`` (forward, backward and
-one optimizer step over micro-batches with a token-mean loss) and ``save_hf``. The Megatron backend implements
-the same calls.
+A policy owns a model, its tokenizer and (when trainable) its optimizer. The trainer talks to it through
+``logprobs`` (no grad, micro-batched), ``train_minibatch`` (forward, backward and one optimizer step over
+micro-batches with a token-mean loss) and ``save_hf``; a teacher also through ``topk_logprobs`` and ``full_rows``.
+The Megatron backend implements the same calls.
+
+Memory: only the response rows are projected to the vocabulary, ``logit_chunk_rows`` rows at a time (checkpointed
+per chunk in the update), so no [rows x V] float32 tensor exceeds one chunk (docs/opd.md).
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from megaopd.batch import TokenBatch
 from megaopd.config import ModelConfig, OptimConfig
 from megaopd.flops import ModelShape
+from megaopd.objectives import TAIL_FLOOR, tail_logprob
 
-# (logprobs [b, S-1], full log-softmax at the N response positions [N, V] (rows in ``response_mask.nonzero()`` order)
-#  or None, micro-batch) -> (per-token loss [b, S-1], per-token metrics)
+# (logprobs [b, S-1], the vocab term per position [b, S-1] (e.g. the KL to the teacher) or None, micro-batch)
+#  -> (per-token loss [b, S-1], per-token metrics)
 TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -35,6 +40,19 @@ def chat_prompt_ids_batch(tokenizer, conversations: list[list[dict[str, str]]]) 
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
+def sampling_logprobs(logits: torch.Tensor, top_p: float = 1.0) -> torch.Tensor:
+    """Log-softmax of (temperature-scaled) logits, cut to the top-p nucleus when top_p < 1 and renormalised: the
+    distribution a sampler with these settings draws from. Tokens outside the nucleus get ``TAIL_FLOOR``, not -inf,
+    so a realised token the teacher would not have sampled gives a large, finite penalty."""
+    full = logits.log_softmax(-1)
+    if top_p >= 1.0:
+        return full
+    sorted_lp, order = full.sort(-1, descending=True)
+    before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass of the strictly more likely tokens
+    keep = torch.zeros_like(full, dtype=torch.bool).scatter(-1, order, before < top_p)
+    return torch.where(keep, full.masked_fill(~keep, -torch.inf).log_softmax(-1), TAIL_FLOOR)
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) for every position, without materialising the full log-softmax twice."""
     logits = logits[:, :-1].float()
@@ -43,7 +61,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 
 
 class HFPolicy:
-    def __init__(self, cfg: ModelConfig, optim: OptimConfig | None = None):
+    def __init__(self, cfg: ModelConfig, optim: OptimConfig | None = None, logit_chunk_rows: int = 1024):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if not (Path(cfg.path) / "config.json").exists():
@@ -54,6 +72,9 @@ class HFPolicy:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
         self.shape = ModelShape.from_hf_config(self.model.config)
         self.path = cfg.path
+        if logit_chunk_rows < 1:
+            raise ValueError(f"train.logit_chunk_rows must be >= 1, got {logit_chunk_rows}")
+        self.logit_chunk_rows = logit_chunk_rows  # response rows per [rows x V] vocabulary projection
         self.optimizer = self.scheduler = None
         self.grad_clip = 0.0
         if optim is None:
@@ -88,23 +109,49 @@ class HFPolicy:
         return {"input_ids": batch.input_ids.to(self.device),
                 "attention_mask": None if right_padded else mask.to(self.device), "use_cache": False}
 
-    def _response_logits(self, batch: TokenBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Logits at the response target positions only, [N, V], and their (row, column) in the [b, S-1] grid.
-
-        The vocabulary projection (and everything downstream: log-softmax, gather, their backward) runs on the N
-        response positions instead of all b * S positions, like TRL's ``logits_to_keep`` but exact per row. It is
-        done by a pre-hook on the model's own output layer, so family-specific post-processing of the logits
-        (soft-capping, scaling) still runs in the model's forward."""
+    def _response_hidden(self, batch: TokenBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The output layer's input at the response target positions only, [N, H], and their (row, column) in the
+        [b, S-1] grid. A pre-hook on the model's own output layer takes those rows and hands the layer nothing, so the
+        model's forward never projects to the vocabulary; ``_project`` then does it chunk by chunk."""
         where = batch.response_mask.to(self.device).nonzero(as_tuple=True)
         head = self.model.get_output_embeddings()
-        if head is None:  # no separate output layer to hook: project everywhere, keep the response positions
-            return self.model(**self._model_inputs(batch)).logits[where], where
-        handle = head.register_forward_pre_hook(lambda module, args: (args[0][where], *args[1:]))
+        if head is None:
+            raise ValueError(f"{self.path}: the model has no output layer to project response rows with")
+        taken = []
+
+        def take_rows(module, args):
+            taken.append(args[0][where])
+            return (taken[0][:0], *args[1:])
+        handle = head.register_forward_pre_hook(take_rows)
         try:
-            logits = self.model(**self._model_inputs(batch)).logits
+            self.model(**self._model_inputs(batch))
         finally:
             handle.remove()
-        return logits.reshape(-1, logits.shape[-1]), where
+        return taken[0], where
+
+    def _project(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Float32 logits of some response rows; the family's logit soft-capping (Gemma 2) as its forward does it."""
+        logits = self.model.get_output_embeddings()(hidden).float()
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits / temperature if temperature != 1.0 else logits
+
+    def _chunked(self, hidden: torch.Tensor, fn, grad: bool) -> list[torch.Tensor]:
+        """``fn(hidden_rows, start) -> tensors with one row per hidden row``, over ``logit_chunk_rows`` rows at a
+        time, concatenated. With ``grad`` and more than one chunk, each chunk is checkpointed: its [c, V] logits are
+        freed after the forward and recomputed in the backward, so the graph holds one chunk's at a time, not all of
+        them (one chunk holds no more than the bound: no recomputation then)."""
+        parts = []
+        recompute = grad and hidden.shape[0] > self.logit_chunk_rows
+        for start in range(0, hidden.shape[0], self.logit_chunk_rows):
+            rows = hidden[start:start + self.logit_chunk_rows]
+            out = checkpoint(fn, rows, start, use_reentrant=False) if recompute else fn(rows, start)
+            parts.append(out if isinstance(out, tuple) else (out,))
+        if not parts:  # no response rows: empty results of the right trailing shape
+            out = fn(hidden[:0], 0)
+            parts.append(out if isinstance(out, tuple) else (out,))
+        return [torch.cat(column) for column in zip(*parts)]
 
     def _micro_batches(self, batch: TokenBatch, micro_batch_size: int):
         for start in range(0, batch.size, micro_batch_size):
@@ -116,58 +163,98 @@ class HFPolicy:
 
     @staticmethod
     def _scatter(values: torch.Tensor, where, grid: tuple[int, ...]) -> torch.Tensor:
-        """Response-position values into a zero-filled grid ([b, S-1] or [b, S-1, V]); differentiable in values.
+        """Response-position values into a zero-filled grid ([b, S-1] or [b, S-1, K]); differentiable in values.
         In place into the fresh zeros (the out-of-place ``index_put`` would copy the whole grid once more)."""
         return values.new_zeros(grid).index_put_(where, values)
 
     @torch.no_grad()
-    def logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
-        """Per-token logprob of each realised token, [B, S-1], masked to the response (0 elsewhere)."""
+    def logprobs(self, batch: TokenBatch, micro_batch_size: int = 64, temperature: float = 1.0,
+                 top_p: float = 1.0) -> torch.Tensor:
+        """Per-token logprob of each realised token, [B, S-1], masked to the response (0 elsewhere); a teacher
+        passes the rollout's temperature / top-p to score under the student's sampling settings."""
         parts = []
         for mb in self._micro_batches(batch, micro_batch_size):
-            logits, where = self._response_logits(mb)
-            logits = logits.float()
-            realised = logits.gather(-1, self._targets(mb, where, logits.device)[:, None]).squeeze(-1)
-            parts.append(self._scatter(realised - logits.logsumexp(-1), where, mb.response_mask.shape).cpu())
+            hidden, where = self._response_hidden(mb)
+            targets = self._targets(mb, where, self.device)
+
+            def realised(rows, start):
+                logits = self._project(rows, temperature)
+                picked = targets[start:start + rows.shape[0], None]
+                if top_p < 1.0:
+                    return sampling_logprobs(logits, top_p).gather(-1, picked).squeeze(-1)
+                return logits.gather(-1, picked).squeeze(-1) - logits.logsumexp(-1)
+            parts.append(self._scatter(self._chunked(hidden, realised, False)[0], where, mb.response_mask.shape).cpu())
         return torch.cat(parts)
 
     @torch.no_grad()
+    def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,
+                      top_p: float = 1.0) -> dict[str, torch.Tensor]:
+        """The teacher's view of each response position under the given sampling settings, without keeping [N, V]:
+        ``realised`` [B, S-1] (logprob of each realised token), ``topk_ids`` / ``topk`` [B, S-1, K] (the K most likely
+        tokens and their logprobs) and ``tail`` [B, S-1] (log of the mass outside them); 0 off the response."""
+        names = ("realised", "topk_ids", "topk", "tail")
+        grids = {name: [] for name in names}
+        for mb in self._micro_batches(batch, micro_batch_size):
+            hidden, where = self._response_hidden(mb)
+            targets = self._targets(mb, where, self.device)
+
+            def view(rows, start):
+                full = sampling_logprobs(self._project(rows, temperature), top_p)
+                realised = full.gather(-1, targets[start:start + rows.shape[0], None]).squeeze(-1)
+                topk, ids = full.topk(min(k, full.shape[-1]), dim=-1)
+                return realised, ids, topk, tail_logprob(full, ids)
+            values = self._chunked(hidden, view, False)
+            for name, value in zip(names, values):
+                grid = (*mb.response_mask.shape, *value.shape[1:])
+                grids[name].append(self._scatter(value, where, grid).cpu())
+        return {name: torch.cat(parts) for name, parts in grids.items()}
+
+    @torch.no_grad()
+    def full_rows(self, batch: TokenBatch, temperature: float = 1.0, top_p: float = 1.0):
+        """The log-softmax at a batch's response rows, on demand: returns ``rows(index) -> [len(index), V]`` (rows in
+        ``response_mask.nonzero()`` order). One forward now ([N, H] kept); the vocabulary projection per call."""
+        hidden, _ = self._response_hidden(batch)
+        return lambda index: sampling_logprobs(self._project(hidden[index], temperature), top_p)
+
+    @torch.no_grad()
     def full_logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
-        """Log-softmax over the vocabulary at every response target position, [B, S-1, V]; zero at every other
-        position (prompt and padding targets: consumers mask them out with ``response_mask``)."""
+        """Log-softmax over the vocabulary at every response target position, [B, S-1, V] (tests and small checks:
+        the trainer never builds this grid); zero at every other position."""
         parts = []
         for mb in self._micro_batches(batch, micro_batch_size):
-            logits, where = self._response_logits(mb)
-            full = logits.float().log_softmax(-1)
+            hidden, where = self._response_hidden(mb)
+            full = self._chunked(hidden, lambda rows, start: self._project(rows).log_softmax(-1), False)[0]
             parts.append(self._scatter(full, where, (*mb.response_mask.shape, full.shape[-1])).cpu())
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def train_minibatch(self, batch: TokenBatch, loss_fn: TokenLossFn, micro_batch_size: int,
-                        full_vocab: bool = False) -> dict[str, float]:
+                        vocab_term=None) -> dict[str, float]:
         """One optimizer step on `batch`: token-mean loss over all its response tokens, whatever the micro-batching.
 
         Each micro-batch's summed token loss is divided by the token count of the whole minibatch, so gradient
         accumulation gives the same gradient as one big batch (the recurring TRL / verl aggregation bug).
         ``loss_fn`` gets logprobs [b, S-1] computed at the response positions only and zero elsewhere (the loss is
-        masked to the response anyway), and with ``full_vocab`` the log-softmax of those N positions, [N, V].
+        masked to the response anyway), and with a ``vocab_term`` (``objectives.VocabTerm``) its value per response
+        position [b, S-1], e.g. the KL to the teacher, computed chunk by chunk on the student's log-softmax.
         """
         assert self.optimizer is not None, "this policy was built frozen (no optimizer)"
         total_tokens = batch.response_mask.sum().clamp(min=1.0)
         sums: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(batch, micro_batch_size):
-            logits, where = self._response_logits(mb)
-            logits = logits.float()
+            hidden, where = self._response_hidden(mb)
             mask = mb.response_mask.to(self.device)
-            targets = self._targets(mb, where, logits.device)[:, None]
-            if full_vocab:
-                full = logits.log_softmax(-1)
-                logp_n = full.gather(-1, targets).squeeze(-1)
-            else:
-                logp_n = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
-                full = None
-            logp = self._scatter(logp_n, where, mask.shape)
-            per_token, metrics = loss_fn(logp, full, mb)
+            targets = self._targets(mb, where, self.device)
+            row_term = vocab_term.rows(mb) if vocab_term is not None else None
+
+            def per_row(rows, start):
+                full = self._project(rows).log_softmax(-1)
+                logp = full.gather(-1, targets[start:start + rows.shape[0], None]).squeeze(-1)
+                return (logp, row_term(full, start)) if row_term is not None else logp
+            values = self._chunked(hidden, per_row, torch.is_grad_enabled())
+            logp = self._scatter(values[0], where, mask.shape)
+            vocab = self._scatter(values[1], where, mask.shape) if row_term is not None else None
+            per_token, metrics = loss_fn(logp, vocab, mb)
             loss = (per_token * mask).sum() / total_tokens
             loss.backward()
             for name, value in {"loss": per_token, **metrics}.items():

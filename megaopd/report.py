@@ -91,6 +91,7 @@ class Stage:
     domain: str = ""
     algorithm: str = ""
     lines: list[dict] = field(default_factory=list)
+    form: str = ""  # the objective as objectives.form_label names it, e.g. opd:topk(K=16,reverse)
 
     @property
     def final(self) -> dict:
@@ -133,7 +134,7 @@ def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
         run_dir = study_dir / s["name"]
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
         stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
-                            summary.get("algorithm", ""), read_metrics(run_dir)))
+                            summary.get("algorithm", ""), read_metrics(run_dir), summary.get("form", "")))
     return study, [s for s in stages if s.lines]
 
 
@@ -204,7 +205,7 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
         splits.append({"joint": joint.name, "merge": mt["stage"],
                        "experts": [d["expert"] for d in mt["domains"].values()],
                        **split_vs_joint(expert_flops, merge_f, merge_a, joint_f, joint_a, target, window)})
-    table = {s.name: {"method": s.method, "algorithm": s.algorithm, "steps": s.lines[-1]["step"],
+    table = {s.name: {"method": s.method, "algorithm": s.algorithm, "form": s.form, "steps": s.lines[-1]["step"],
                       "final_mean_acc": s.final_acc("mean", metric),
                       "totals": {k: s.total(k) for k in TOTALS},
                       "components": {c: s.lines[-1].get(f"flops/{c}") for c in COMPONENTS},
@@ -414,7 +415,8 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
            "| stage | method | steps | final mean acc | stage | + teachers | + cold start | external | "
            + " | ".join(COMPONENTS) + " | length first | length last |", "|---" * (10 + len(COMPONENTS)) + "|"]
     for name, s in r["stages"].items():
-        md.append(f"| {name} | {s['method']} | {s['steps']} | {_f(s['final_mean_acc'], '.3f')} | "
+        form = f" {s['form']}" if s.get("form") and s["form"] != s["algorithm"] else ""  # the OPD form, labelled
+        md.append(f"| {name} | {s['method']}{form} | {s['steps']} | {_f(s['final_mean_acc'], '.3f')} | "
                   + " | ".join(_f(s["totals"][k]) for k in TOTALS) + " | "
                   + " | ".join(_f(s["components"][c]) for c in COMPONENTS)
                   + f" | {_f(s['length']['first'], '.1f')} | {_f(s['length']['last'], '.1f')} |")

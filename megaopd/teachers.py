@@ -2,8 +2,15 @@
 
 ``opd.teachers`` maps a domain (``extra_info.domain``, else ``data_source``) to an HF directory; ``"*"`` serves every
 domain not named. A domain with no teacher is an error before the first step, not a silent skip. A teacher is
-anything with ``tokenizer``, ``shape``, ``logprobs`` and ``full_logprobs``: an in-process ``HFPolicy``, or an
-``SGLangTeacher`` (``megaopd.serving.teacher``); ``load(route, path)`` builds one per distinct directory.
+anything with ``tokenizer``, ``shape``, ``logprobs`` and ``topk_logprobs`` (and ``full_rows`` for the
+full-vocabulary form): an in-process ``HFPolicy``, or an ``SGLangTeacher`` (``megaopd.serving.teacher``);
+``load(route, path)`` builds one per distinct directory.
+
+What the batch holds per form (docs/opd.md): sampled, the teacher's logprob of each realised token [B, S-1]; topk,
+also its top-K ids and logprobs [B, S-1, K] and the log of its remaining mass [B, S-1]; full_vocab, only the
+realised tokens' logprobs: the full distribution is recomputed per micro-batch inside the training step
+(``full_rows``: one teacher forward, then the vocabulary projection per chunk of rows), never stored as [B, S-1, V].
+All of them are scored under the rollout's temperature (and top-p on local teachers) when ``opd.match_sampling``.
 """
 
 from __future__ import annotations
@@ -21,16 +28,19 @@ from megaopd.policy import HFPolicy
 ANY_DOMAIN = "*"
 
 
-def local_teachers(model_cfg: ModelConfig) -> Callable[[str, str], HFPolicy]:
+def local_teachers(model_cfg: ModelConfig, logit_chunk_rows: int = 1024) -> Callable[[str, str], HFPolicy]:
     """Teachers as frozen in-process HF models, in the student's dtype and on its device."""
-    return lambda route, path: HFPolicy(ModelConfig(path=path, dtype=model_cfg.dtype, device=model_cfg.device))
+    return lambda route, path: HFPolicy(ModelConfig(path=path, dtype=model_cfg.dtype, device=model_cfg.device),
+                                        logit_chunk_rows=logit_chunk_rows)
 
 
 class TeacherRouter:
-    def __init__(self, teachers: dict[str, str], load: Callable[[str, str], object], student_tokenizer):
+    def __init__(self, teachers: dict[str, str], load: Callable[[str, str], object], student_tokenizer,
+                 temperature: float = 1.0, top_p: float = 1.0):
         if not teachers:
             raise ValueError("OPD needs at least one teacher: set opd.teachers.<domain>=<HF dir> (or '*')")
         self.paths = dict(teachers)
+        self.temperature, self.top_p = temperature, top_p  # the sampling settings the teachers score under
         loaded: dict[str, object] = {}
         for route, path in self.paths.items():
             if path in loaded:
@@ -40,6 +50,7 @@ class TeacherRouter:
                 raise ValueError(f"teacher {path} has a different tokenizer from the student: per-token "
                                  "supervision needs the same vocabulary and chat template")
         self.teachers = {domain: loaded[path] for domain, path in self.paths.items()}
+        self.routes = sorted(self.teachers)  # TokenBatch.teacher_route indexes this list
 
     def route(self, domain: str) -> str:
         if domain in self.teachers:
@@ -60,27 +71,66 @@ class TeacherRouter:
     def shape(self, route: str) -> ModelShape:
         return self.teachers[route].shape
 
-    def score(self, batch: TokenBatch, samples: list[Sample], full_vocab: bool,
-              micro_batch_size: int) -> dict[str, list[int]]:
-        """Fill the batch's teacher logprobs (and full log-softmax when asked); returns route -> sample indices."""
+    def _groups(self, samples: list[Sample]) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = defaultdict(list)
         for i, s in enumerate(samples):
             groups[self.route(s.row.domain)].append(i)
-        batch.teacher_logprobs = torch.zeros_like(batch.response_mask)
-        for route, indices in groups.items():
-            sub = batch.select(torch.tensor(indices))
-            teacher = self.teachers[route]
-            if not full_vocab:
-                batch.teacher_logprobs[indices] = teacher.logprobs(sub, micro_batch_size)
-                continue
-            # One teacher pass: the realised tokens' logprobs are read off the full log-softmax.
-            full = teacher.full_logprobs(sub, micro_batch_size)
-            if len(groups) == 1:  # one teacher scores the whole batch: keep its tensor, no [B, S-1, V] copy
-                batch.teacher_full_logprobs = full
-            else:
-                if batch.teacher_full_logprobs is None:
-                    batch.teacher_full_logprobs = torch.zeros((*batch.response_mask.shape, full.shape[-1]))
-                batch.teacher_full_logprobs[indices] = full
-            realised = full.gather(-1, sub.input_ids[:, 1:, None]).squeeze(-1)
-            batch.teacher_logprobs[indices] = realised * sub.response_mask
         return dict(groups)
+
+    def score(self, batch: TokenBatch, samples: list[Sample], form: str, micro_batch_size: int,
+              topk: int = 0) -> dict[str, list[int]]:
+        """Fill the batch's teacher fields for ``form`` (see the module docstring); returns route -> sample indices.
+        The batch keeps each sample's route, so that ``full_rows`` asks the right teacher later."""
+        groups = self._groups(samples)
+        sampling = dict(temperature=self.temperature, top_p=self.top_p)
+        batch.teacher_logprobs = torch.zeros_like(batch.response_mask)
+        batch.teacher_route = torch.tensor([self.routes.index(self.route(s.row.domain)) for s in samples])
+        for route, indices in groups.items():
+            sub, teacher = batch.select(torch.tensor(indices)), self.teachers[route]
+            if form != "topk":
+                batch.teacher_logprobs[indices] = teacher.logprobs(sub, micro_batch_size, **sampling)
+                continue
+            view = teacher.topk_logprobs(sub, topk, micro_batch_size, **sampling)
+            if batch.teacher_topk_ids is None:  # K, or the vocabulary size where opd.topk exceeds it
+                k = view["topk"].shape[-1]
+                batch.teacher_topk_ids = torch.zeros((*batch.response_mask.shape, k), dtype=torch.long)
+                batch.teacher_topk_logprobs = torch.zeros((*batch.response_mask.shape, k))
+                batch.teacher_tail = torch.zeros_like(batch.response_mask)
+            batch.teacher_logprobs[indices] = view["realised"]
+            batch.teacher_topk_ids[indices] = view["topk_ids"]
+            batch.teacher_topk_logprobs[indices] = view["topk"]
+            batch.teacher_tail[indices] = view["tail"]
+        return groups
+
+    def full_rows(self, mb: TokenBatch):
+        """Each routed teacher's log-softmax at a micro-batch's response rows, on demand (``VocabTerm``): returns
+        ``rows(slice) -> [rows, V]``; one teacher forward per route now, one vocabulary projection per call."""
+        routes = [self.routes[i] for i in mb.teacher_route.tolist()]
+        row_sample = mb.response_mask.nonzero(as_tuple=True)[0]
+        parts = []  # (route's rows among the micro-batch's, route's row lookup)
+        for route in sorted(set(routes)):
+            indices = [i for i, r in enumerate(routes) if r == route]
+            teacher = self.teachers[route]
+            if not hasattr(teacher, "full_rows"):
+                raise ValueError(f"teacher {self.paths[route]} cannot give full-vocabulary rows (a server returns "
+                                 "at most a top-k): use opd.form=topk or sampled, or a local teacher")
+            sub = mb.select(torch.tensor(indices))
+            parts.append((torch.isin(row_sample, torch.tensor(indices)),
+                          teacher.full_rows(sub, self.temperature, self.top_p)))
+        if len(parts) == 1:
+            return parts[0][1]
+
+        def rows(index: slice) -> torch.Tensor:
+            out = None
+            for mine, lookup in parts:
+                chunk_mine = mine[index]
+                if not chunk_mine.any():
+                    continue
+                # the route's own row numbers of this chunk's rows: its rows come in the micro-batch's order
+                local = torch.cumsum(mine.long(), 0)[index][chunk_mine] - 1
+                values = lookup(local)
+                if out is None:
+                    out = values.new_zeros((chunk_mine.shape[0], values.shape[-1]))
+                out[chunk_mine.to(out.device)] = values
+            return out
+        return rows

@@ -34,7 +34,7 @@ from megaopd.data.synthetic import corrupt
 from megaopd.evaluate import Evaluator, per_domain_means, score_samples
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger
-from megaopd.objectives import GRPO, OPD, TIS_LEVELS, truncated_is_weights
+from megaopd.objectives import GRPO, OPD, TIS_LEVELS, GRPOWithOPD, form_label, truncated_is_weights
 from megaopd.policy import HFPolicy, chat_prompt_ids
 from megaopd.rollout import LocalEngine
 from megaopd.teachers import TeacherRouter, local_teachers
@@ -57,7 +57,7 @@ def build_policy(cfg: RunConfig, trainable: bool = True) -> HFPolicy:
         return MegatronPolicy(cfg.model, optim, seed=cfg.train.seed, checkpoint_dir=ckpt, keep=cfg.checkpoint.keep)
     if cfg.model.backend != "hf":
         raise ValueError(f"model.backend={cfg.model.backend!r} is not available; use 'hf' or 'megatron'")
-    return HFPolicy(cfg.model, optim)
+    return HFPolicy(cfg.model, optim, logit_chunk_rows=cfg.train.logit_chunk_rows)
 
 
 def build_engine(cfg: RunConfig, policy):
@@ -72,18 +72,23 @@ def build_engine(cfg: RunConfig, policy):
 
 def build_teachers(cfg: RunConfig, student_tokenizer) -> TeacherRouter:
     """The OPD teachers: in-process models of the student's backend, or SGLang servers (launched per teacher, or
-    attached by route)."""
+    attached by route). They score under the rollout's temperature / top-p when ``opd.match_sampling``."""
+    sampling = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p) if cfg.opd.match_sampling else {}
     if cfg.opd.teacher_engine == "local":
         if cfg.model.backend == "megatron":  # frozen megatron models at model.megatron.teacher_tp
             from megaopd.megatron.policy import megatron_teachers
 
-            return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer)
-        return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model), student_tokenizer)
+            if cfg.opd.form == "full_vocab":
+                raise ValueError("model.backend=megatron computes the top-k OPD form, not full_vocab (docs/opd.md): "
+                                 "set opd.form=topk with opd.topk=K (K = the vocabulary size is the exact full loss)")
+            return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer, **sampling)
+        return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model, cfg.train.logit_chunk_rows),
+                             student_tokenizer, **sampling)
     if cfg.opd.teacher_engine != "sglang":
         raise ValueError(f"opd.teacher_engine must be 'local' or 'sglang', got {cfg.opd.teacher_engine!r}")
     if cfg.opd.form == "full_vocab":
-        raise ValueError("SGLang teachers return sampled-token logprobs only: set opd.form=sampled, or "
-                         "opd.teacher_engine=local for the full-vocabulary form")
+        raise ValueError("SGLang teachers return at most a top-k per position: set opd.form=topk (opd.topk=K) or "
+                         "sampled, or opd.teacher_engine=local for the full-vocabulary form")
     from megaopd.serving.engine import env_urls
     from megaopd.serving.teacher import SGLangTeacher
 
@@ -114,8 +119,8 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     def __init__(self, cfg: RunConfig):
         algorithm = cfg.train.algorithm
-        if algorithm not in ("sft", "grpo", "opd"):
-            raise ValueError(f"train.algorithm must be sft, grpo or opd, got {algorithm!r}")
+        if algorithm not in ("sft", "grpo", "opd", "grpo_opd"):
+            raise ValueError(f"train.algorithm must be sft, grpo, opd or grpo_opd, got {algorithm!r}")
         if cfg.train.tis not in TIS_LEVELS:
             raise ValueError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}")
         self.cfg = cfg
@@ -137,12 +142,13 @@ class Trainer:
         self.objective = self.teachers = self.reference = None
         if algorithm == "grpo":
             self.objective = GRPO(cfg.grpo, cfg.rollout.samples_per_prompt)
-        elif algorithm == "opd":
-            self.objective = OPD(cfg.opd)
+        elif algorithm in ("opd", "grpo_opd"):
             self.teachers = build_teachers(cfg, self.policy.tokenizer)
             self.teachers.check_domains(self.sampler.domains())
             for route, path in cfg.opd.teachers.items():
                 self.ledger.add_upstream(f"teacher:{route}", path)
+            self.objective = OPD(cfg.opd, self.teachers) if algorithm == "opd" else \
+                GRPOWithOPD(cfg.grpo, cfg.opd, cfg.rollout.samples_per_prompt, self.teachers)
         if self.objective is not None and self.objective.needs_reference:
             self.reference = build_policy(cfg, trainable=False)
         self.step_fn = self.sft_step if algorithm == "sft" else self.rl_step
@@ -174,14 +180,14 @@ class Trainer:
                                                     cfg.train.tis, cfg.train.tis_cap)
         if self.reference is not None:
             batch.ref_logprobs = self.reference.logprobs(batch, mbs)
-        routes = self.teachers.score(batch, samples, self.objective.full_vocab, mbs) if self.teachers else {}
+        routes = self.teachers.score(batch, samples, cfg.opd.form, mbs, cfg.opd.topk) if self.teachers else {}
         metrics = {f"train/{k}": v for k, v in self.objective.prepare(batch, samples).items()}
 
         minibatch = math.ceil(batch.size / cfg.train.minibatches)
         for _ in range(cfg.train.epochs):
             for start in range(0, batch.size, minibatch):
                 update = policy.train_minibatch(batch.select(slice(start, start + minibatch)),
-                                                self.objective.token_loss, mbs, self.objective.full_vocab)
+                                                self.objective.token_loss, mbs, self.objective.vocab_term)
         metrics |= {f"train/{k}": v for k, v in update.items()}
         self.engine.sync_weights(policy)
 
@@ -198,13 +204,13 @@ class Trainer:
         response_lens = [len(s.response_ids) for s in samples]
         common = dict(recompute_old=cfg.train.recompute_old_logprobs, epochs=cfg.train.epochs,
                       prefix_cached=self.engine.prefix_cached)
-        if self.teachers is None:
-            parts = flops.grpo_step_flops(self.policy.shape, prompt_lens, response_lens, n,
-                                          use_reference=self.reference is not None, **common)
-        else:
+        parts = flops.grpo_step_flops(self.policy.shape, prompt_lens, response_lens, n,
+                                      use_reference=self.reference is not None, **common)
+        if self.teachers is not None:  # OPD, or GRPO + OPD: the student's passes as above, plus the teachers'
             teacher_per_prompt = [self.teachers.shape(self.teachers.route(row.domain)) for row in rows]
-            parts = flops.opd_step_flops(self.policy.shape, teacher_per_prompt, prompt_lens, response_lens, n,
-                                         **common)
+            passes = flops.teacher_passes(cfg.opd.form, cfg.train.epochs)
+            parts["teacher"] = flops.opd_step_flops(self.policy.shape, teacher_per_prompt, prompt_lens, response_lens,
+                                                    n, teacher_passes=passes, **common)["teacher"]
         for component, value in parts.items():
             self.ledger.add(component, value)
 
@@ -342,7 +348,8 @@ class Trainer:
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
-        summary = {"run_dir": str(self.run_dir), "algorithm": self.cfg.train.algorithm, "steps": step,
+        summary = {"run_dir": str(self.run_dir), "algorithm": self.cfg.train.algorithm,
+                   "form": form_label(self.cfg.train.algorithm, self.cfg.opd), "steps": step,
                    "final": final_metrics, "ledger": self.ledger.state_dict()}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from megaopd.batch import TokenBatch  # noqa: E402
 from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig, OptimConfig  # noqa: E402
 from megaopd.megatron.policy import MegatronPolicy, megatron_teachers  # noqa: E402
-from megaopd.objectives import GRPO, OPD  # noqa: E402
+from megaopd.objectives import GRPO, OPD, tail_logprob  # noqa: E402
 from megaopd.policy import HFPolicy  # noqa: E402
 from megaopd.teachers import TeacherRouter  # noqa: E402
 
@@ -38,6 +38,7 @@ PARITY_MODELS = ("qwen3-tiny", "qwen3-tiny-untied", "llama-tiny", "llama-tiny-ti
 OPTIM = OptimConfig(lr=1e-3, grad_clip=1.0)
 EPS = 1e-4  # Adam eps: 1e-8 amplifies fp32 rounding in near-zero second moments (reference note)
 MBS = 2
+TOPK = 16  # the top-k OPD form with its tail bucket (the megatron backend's vocabulary KL)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -109,29 +110,30 @@ def negative_control(assets: Path, tp: int, pp: int) -> dict:
 
 
 def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
-    """GRPO then OPD (full-vocabulary for Qwen3, sampled-token for Llama) on both backends from the same state."""
+    """GRPO then OPD (top-16 + tail for Qwen3, sampled-token for Llama) on both backends from the same state."""
     results = {}
     teacher = AutoModelForCausalLM.from_pretrained(assets / "models" / "qwen3-tiny-seed1", dtype=torch.float32)
-    for name, form in (("qwen3-tiny", "full_vocab"), ("llama-tiny", "sampled")):
+    for name, form in (("qwen3-tiny", "topk"), ("llama-tiny", "sampled")):
         megatron = MegatronPolicy(policy_cfg(assets, name, tp, pp), OPTIM)
         hf = hf_reference(assets, name)
         steps = []
-        for step, objective in enumerate((GRPO(GRPOConfig(), group_size=3), OPD(OPDConfig(form=form)))):
+        for step, objective in enumerate((GRPO(GRPOConfig(), group_size=3), OPD(OPDConfig(form=form, topk=TOPK)))):
             batch = make_batch(259, seed=10 + step)
             old = hf.logprobs(batch, MBS)
             noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(step)) * 0.3
             batch.old_logprobs = (old + noise) * batch.response_mask  # ratios away from 1: clipping is exercised
             with torch.no_grad():
                 teacher_full = teacher(input_ids=batch.input_ids).logits[:, :-1].log_softmax(-1)
-            batch.teacher_full_logprobs = teacher_full
+            batch.teacher_topk_logprobs, batch.teacher_topk_ids = teacher_full.topk(TOPK, dim=-1)
+            batch.teacher_tail = tail_logprob(teacher_full, batch.teacher_topk_ids)
             batch.teacher_logprobs = teacher_full.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) \
                 * batch.response_mask
             if isinstance(objective, GRPO):
                 batch.advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.9, -1.2])[:, None] * batch.response_mask
             else:
                 objective.prepare(batch, [])
-            m = megatron.train_minibatch(batch, objective.token_loss, MBS, objective.full_vocab)
-            h = hf.train_minibatch(batch, objective.token_loss, MBS, objective.full_vocab)
+            m = megatron.train_minibatch(batch, objective.token_loss, MBS, objective.vocab_term)
+            h = hf.train_minibatch(batch, objective.token_loss, MBS, objective.vocab_term)
             steps.append({"algorithm": type(objective).__name__, "form": form if step else "grpo",
                           "loss_megatron": m["loss"], "loss_hf": h["loss"],
                           "loss": abs(m["loss"] - h["loss"]), "grad_norm": abs(m["grad_norm"] - h["grad_norm"]),
@@ -211,9 +213,11 @@ def check_teacher(assets: Path, teacher_tp: int) -> dict:
                      mpu.get_pipeline_model_parallel_world_size(), teacher_tp=teacher_tp)
     router = TeacherRouter({"*": cfg.path}, megatron_teachers(cfg), AutoTokenizer.from_pretrained(cfg.path))
     samples = [SimpleNamespace(row=SimpleNamespace(domain="any"))] * batch.size
-    router.score(batch, samples, True, MBS)
+    router.score(batch, samples, "topk", MBS, topk=TOPK)
     mask = batch.response_mask.bool()
-    result["router_full_logprobs"] = max_diff(batch.teacher_full_logprobs[mask], full_ref[mask])
+    top_ref = full_ref.topk(TOPK, dim=-1).values
+    result["router_topk_logprobs"] = max(max_diff(batch.teacher_topk_logprobs[mask], top_ref[mask]),
+                                         max_diff(full_ref.gather(-1, batch.teacher_topk_ids)[mask], top_ref[mask]))
     result["router_logprobs"] = max_diff(batch.teacher_logprobs, token_ref)
     result["router_teacher_tp"] = router.teachers["*"].layout.tp
     return result

@@ -2,7 +2,7 @@
 
 One torchrun launch (tests/megatron_worker.py) runs the layouts TP=2, PP=2 (micro-batches) and DP=2 (TP=1, the
 distributed optimizer) in turn and writes what it measured; the tests below read those numbers. Checks per layout:
-logits of both families, tied and untied, against HF; one GRPO and one OPD step (full-vocabulary for Qwen3,
+logits of both families, tied and untied, against HF; one GRPO and one OPD step (top-16 + tail for Qwen3,
 sampled-token for Llama) against HFPolicy from the same state; export after the steps reloaded by transformers;
 a distributed checkpoint written at the previous layout resumed here. DP=2 also hosts a TP=2 teacher beside the
 TP=1 student; TP=2 a negative control (a gate/up swap must show).
@@ -80,7 +80,7 @@ def test_a_mapping_bug_is_detected(results):
 def test_grpo_and_opd_steps_match_the_hf_backend(results, layout):
     for model in ("qwen3-tiny", "llama-tiny"):
         train = results[layout]["train"][model]
-        assert [s["form"] for s in train["steps"]] == ["grpo", "full_vocab" if model == "qwen3-tiny" else "sampled"]
+        assert [s["form"] for s in train["steps"]] == ["grpo", "topk" if model == "qwen3-tiny" else "sampled"]
         for step in train["steps"]:
             assert step["grad_norm_hf"] > 1e-2, "a step with no gradient would prove nothing"
             assert step["loss"] < TOL and step["grad_norm"] < TOL, f"{layout} {model} {step}"
@@ -114,7 +114,7 @@ def test_teacher_at_tp2_scores_for_a_student_at_tp1(results):
     assert teacher["full_logprobs"] < TOL and teacher["logprobs"] < TOL
     # Through TeacherRouter with the megatron loader, as OPD scores a batch.
     assert teacher["router_teacher_tp"] == 2
-    assert teacher["router_full_logprobs"] < TOL and teacher["router_logprobs"] < TOL
+    assert teacher["router_topk_logprobs"] < TOL and teacher["router_logprobs"] < TOL
 
 
 def test_pad_batch_adds_masked_rows_and_positions():
@@ -123,10 +123,10 @@ def test_pad_batch_adds_masked_rows_and_positions():
 
     ids = torch.arange(10).view(2, 5)
     batch = TokenBatch(ids, torch.ones_like(ids), torch.ones(2, 4), torch.zeros(2, 4),
-                       teacher_full_logprobs=torch.ones(2, 4, 3))
+                       teacher_topk_logprobs=torch.ones(2, 4, 3), teacher_route=torch.zeros(2, dtype=torch.long))
     padded = pad_batch(batch, rows=4, columns=8, pad_id=99)
     assert padded.input_ids.shape == (4, 8) and padded.response_mask.shape == (4, 7)
-    assert padded.teacher_full_logprobs.shape == (4, 7, 3)
+    assert padded.teacher_topk_logprobs.shape == (4, 7, 3) and padded.teacher_route.shape == (4,)
     assert (padded.input_ids[:2, :5] == ids).all() and (padded.input_ids[2:] == 99).all()
     assert padded.response_mask.sum() == batch.response_mask.sum()  # padding is never a response token
 
@@ -176,7 +176,8 @@ def test_trainer_with_the_megatron_backend_matches_the_hf_backend(assets, tmp_pa
     from megaopd.trainer import train
 
     teacher = assets / "models" / "qwen3-tiny-seed1"
-    overrides = {"opd.teachers.*": teacher, "rollout.samples_per_prompt": 1, "train.steps": 2,
+    overrides = {"opd.teachers.*": teacher, "opd.form": "topk", "opd.topk": 16, "rollout.samples_per_prompt": 1,
+                 "train.steps": 2,
                  "checkpoint.every": 1, "eval.every": 2}
     config = tmp_path / "opd.yaml"
     save_config(run_config(assets, tmp_path / "megatron", "opd", **overrides), config)

@@ -21,6 +21,7 @@ from megaopd.decode import FusedDecoder
 from megaopd.objectives import OPD, clipped_pg_loss, full_vocab_reverse_kl
 from megaopd.policy import HFPolicy, token_logprobs
 from megaopd.rollout import LocalEngine, sample_tokens
+from megaopd.teachers import TeacherRouter, local_teachers
 
 ATOL = 1e-6  # fp32
 
@@ -81,6 +82,7 @@ def _reference_step(policy: HFPolicy, batch, loss_fn, micro_batch_size: int) -> 
     loss_sum = torch.zeros(())
     for start in range(0, batch.size, micro_batch_size):
         mb = batch.select(slice(start, start + micro_batch_size))
+        mb.extras = {**mb.extras, "rows": slice(start, start + micro_batch_size)}
         logits = _reference_logits(policy, mb)
         logp = token_logprobs(logits, mb.input_ids)
         full = logits[:, :-1].float().log_softmax(-1)
@@ -99,7 +101,7 @@ def _grpo_loss(logp, full, mb):
 def _grid_kl_loss(logp, full, mb):
     """The full-vocabulary KL over the whole [b, S-1, V] grid, as the loss was written before the fast paths (the
     objective now gets, and computes on, the response positions only)."""
-    kl = full_vocab_reverse_kl(full, mb.teacher_full_logprobs)
+    kl = full_vocab_reverse_kl(full, mb.extras["teacher_full"][mb.extras["rows"]])
     return kl, {"reverse_kl": kl.detach()}
 
 
@@ -116,21 +118,26 @@ def test_train_minibatch_matches_the_full_sequence_update(assets, rollout, form,
     batch.old_logprobs *= batch.response_mask
     batch.advantages = torch.linspace(-1, 1, batch.size)[:, None] * batch.response_mask
     if form == "full_vocab_kl":
-        teacher = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny-seed1")))
+        teacher_path = str(assets / "models" / "qwen3-tiny-seed1")
+        teacher = HFPolicy(ModelConfig(path=teacher_path))
         with torch.no_grad():
-            batch.teacher_full_logprobs = _reference_logits(teacher, batch)[:, :-1].log_softmax(-1)
-        ref_loss_fn, loss_fn, full_vocab = _grid_kl_loss, OPD(OPDConfig(form="full_vocab")).token_loss, True
+            batch.extras = {"teacher_full": _reference_logits(teacher, batch)[:, :-1].log_softmax(-1)}
+        # The policy's path: the teacher's rows recomputed per micro-batch and chunk (logit_chunk_rows=7).
+        router = TeacherRouter({"*": teacher_path}, local_teachers(ModelConfig(), logit_chunk_rows=7), teacher.tokenizer)
+        router.score(batch, samples, "full_vocab", micro_batch_size)
+        objective = OPD(OPDConfig(form="full_vocab"), router)
+        ref_loss_fn, loss_fn, vocab_term = _grid_kl_loss, objective.token_loss, objective.vocab_term
     else:
-        ref_loss_fn, loss_fn, full_vocab = _grpo_loss, _grpo_loss, False
+        ref_loss_fn, loss_fn, vocab_term = _grpo_loss, _grpo_loss, None
     start = copy.deepcopy(policy.model.state_dict())
     ref_loss = _reference_step(policy, batch, ref_loss_fn, micro_batch_size)
     assert float(ref_loss) != 0
     ref_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
     ref_grads = {n: p.grad.clone() for n, p in policy.model.named_parameters()}
 
-    fast = HFPolicy(ModelConfig(path=path), OptimConfig(lr=1e-3, grad_clip=1.0))
+    fast = HFPolicy(ModelConfig(path=path), OptimConfig(lr=1e-3, grad_clip=1.0), logit_chunk_rows=7)
     fast.model.load_state_dict(start)
-    metrics = fast.train_minibatch(batch, loss_fn, micro_batch_size, full_vocab)
+    metrics = fast.train_minibatch(batch, loss_fn, micro_batch_size, vocab_term)
     assert abs(metrics["loss"] - float(ref_loss)) < ATOL
     assert abs(metrics["grad_norm"] - float(ref_norm)) < 1e-5 * max(1.0, float(ref_norm))
     for name, param in fast.model.named_parameters():

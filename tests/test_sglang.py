@@ -152,8 +152,55 @@ def test_teacher_scoring_equals_the_local_teacher(fresh, assets, tmp_path):
     teacher = SGLangTeacher(cfg.model.path, [fresh.url], cfg, "teacher")
     gap = (teacher.logprobs(batch) - local.logprobs(batch)).abs().max()
     assert gap < TOLERANCE, f"SGLang teacher vs local teacher logprobs differ by {gap:.2e}"
-    with pytest.raises(ValueError, match="sampled-token logprobs only"):
-        teacher.full_logprobs(batch)
+    assert not hasattr(teacher, "full_rows")  # a server gives at most a top-k: the full form is refused
+
+
+def test_topk_teacher_scores_response_rows_only_and_equals_the_local_topk(fresh, assets, tmp_path):
+    """logprob_start_len = prompt length - 1: the server answers for exactly the R response tokens, and its top-K
+    (ids and logprobs) is the local teacher's. Ties between near-equal logits may order ids differently, so each id
+    the server names is checked against the local log-softmax, and the sorted values against the local top-K."""
+    cfg = attached(assets, tmp_path, fresh)
+    local = HFPolicy(cfg.model)
+    samples = LocalEngine(local).generate(rows(assets), 2, max_new_tokens=12,
+                                          generator=torch.Generator().manual_seed(2))
+    batch = collate(samples, local.pad_id)
+    teacher = SGLangTeacher(cfg.model.path, [fresh.url], cfg, "teacher")
+    starts = [len(s.prompt_ids) for s in samples]
+    scored = teacher.pool.prefill_logprobs([s.prompt_ids + s.response_ids for s in samples], starts, 8)
+    assert [len(a["logprobs"]) for a in scored] == [len(s.response_ids) for s in samples]
+    assert [len(a["top"]) for a in scored] == [len(s.response_ids) for s in samples]
+
+    k, mask = 8, batch.response_mask.bool()
+    served, mine = teacher.topk_logprobs(batch, k), local.topk_logprobs(batch, k)
+    full = local.full_logprobs(batch)
+    assert (served["realised"] - mine["realised"]).abs().max() < TOLERANCE
+    assert (served["topk"][mask] - mine["topk"][mask]).abs().max() < TOLERANCE
+    assert (full.gather(-1, served["topk_ids"])[mask] - served["topk"][mask]).abs().max() < TOLERANCE
+    assert (served["tail"][mask] - mine["tail"][mask]).abs().max() < 1e-3  # 1 - sum of K rounded probabilities
+    with pytest.raises(ValueError, match="scores prompt tokens at temperature 1"):
+        teacher.topk_logprobs(batch, k, temperature=0.7)
+
+
+@pytest.mark.slow
+def test_grpo_opd_steps_with_sglang_rollouts_and_an_sglang_topk_teacher(fresh, assets, tmp_path):
+    """GRPO + top-k OPD in one objective: rollouts from the shared server (synced and verified every step), the
+    teacher (another model) on its own launched server, scored on response rows only."""
+    cfg = attached(assets, tmp_path / "run", fresh, **{
+        "train.algorithm": "grpo_opd", "train.steps": 2, "eval.every": 2, "opd.form": "topk", "opd.topk": 4,
+        "opd.teacher_engine": "sglang", "opd.teachers": {"*": str(assets / "models" / "qwen3-tiny-seed1")}})
+    # The teacher server is launched here, beside other work: SGLang checks free RAM before and after loading the
+    # weights against --mem-fraction-static, and other processes move it (0.05 failed so on a loaded machine).
+    # --max-total-tokens still caps the KV cache.
+    cfg.rollout.sglang.server_args = [a if a != "0.05" else "0.5" for a in CPU_SERVER_ARGS]
+    summary = Trainer(cfg).fit()
+    assert summary["steps"] == 2
+    steps = [m for m in read_metrics(tmp_path / "run") if "rollout/logprob_gap_max" in m]
+    assert [m["rollout/weight_version"] for m in steps] == [0, 1]
+    assert max(m["rollout/logprob_gap_max"] for m in steps) < TOLERANCE
+    assert all(m["train/reverse_kl"] > 0 and m["train/teacher/*/reverse_kl_k1"] != 0 for m in steps)
+    assert fresh.get("/model_info")["weight_version"] == "2"
+    ledger = summary["ledger"]["own"]
+    assert ledger["teacher"] > 0 and ledger["rollout"] > 0 and ledger["train"] > 0  # both costs booked
 
 
 def test_rollout_benchmark_smoke(fresh, assets, tmp_path, capsys):
@@ -171,11 +218,11 @@ def test_a_dead_server_is_dropped_or_restarted_without_losing_the_work(fresh, as
     pool = ServerPool([SGLangServer("http://127.0.0.1:9"), fresh], cfg, "rollout")
     sequences = [[1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12], [13, 14]]
     scored = pool.prefill_logprobs(sequences)
-    assert [len(lp) for lp, _ in scored] == [4, 3, 2, 1] and pool.urls == [fresh.url]
+    assert [len(s["logprobs"]) for s in scored] == [4, 3, 2, 1] and pool.urls == [fresh.url]
 
     # A launched server that dies (kill -9 of its process group) is restarted on the weights it served.
     os.killpg(os.getpgid(fresh.process.pid), signal.SIGKILL)
     fresh.process.wait()
     again = ServerPool([fresh], cfg, "rollout").prefill_logprobs(sequences)
     assert fresh.healthy() and fresh.process.poll() is None
-    assert max(abs(a - b) for (x, _), (y, _) in zip(scored, again) for a, b in zip(x, y)) < TOLERANCE
+    assert max(abs(a - b) for x, y in zip(scored, again) for a, b in zip(x["logprobs"], y["logprobs"])) < TOLERANCE

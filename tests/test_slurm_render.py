@@ -261,7 +261,7 @@ def test_teacher_servers_refuse_the_full_vocabulary_form_at_render(tmp_path):
     study = demo_study(tmp_path / "demo")
     launch = load_launch(None, [o for o in GPU_LAUNCH if not o.startswith("overrides=")]
                          + ["overrides=[model.backend=megatron]"])
-    with pytest.raises(ValueError, match="opd_self: teacher servers return sampled-token logprobs only"):
+    with pytest.raises(ValueError, match="opd_self: teacher servers return at most a top-k per position"):
         plan(study, launch)
 
 

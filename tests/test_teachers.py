@@ -24,7 +24,8 @@ def test_each_sample_is_scored_by_its_domains_teacher(assets):
     router = TeacherRouter({"arith_add": str(models / "qwen3-tiny-seed1"), "prog_trace": str(models / "qwen3-tiny")},
                            local_teachers(ModelConfig()), student.tokenizer)
     samples, batch = _rollouts(assets, student)
-    routes = router.score(batch, samples, full_vocab=True, micro_batch_size=4)
+    vocab = student.model.config.vocab_size
+    routes = router.score(batch, samples, "topk", micro_batch_size=4, topk=vocab)
     assert routes == {"arith_add": [0, 1, 2, 3], "prog_trace": [4, 5, 6, 7]}
     # prog_trace's teacher is the student itself: its logprobs equal the student's; arith_add's differ.
     student_logp = student.logprobs(batch)
@@ -32,9 +33,12 @@ def test_each_sample_is_scored_by_its_domains_teacher(assets):
     assert not torch.allclose(batch.teacher_logprobs[:4], student_logp[:4], atol=1e-3)
     other = HFPolicy(ModelConfig(path=str(models / "qwen3-tiny-seed1")))
     assert torch.allclose(batch.teacher_logprobs[:4], other.logprobs(batch.select(slice(0, 4))), atol=1e-6)
-    # The full log-softmax agrees with the realised-token logprobs where the response is.
-    gathered = batch.teacher_full_logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    # A top-K covering the vocabulary is the full log-softmax, reordered: it agrees with the realised tokens' logprobs.
+    full = batch.teacher_topk_logprobs.new_zeros((*batch.response_mask.shape, vocab)).scatter(
+        -1, batch.teacher_topk_ids, batch.teacher_topk_logprobs)
+    gathered = full.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     assert torch.allclose(gathered * batch.response_mask, batch.teacher_logprobs, atol=1e-5)
+    assert bool((batch.teacher_tail[batch.response_mask.bool()] == -torch.inf).all())  # no mass left outside
 
 
 def test_unknown_domain_fails_loudly_and_star_serves_the_rest(assets):

@@ -148,13 +148,15 @@ def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -
     cfg = load_config(stage.config, args + [f"run_dir={study.out}/{stage.name}"])  # fails here, not in the queue
     rl = cfg.train.algorithm in ("grpo", "opd")
     rollout_nodes = launch.rollout_nodes if rl else 0
-    teachers = sorted(cfg.opd.teachers.items()) if cfg.train.algorithm == "opd" and launch.teacher_servers else []
+    teachers = sorted(cfg.opd.teachers.items()) if cfg.train.algorithm in ("opd", "grpo_opd") \
+        and launch.teacher_servers else []
     if rollout_nodes:
         args.append("rollout.engine=sglang")
     if teachers:  # the trainer finds them by route in MEGAOPD_TEACHER_URLS
         if cfg.opd.form == "full_vocab":
-            raise ValueError(f"stage {stage.name}: teacher servers return sampled-token logprobs only; set "
-                             "opd.form=sampled in the stage, or launch teacher_servers=false (in-process teachers)")
+            raise ValueError(f"stage {stage.name}: teacher servers return at most a top-k per position; set "
+                             "opd.form=topk (opd.topk=K) or sampled in the stage, or launch teacher_servers=false "
+                             "(in-process teachers)")
         args.append("opd.teacher_engine=sglang")
     train_args = [stage.config, *args, f"run_dir={study.out}/{stage.name}"]
 

@@ -9,9 +9,11 @@ through megatron's pipeline schedule (``get_forward_backward_func``) in micro-ba
 ``calculate_per_token_loss`` divides the summed gradients by the token count of the whole minibatch, all-reduced
 over DP, so gradient accumulation and DP give the token-mean that ``HFPolicy`` computes in one process.
 
-Log-probabilities come from the vocab-parallel logits (``vocab.VocabShard``). In the full-vocabulary form the
-loss function gets this rank's vocabulary slice of the student log-softmax and of the teacher's, and whatever it
-returns (loss and metrics) must be a sum over that slice, like the reverse KL: it is summed over the TP group.
+Log-probabilities come from the vocab-parallel logits (``vocab.VocabShard``). The top-k OPD form reads the
+student's logprobs at the teacher's K ids and its tail mass through the vocab all-reduces, so its KL is the same
+on every TP rank, like the realised-token logprobs. The full-vocabulary form needs the teacher's rows per
+micro-batch inside the schedule, which megatron teachers (collective over the global batch) cannot give: use
+opd.form=topk (K = vocabulary size is exact). The student's [b, s, V/tp] logits are the output layer's, not chunked.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from megaopd.megatron.fp8 import fp8_overrides, use_te_spec
 from megaopd.megatron.mfu import step_perf
 from megaopd.megatron.parallel import init_model_parallel, student_layout, teacher_layout
 from megaopd.megatron.vocab import VocabShard
+from megaopd.objectives import coarse_kl, tail_logprob
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,8 @@ def pad_batch(batch: TokenBatch, rows: int, columns: int, pad_id: int) -> TokenB
     fields = {}
     for name, value in batch.__dict__.items():
         if isinstance(value, torch.Tensor):
-            pad = [0, 0] * (value.dim() - 2) + [0, extra_cols, 0, extra_rows]  # last dim first: (vocab,) cols, rows
+            pad = [0, extra_rows] if value.dim() == 1 else \
+                [0, 0] * (value.dim() - 2) + [0, extra_cols, 0, extra_rows]  # last dim first: (vocab,) cols, rows
             value = torch.nn.functional.pad(value, pad, value=pad_id if name == "input_ids" else 0)
         fields[name] = value
     return TokenBatch(**fields)
@@ -134,9 +138,27 @@ class MegatronPolicy:
         return self.tokenizer.eos_token_id
 
     @torch.no_grad()
-    def logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
-        """Per-token logprob of each realised token, [B, S-1], masked to the response."""
-        return self._forward_only(batch, micro_batch_size, "token") * batch.response_mask
+    def logprobs(self, batch: TokenBatch, micro_batch_size: int = 64, temperature: float = 1.0,
+                 top_p: float = 1.0) -> torch.Tensor:
+        """Per-token logprob of each realised token, [B, S-1], masked to the response (at a teacher's temperature)."""
+        self._check_top_p(top_p)
+        return self._forward_only(batch, micro_batch_size, "token", temperature=temperature) * batch.response_mask
+
+    @torch.no_grad()
+    def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,
+                      top_p: float = 1.0) -> dict[str, torch.Tensor]:
+        """As ``HFPolicy.topk_logprobs``: per micro-batch the vocabulary is gathered over TP, cut to its top-K."""
+        self._check_top_p(top_p)
+        packed = self._forward_only(batch, micro_batch_size, "topk", temperature=temperature, k=k)
+        mask = batch.response_mask
+        return {"realised": packed[..., 0] * mask, "topk": packed[..., 1:k + 1] * mask[..., None],
+                "topk_ids": (packed[..., k + 1:2 * k + 1] * mask[..., None]).long(),
+                "tail": packed[..., -1] * mask}
+
+    def _check_top_p(self, top_p: float) -> None:
+        if top_p < 1.0:
+            raise ValueError("megatron teachers score at temperature only, without a top-p cut: set rollout.top_p=1 "
+                             "or opd.match_sampling=false")
 
     @torch.no_grad()
     def full_logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
@@ -149,7 +171,7 @@ class MegatronPolicy:
         return self._forward_only(batch, micro_batch_size, "logits")
 
     def train_minibatch(self, batch: TokenBatch, loss_fn, micro_batch_size: int,
-                        full_vocab: bool = False) -> dict[str, float]:
+                        vocab_term=None) -> dict[str, float]:
         """One optimizer step on `batch` with the token-mean of `loss_fn` over all its response tokens."""
         assert self.optimizer is not None, "this policy was built frozen (no optimizer)"
         t0 = self._clock()
@@ -160,7 +182,7 @@ class MegatronPolicy:
         lr = self._lr(self.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        store = self._schedule(micro, width, micro[0].size, partial(self._train_loss, loss_fn, full_vocab),
+        store = self._schedule(micro, width, micro[0].size, partial(self._train_loss, loss_fn, vocab_term),
                                forward_only=False)
         _, grad_norm, _ = self.optimizer.step()
         self.steps += 1
@@ -219,22 +241,23 @@ class MegatronPolicy:
     def _shard(self, logits: torch.Tensor) -> VocabShard:
         return VocabShard(logits[:, :-1], self.vocab_size, self.layout.tp_group)
 
-    def _train_loss(self, loss_fn, full_vocab: bool, mb: TokenBatch, logits: torch.Tensor):
+    def _train_loss(self, loss_fn, vocab_term, mb: TokenBatch, logits: torch.Tensor):
         shard = self._shard(logits)
         mb = TokenBatch(**{k: v.to(logits.device) if isinstance(v, torch.Tensor) else v
                            for k, v in mb.__dict__.items()})
         targets, mask = mb.input_ids[:, 1:], mb.response_mask
-        if full_vocab:
-            # Vocabulary-additive loss on this rank's slice; the realised-token logprob for metrics only.
-            local = TokenBatch(**{**mb.__dict__, "teacher_full_logprobs": shard.slice(mb.teacher_full_logprobs)})
-            per_token, metrics = loss_fn(shard.token_logprobs(targets).detach(), shard.log_softmax[mask.bool()], local)
-            backprop = (per_token * mask).sum()  # this rank's share; the vocab all-reduces sum the gradients
-        else:
-            per_token, metrics = loss_fn(shard.token_logprobs(targets), None, mb)
-            backprop = (per_token * mask).sum() / self.layout.tp  # replicated over TP: each rank owns 1/tp
+        vocab = None
+        if vocab_term is not None:
+            if vocab_term.form != "topk":
+                raise ValueError("the megatron backend computes the top-k OPD form only: set opd.form=topk "
+                                 "(opd.topk=<vocabulary size> is the exact full-vocabulary loss)")
+            ids = mb.teacher_topk_ids
+            tail = shard.tail_logprob(ids) if ids.shape[-1] < self.vocab_size else None
+            vocab = coarse_kl(shard.token_logprobs(ids), tail, mb.teacher_topk_logprobs, mb.teacher_tail,
+                              vocab_term.direction)
+        per_token, metrics = loss_fn(shard.token_logprobs(targets), vocab, mb)
+        backprop = (per_token * mask).sum() / self.layout.tp  # the same on every TP rank: each rank owns 1/tp
         sums = torch.stack([(v.detach() * mask).sum() for v in (per_token, *metrics.values())])
-        if full_vocab and self.layout.tp > 1:
-            dist.all_reduce(sums, group=self.layout.tp_group)
         return backprop, mask.sum().to(torch.int), {"names": ["loss", *metrics], "sums": sums}
 
     def _reduce_metrics(self, store: list) -> dict[str, float]:
@@ -251,15 +274,24 @@ class MegatronPolicy:
                                        group=lay.pp_group)
         return result[0]
 
-    def _forward_only(self, batch: TokenBatch, mbs: int, what: str) -> torch.Tensor:
-        """Per-token logprobs ("token"), full log-softmax ("full") or logits ("logits"), on every rank."""
+    def _forward_only(self, batch: TokenBatch, mbs: int, what: str, temperature: float = 1.0,
+                      k: int = 0) -> torch.Tensor:
+        """Per-token logprobs ("token"), full log-softmax ("full"), logits ("logits"), or the top-k view packed as
+        [realised, K logprobs, K ids, tail] ("topk"), on every rank."""
         lay = self.layout
         micro, width = self._local_micro_batches(batch, mbs)
         for chunk in self.model_chunks:
             chunk.eval()
 
         def collect(mb, logits):
-            if what == "logits":
+            logits = logits / temperature if temperature != 1.0 else logits
+            if what == "topk":  # one micro-batch's vocabulary at a time, never the whole batch's
+                full = _gather_vocab(self._shard(logits).log_softmax.float(), logits.shape[-1], self.vocab_size,
+                                     lay.tp_group)
+                realised = full.gather(-1, mb.input_ids[:, 1:, None].to(full.device))
+                top, ids = full.topk(min(k, self.vocab_size), dim=-1)
+                out = torch.cat([realised, top, ids.float(), tail_logprob(full, ids)[..., None]], dim=-1)
+            elif what == "logits":
                 out = _gather_vocab(logits.float(), logits.shape[-1], self.vocab_size, lay.tp_group)
             elif what == "full":
                 out = _gather_vocab(self._shard(logits).log_softmax.float(), logits.shape[-1], self.vocab_size,
@@ -273,7 +305,7 @@ class MegatronPolicy:
             chunk.train(self.optimizer is not None)
         rows = len(micro) * micro[0].size
         shape = {"token": (rows, width - 1), "full": (rows, width - 1, self.vocab_size),
-                 "logits": (rows, width, self.vocab_size)}[what]
+                 "logits": (rows, width, self.vocab_size), "topk": (rows, width - 1, 2 * k + 2)}[what]
         # Collectives on the device (NCCL has no CPU tensors), the result to the CPU at the end.
         last = lay.pp_rank == lay.pp - 1
         local = torch.cat([item["out"] for item in store]) if last else torch.empty(shape, device=self._device())

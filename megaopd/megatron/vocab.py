@@ -8,8 +8,8 @@ Gradients: every all-reduce here is ``_AllReduceSum``, whose backward is the all
 gradients. So the loss each rank back-propagates is its *share* of the total:
 
 * a loss computed from the realised-token logprobs is the same on every rank: back-propagate ``loss / tp``;
-* a loss summed over the vocabulary (the full-vocabulary KL) is computed on the local slice: back-propagate the
-  local partial sum as is; its value is the all-reduce of the partial sums.
+* the top-k KL reads the K tokens' logprobs and the tail mass through the same all-reduces, so it is the same on
+  every rank too: ``loss / tp`` as well.
 
 The padded rows of the vocabulary (Megatron pads it to a multiple of 128 * tp) get -inf, so they carry no mass.
 """
@@ -60,13 +60,24 @@ class VocabShard:
         self.log_softmax = local - self.logsumexp.unsqueeze(-1)
 
     def token_logprobs(self, targets: torch.Tensor) -> torch.Tensor:
-        """log p(target) on every rank: the owner reads it off its slice, the others add zero."""
+        """log p(target) on every rank: the owner reads it off its slice, the others add zero. ``targets`` is
+        [b, s] (one token per position) or [b, s, K] (K tokens per position)."""
         owned = (targets >= self.start) & (targets < self.end)
         local_index = (targets - self.start).clamp(0, max(self.end - self.start - 1, 0))
-        picked = self.log_softmax.gather(-1, local_index.unsqueeze(-1)).squeeze(-1) if self.end > self.start \
-            else torch.zeros_like(targets, dtype=self.log_softmax.dtype)
+        several = targets.dim() == self.log_softmax.dim()
+        index = local_index if several else local_index.unsqueeze(-1)
+        picked = self.log_softmax.gather(-1, index) if self.end > self.start \
+            else torch.zeros_like(index, dtype=self.log_softmax.dtype)
+        picked = picked if several else picked.squeeze(-1)
         return _sum(torch.where(owned, picked, 0.0), self.group)
 
-    def slice(self, full_vocab: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of a full-vocabulary tensor (e.g. the teacher's log-softmax)."""
-        return full_vocab[..., self.start: self.end]
+    def tail_logprob(self, ids: torch.Tensor) -> torch.Tensor:
+        """log of the mass outside ``ids`` [..., K], on every rank: each rank sums its slice's mass outside them."""
+        owned = (ids >= self.start) & (ids < self.end)
+        local = (ids - self.start).clamp(0, max(self.end - self.start - 1, 0))
+        probs = self.log_softmax.exp()
+        if self.end > self.start:  # zero the owned ids' probabilities (scatter of 0 where owned, else keep)
+            keep = torch.ones_like(probs).scatter_reduce(-1, local, torch.where(owned, 0.0, 1.0).to(probs.dtype),
+                                                         reduce="prod")
+            probs = probs * keep
+        return torch.log(_sum(probs.sum(-1), self.group))

@@ -116,7 +116,8 @@ class SGLangEngine:
     def _verify_servers(self, trainer: torch.Tensor, response: torch.Tensor, version: int) -> None:
         for server in list(self.pool.servers):
             single = ServerPool([server], self.cfg, self.pool.name)
-            [(served, served_version)] = single.prefill_logprobs([self.probe.input_ids[0].tolist()])
+            [scored] = single.prefill_logprobs([self.probe.input_ids[0].tolist()])
+            served, served_version = scored["logprobs"], scored["weight_version"]
             if served_version != str(version):
                 raise StaleWeightsError(f"SGLang server {server.url} reports weight version {served_version!r}, "
                                         f"expected {version} (a server megaopd attaches to starts with "

@@ -58,15 +58,24 @@ class ServerPool:
                        for i, payload in enumerate(payloads)]
             return [f.result() for f in futures]
 
-    def prefill_logprobs(self, sequences: list[list[int]]) -> list[tuple[list[float], str]]:
-        """log p(token t+1 | tokens <= t) of each sequence by prefill alone, and the weight version that scored it."""
-        payloads = [{"input_ids": [sequences[i] for i in chunk], "sampling_params": {"max_new_tokens": 0},
-                     "return_logprob": True, "logprob_start_len": 0}
-                    for chunk in split_evenly(list(range(len(sequences))), len(self.servers))]
+    def prefill_logprobs(self, sequences: list[list[int]], start: list[int] | None = None,
+                         top_k: int = 0) -> list[dict]:
+        """Teacher scoring by prefill alone: for each sequence, the logprob of every token from ``start[i]`` on
+        (``logprobs``: element j scores token start[i] + j), the ``top_k`` most likely tokens there (``top``: j ->
+        [(logprob, id)] when top_k > 0), and the weight version that scored it. ``logprob_start_len`` tells the
+        server where to begin, so its LM head and log-softmax run over those rows only (0: the whole sequence)."""
+        start = start if start is not None else [1] * len(sequences)
+        chunks = split_evenly(list(range(len(sequences))), len(self.servers))
+        payloads = [{"input_ids": [sequences[i] for i in chunk],
+                     "sampling_params": {"max_new_tokens": 0},
+                     # With logprob_start_len = L the server answers for tokens L..n-1 and the first entry is null
+                     # (position L - 1 is not projected): start one token early and drop it.
+                     "return_logprob": True, "logprob_start_len": [start[i] - 1 for i in chunk],
+                     **({"top_logprobs_num": top_k} if top_k else {})} for chunk in chunks]
         answers = [a for chunk_answers in self.map("/generate", payloads) for a in chunk_answers]
-        # The first input token has no logprob (null): element t scores token t+1.
-        return [([lp for lp, _, _ in a["meta_info"]["input_token_logprobs"][1:]], a["meta_info"]["weight_version"])
-                for a in answers]
+        return [{"logprobs": [lp for lp, _, _ in a["meta_info"]["input_token_logprobs"][1:]],
+                 "top": [[(lp, tok) for lp, tok, _ in row] for row in a["meta_info"]["input_top_logprobs"][1:]]
+                 if top_k else [], "weight_version": a["meta_info"]["weight_version"]} for a in answers]
 
     def broadcast(self, path: str, payload: dict) -> list:
         """POST the same payload to every server (weight updates): a failure here is an error, never a skip."""
