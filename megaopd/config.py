@@ -40,7 +40,13 @@ class MegatronConfig:
 class ModelConfig:
     path: str = ""  # an HF causal-LM directory: config.json + safetensors + tokenizer
     backend: str = "hf"  # hf (one process, CPU or one GPU) | megatron (megatron-core under torchrun, TP/PP/DP)
+    # The compute dtype: the weights the forward, backward and local rollouts use. With bfloat16 the HF backend
+    # keeps fp32 master weights and optimizer state beside them (master_dtype), so small updates are not lost.
     dtype: str = "float32"
+    master_dtype: str = "float32"  # optimizer's copy of the weights and its Adam state; = dtype keeps no copy
+    # HF backend: keep only each layer's input for backward and recompute the layer (one more forward per train
+    # pass, not billed: the ledger counts model FLOPs); what fits 4k-token responses at micro-batch 8 on one GPU.
+    activation_checkpointing: bool = False
     device: str = "cpu"
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
@@ -79,6 +85,9 @@ class RolloutConfig:
     max_new_tokens: int = 64
     temperature: float = 1.0  # 1 / 1 keeps the behaviour policy equal to the student
     top_p: float = 1.0
+    # Prompts per local-engine generation chunk: the KV cache holds batch_prompts x samples x (prompt + new tokens)
+    # at once. `megaopd plan` prints the largest that fits the device.
+    batch_prompts: int = 64
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
@@ -160,6 +169,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The device a run is planned for (`megaopd plan`, and the trainer's check before step 1)."""
+
+    memory_gib: float = 0.0  # memory per GPU; 0 = the device's own (CUDA: its total; CPU: not checked)
+    gpus_per_node: int = 8
+    nodes: int = 1  # trainer nodes (rollout / teacher server nodes are planned per server)
+    usable: float = 0.92  # share of memory_gib the plan may fill (CUDA context, allocator fragmentation)
+    peak_tflops: float = 989.0  # dense bf16 peak per GPU (H100 / H200 SXM) for the step-time estimate
+    mfu: float = 0.35  # assumed model-FLOPs utilisation for the step-time estimate
+    prompt_tokens: int = 512  # assumed prompt length (the config knows only max_new_tokens)
+    check: bool = True  # refuse at start-up a run that does not fit
+
+
+@dataclass
 class RunConfig:
     run_dir: str = "runs/default"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -172,6 +195,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # What this run's FLOPs count as when a later run builds on its model: cold_start | training | external.
     counts_as: str = "training"
 

@@ -67,8 +67,11 @@ class HFPolicy:
         if not (Path(cfg.path) / "config.json").exists():
             raise FileNotFoundError(f"model.path={cfg.path!r} is not an HF model directory (no config.json)")
         self.device = torch.device(cfg.device)
+        compute, master = getattr(torch, cfg.dtype), getattr(torch, cfg.master_dtype)
+        mixed = optim is not None and master != compute
+        # Loaded at the master precision when it differs, so the masters hold the checkpoint's own values.
         self.model = AutoModelForCausalLM.from_pretrained(
-            cfg.path, dtype=getattr(torch, cfg.dtype), attn_implementation="sdpa").to(self.device)
+            cfg.path, dtype=master if mixed else compute, attn_implementation="sdpa").to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
         self.shape = ModelShape.from_hf_config(self.model.config)
         self.path = cfg.path
@@ -76,16 +79,26 @@ class HFPolicy:
             raise ValueError(f"train.logit_chunk_rows must be >= 1, got {logit_chunk_rows}")
         self.logit_chunk_rows = logit_chunk_rows  # response rows per [rows x V] vocabulary projection
         self.optimizer = self.scheduler = None
+        self.masters: list[torch.Tensor] = []  # the optimizer's weights when they differ from the model's (mixed)
         self.grad_clip = 0.0
         if optim is None:
             self.model.eval().requires_grad_(False)
         else:
             self.model.train()
+            if cfg.activation_checkpointing:
+                self.model.gradient_checkpointing_enable({"use_reentrant": False})
+            weights = list(self.model.parameters())
+            if mixed:
+                self.masters = [p.detach().clone() for p in weights]
+                self.model.to(compute)
+                for param, copy in zip(weights, self.masters):
+                    param.register_post_accumulate_grad_hook(self._accumulate_into(copy))
+                weights = self.masters
             adamw = dict(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
             try:  # the fused kernel (one op for all parameters; what HF Trainer / TRL default to); else the loop
-                self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw, fused=True)
+                self.optimizer = torch.optim.AdamW(weights, **adamw, fused=True)
             except (RuntimeError, ValueError):
-                self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)
+                self.optimizer = torch.optim.AdamW(weights, **adamw)
             warmup = max(optim.warmup_steps, 0)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
@@ -259,15 +272,37 @@ class HFPolicy:
             loss.backward()
             for name, value in {"loss": per_token, **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + float((value.detach() * mask).sum() / total_tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
+        grad_norm = self._optimizer_step()
+        return {**sums, "grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0]}
+
+    @staticmethod
+    def _accumulate_into(master: torch.Tensor):
+        """A hook that moves a compute-dtype gradient into its master's (accumulated in the master's precision
+        over micro-batches) and frees it, so the low-precision gradient never outlives one backward."""
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad.to(master.dtype)
+            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            param.grad = None
+        return hook
+
+    def _optimizer_step(self) -> torch.Tensor:
+        """Clip, step the optimizer (on the masters when mixed) and round the masters into the compute weights.
+        The clipped gradients stay until the next minibatch (tests and diagnostics read them)."""
+        weights = self.masters or list(self.model.parameters())
+        grad_norm = torch.nn.utils.clip_grad_norm_(weights, self.grad_clip or math.inf)
         self.optimizer.step()
         self.scheduler.step()
-        return {**sums, "grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0]}
+        if self.masters:
+            with torch.no_grad():
+                torch._foreach_copy_(list(self.model.parameters()), self.masters)
+        return grad_norm
 
     def state_dict(self) -> dict:
         state = {"model": self.model.state_dict()}
         if self.optimizer is not None:
             state |= {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.masters:
+            state["masters"] = self.masters
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -275,6 +310,10 @@ class HFPolicy:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.masters:
+            with torch.no_grad():
+                torch._foreach_copy_(self.masters, state["masters"])
+                torch._foreach_copy_(list(self.model.parameters()), self.masters)
 
     def save_hf(self, out_dir: str | Path) -> None:
         self.model.save_pretrained(out_dir)

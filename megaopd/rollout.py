@@ -68,6 +68,10 @@ class LocalEngine:
     prefix_cached = True
 
     def __init__(self, policy: HFPolicy, batch_prompts: int = 64):
+        """``batch_prompts``: prompts per generation chunk (``rollout.batch_prompts``); the KV cache of a chunk,
+        batch_prompts x samples x (prompt + new tokens) positions, is all that exists at once."""
+        if batch_prompts < 1:
+            raise ValueError(f"rollout.batch_prompts must be >= 1, got {batch_prompts}")
         self.policy = policy
         self.batch_prompts = batch_prompts
         self.weight_version = 0

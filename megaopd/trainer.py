@@ -35,6 +35,7 @@ from megaopd.evaluate import Evaluator, per_domain_means, score_samples
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger
 from megaopd.objectives import GRPO, OPD, TIS_LEVELS, GRPOWithOPD, form_label, truncated_is_weights
+from megaopd.plan import check_run
 from megaopd.policy import HFPolicy, chat_prompt_ids
 from megaopd.rollout import LocalEngine
 from megaopd.teachers import TeacherRouter, local_teachers
@@ -62,7 +63,7 @@ def build_policy(cfg: RunConfig, trainable: bool = True) -> HFPolicy:
 
 def build_engine(cfg: RunConfig, policy):
     if cfg.rollout.engine == "local":
-        return LocalEngine(policy)
+        return LocalEngine(policy, cfg.rollout.batch_prompts)
     if cfg.rollout.engine == "sglang":
         from megaopd.serving.engine import SGLangEngine
 
@@ -127,6 +128,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
+        check_run(cfg)  # refuses, before any model is loaded, a run that cannot fit the device it is planned for
         seed_everything(cfg.train.seed)
 
         self.policy = build_policy(cfg)

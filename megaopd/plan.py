@@ -1,0 +1,385 @@
+"""Plan a run's memory per GPU rank and the cost of one step before it starts (`megaopd plan`, and the trainer's
+check before step 1).
+
+    megaopd plan configs/cluster/grpo.yaml model.path=/models/Qwen3-1.7B --memory-gib 141
+    megaopd plan configs/studies/cluster/two_domain_qwen3.yaml [--stage expert_math]
+
+A model is read from its directory's config.json, or, when the directory is not on this machine, from the real-shape
+preset its name starts with (``/models/Qwen3-1.7B`` -> ``qwen3-1.7b``; a study stage's ``{out}/<stage>/final`` has
+the shape of that stage's model). Memory is planned per phase, since the rollout's KV cache and the training
+activations never exist at once; what persists (weights, masters, optimizer state, frozen models) counts in every
+phase. The formulas, per rank (b = bytes of model.dtype):
+
+* parameters and optimizer tensors: exact element counts of the HF architecture; Adam keeps two tensors per weight
+  and one fp32 step counter per tensor; masters (fp32) only when model.master_dtype differs from model.dtype.
+* activations per micro-batch: what the HF Qwen3 / Llama forward saves for backward with the SDPA (flash) kernel,
+  read off the code and checked on CPU against autograd's saved tensors (tests/test_plan.py); with
+  model.activation_checkpointing the layer inputs plus one layer's. The Megatron backend uses the same per-token
+  figure divided by TP, with PP micro-batches in flight on the first stage (an estimate: TE kernels differ).
+* logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V: the head's output (b), its fp32 copy
+  and the fp32 gradient and its cast (GRPO: (2b + 8) bytes per entry); the full-vocabulary KL adds the teacher's
+  chunk and the student's log-softmax and its exponential (+12).
+* rollout KV cache (local engine): rollout.batch_prompts x samples x (plan.prompt_tokens + max_new_tokens)
+  positions, plus the prefill cache the fused decoder is seeded from and its packed weight copies.
+Step FLOPs follow megaopd.flops with every prompt plan.prompt_tokens long and every response at max_new_tokens (an
+upper bound), and the time assumes plan.mfu of plan.peak_tflops on every trainer GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from megaopd import flops
+from megaopd.config import ConfigError, RunConfig, load_config
+
+GIB = 2**30
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class PlanError(ValueError):
+    """A run that does not fit: names the phase, the component and the setting to change."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What memory depends on, from an HF config.json (Qwen2/Qwen3/Llama dense decoders)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qk_norm: bool  # Qwen3's per-head q/k RMSNorm
+    attn_bias: bool  # Qwen2's q/k/v biases
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "Arch":
+        heads = c["num_attention_heads"]
+        return cls(c["num_hidden_layers"], c["hidden_size"], heads, c.get("num_key_value_heads") or heads,
+                   c.get("head_dim") or c["hidden_size"] // heads, c["intermediate_size"], c["vocab_size"],
+                   bool(c.get("tie_word_embeddings", False)), c.get("model_type") == "qwen3",
+                   bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        d = self.hidden
+        attn = d * (self.q + 2 * self.kv) + self.q * d + (self.q + 2 * self.kv) * self.attn_bias
+        return attn + 2 * self.head_dim * self.qk_norm + 3 * d * self.ffn + 2 * d  # + two RMSNorms
+
+    def params(self, layers: int | None = None) -> int:
+        layers = self.layers if layers is None else layers
+        return layers * self.layer_params() + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def tensors(self) -> int:
+        per_layer = 4 + 3 * self.attn_bias + 2 * self.qk_norm + 3 + 2
+        return self.layers * per_layer + 2 + (0 if self.tied else 1)
+
+    def activation_bytes(self, tokens: int, seq: int, b: int, layers: int | None = None) -> int:
+        """Saved-for-backward bytes of the body forward over ``tokens`` tokens in rows of ``seq`` positions."""
+        layers = self.layers if layers is None else layers
+        d, q, kv = self.hidden, self.q, self.kv
+        norm = (4 + 2 * b) * d + 4  # fp32 input and rsqrt, the cast, the scaled output
+        attn = 2 * b * (q + kv) + 4 * self.heads  # SDPA keeps q, k, v, its output and the fp32 logsumexp
+        if self.qk_norm:
+            attn += (4 + b) * (q + kv) + 4 * (self.heads + self.kv_heads)
+        per_layer = 2 * norm + attn + 4 * b * self.ffn  # gate, silu(gate), up, and their product
+        overhead = 8 + (4 + b) * d + 4  # the token ids and the final norm
+        return tokens * (layers * per_layer + overhead) + seq * 2 * self.head_dim * b  # + RoPE cos / sin
+
+    def checkpointed_activation_bytes(self, tokens: int, seq: int, b: int, layers: int | None = None) -> int:
+        """With each layer recomputed in backward: the layer inputs, plus one layer's saved tensors at a time."""
+        layers = self.layers if layers is None else layers
+        one_layer = self.activation_bytes(tokens, seq, b, 1) - self.activation_bytes(tokens, seq, b, 0)
+        return self.activation_bytes(tokens, seq, b, 0) + tokens * layers * self.hidden * b + one_layer
+
+    def kv_bytes(self, positions: int, b: int) -> int:
+        return positions * self.layers * 2 * self.kv * b
+
+    def flop_shape(self) -> flops.ModelShape:
+        return flops.ModelShape(self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.ffn,
+                                self.vocab)
+
+
+def resolve_arch(path: str, aliases: dict[str, str] | None = None) -> Arch:
+    from megaopd.embedded import REAL_SHAPES, build_model_config, real_shape
+
+    path = (aliases or {}).get(path.rstrip("/"), path)
+    config = Path(path) / "config.json"
+    if config.exists():
+        return Arch.from_hf(json.loads(config.read_text()))
+    name = Path(path.rstrip("/")).name.lower()
+    if real_shape(name) is not None:
+        key = name
+    else:
+        matches = [k for k in REAL_SHAPES if name.startswith(k)]
+        if not matches:
+            raise PlanError(f"cannot plan model {path!r}: no config.json there, and its name starts with no known "
+                            f"shape ({', '.join(sorted(REAL_SHAPES))})")
+        key = max(matches, key=len)
+    return Arch.from_hf(build_model_config(key, 0, 0, 0).to_dict())
+
+
+@dataclass
+class Item:
+    component: str
+    phase: str  # all | rollout | score | train
+    bytes: float
+    setting: str  # what to change when this is what does not fit
+    knob: tuple[str, int] | None = None  # (integer setting, its value) to search for the largest that fits
+
+
+@dataclass
+class Plan:
+    title: str
+    layout: str
+    budget: float | None  # usable bytes per GPU; None: not checked (CPU)
+    items: list[Item]
+    step_flops: int
+    step_tokens: int
+    step_seconds: float
+    servers: list[str]  # lines about GPUs outside the trainer's (SGLang rollout / teacher servers)
+    cfg: RunConfig | None = None  # what it was built from, to search a knob's value that fits
+    aliases: dict[str, str] | None = None
+
+    def totals(self) -> dict[str, float]:
+        fixed = sum(i.bytes for i in self.items if i.phase == "all")
+        phases = ("rollout", "score", "train")
+        return {p: fixed + sum(i.bytes for i in self.items if i.phase == p) for p in phases}
+
+    def problem(self) -> str | None:
+        if self.budget is None:
+            return None
+        phase, total = max(self.totals().items(), key=lambda kv: kv[1])
+        if total <= self.budget:
+            return None
+        worst = max((i for i in self.items if i.phase in (phase, "all")), key=lambda i: i.bytes)
+        advice = worst.setting
+        if worst.knob and self.cfg is not None:
+            fits = _largest_fitting(self.cfg, self.aliases, self.budget, *worst.knob, phase)
+            advice += f" (now {worst.knob[1]}; {fits} fits)" if fits else f" (now {worst.knob[1]}; even 1 does not fit)"
+        return (f"{self.title}: the {phase} phase needs {total / GIB:.1f} GiB per GPU, more than the "
+                f"{self.budget / GIB:.1f} GiB usable; its largest component is {worst.component} "
+                f"({worst.bytes / GIB:.1f} GiB): {advice}")
+
+    def table(self) -> str:
+        lines = [f"== {self.title}: {self.layout}", f"{'component':<44}{'phase':>8}{'GiB/rank':>11}  setting"]
+        for i in self.items:
+            lines.append(f"{i.component:<44}{i.phase:>8}{i.bytes / GIB:>11.2f}  {i.setting}")
+        budget = f"{self.budget / GIB:.1f} GiB usable" if self.budget else "not checked (no device memory given)"
+        lines.append("peak by phase: " + ", ".join(f"{p} {v / GIB:.1f}" for p, v in self.totals().items())
+                     + f" GiB of {budget}")
+        lines += self.servers
+        lines.append(f"one step: {self.step_tokens:,} tokens, {self.step_flops:.3e} FLOPs, "
+                     f"~{self.step_seconds:.0f} s at the assumed MFU")
+        problem = self.problem()
+        lines.append(f"DOES NOT FIT: {problem}" if problem else "fits")
+        return "\n".join(lines)
+
+
+def _largest_fitting(cfg: RunConfig, aliases, budget, setting: str, current: int, phase: str) -> int:
+    """The largest value < current of an integer setting (halving) with which ``phase`` fits; 0 if none does."""
+    section, key = setting.split(".")
+    value = current // 2
+    while value >= 1:
+        trial = replace(cfg, **{section: replace(getattr(cfg, section), **{key: value})})
+        if build_plan(trial, aliases, budget).totals()[phase] <= budget:
+            return value
+        value //= 2
+    return 0
+
+
+def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: float | None = None,
+               title: str = "") -> Plan:
+    """The per-rank memory plan of one run config; ``budget``: usable bytes per GPU (None: not checked)."""
+    p, t, r, m = cfg.plan, cfg.train, cfg.rollout, cfg.model
+    arch = resolve_arch(m.path, aliases)
+    b = BYTES[m.dtype]
+    megatron = m.backend == "megatron"
+    tp, pp = (m.megatron.tp, m.megatron.pp) if megatron else (1, 1)
+    world = p.nodes * p.gpus_per_node if megatron else 1
+    dp = max(world // (tp * pp), 1)
+    layers = math.ceil(arch.layers / pp)
+    # A rank's share of the parameters: its layers and the embedding (and untied head) split over TP.
+    local = (layers * arch.layer_params() + arch.vocab * arch.hidden * (1 if arch.tied else 2)) / tp \
+        if megatron else arch.params()
+    mixed = m.master_dtype != m.dtype or (megatron and b != 4)
+    master_b = 4 if megatron else BYTES[m.master_dtype]
+    shard = dp if megatron and m.megatron.distributed_optimizer else 1
+    layout = (f"megatron tp={tp} pp={pp} dp={dp} on {world} GPUs ({p.nodes} node(s) x {p.gpus_per_node})"
+              if megatron else f"hf backend, one GPU ({m.device})")
+    fits_more = "model.backend=megatron with model.megatron.tp/pp" if not megatron else "raise model.megatron.tp/pp"
+
+    items = [Item(f"weights ({m.dtype})", "all", local * b, fits_more)]
+    if mixed:
+        items.append(Item("master weights (fp32)", "all", local * master_b / shard, fits_more))
+    steps = 0 if megatron else arch.tensors() * 4
+    items.append(Item("optimizer state (Adam, 2 moments)", "all", 2 * local * master_b / shard + steps,
+                      "model.megatron.distributed_optimizer=true" if megatron else fits_more))
+    grad_b = 4 if megatron else (master_b if mixed else b)
+    items.append(Item("gradients", "all", local * grad_b, fits_more))  # kept from one update to the next
+
+    seq = p.prompt_tokens + r.max_new_tokens
+    rows_per_mb = min(t.micro_batch_size, t.prompts_per_step * r.samples_per_prompt)
+    tokens = rows_per_mb * seq
+    in_flight = min(pp, math.ceil(t.prompts_per_step * r.samples_per_prompt / (rows_per_mb * dp))) if megatron else 1
+    saved = arch.checkpointed_activation_bytes if m.activation_checkpointing and not megatron \
+        else arch.activation_bytes
+    acts = saved(tokens, seq, b, layers) * in_flight / tp
+    items.append(Item(f"activations ({rows_per_mb} x {seq} tokens)", "train", acts,
+                      "lower train.micro_batch_size" + ("" if m.activation_checkpointing or megatron
+                                                         else ", or model.activation_checkpointing=true"),
+                      ("train.micro_batch_size", t.micro_batch_size)))
+    chunk = min(t.logit_chunk_rows, rows_per_mb * r.max_new_tokens)
+    full_vocab = t.algorithm == "opd" and cfg.opd.form == "full_vocab"
+    per_entry = 2 * b + 8 + (12 if full_vocab else 0)
+    chunk_setting = "lower train.logit_chunk_rows"
+    items.append(Item(f"logits/KL workspace ({chunk} rows x {arch.vocab})", "train",
+                      chunk * (arch.vocab * per_entry / tp + arch.hidden * b), chunk_setting))
+    items.append(Item("forward workspace (no grad)", "score",
+                      tokens * 3 * arch.ffn * b / tp + chunk * arch.vocab * (b + 8) / tp, chunk_setting))
+
+    if r.engine == "local" and not megatron:
+        prompts = min(r.batch_prompts, t.prompts_per_step)
+        rows = prompts * r.samples_per_prompt
+        kv = arch.kv_bytes(rows * seq, b) + arch.kv_bytes(rows * p.prompt_tokens, b)
+        knob = ("rollout.batch_prompts", prompts)
+        items.append(Item(f"rollout KV cache ({rows} x {seq})", "rollout", kv, "lower rollout.batch_prompts", knob))
+        packed = arch.layers * arch.hidden * (arch.q + 2 * arch.kv + 2 * arch.ffn) * b
+        items.append(Item("rollout packed decode weights", "rollout", packed, "rollout.engine=sglang"))
+        items.append(Item("rollout sampling workspace", "rollout", rows * arch.vocab * (b + 16),
+                          "lower rollout.batch_prompts", knob))
+    servers = []
+    if r.engine == "sglang" or (t.algorithm == "opd" and cfg.opd.teacher_engine == "sglang"):
+        colocated = r.engine == "sglang" and r.sglang.sync == "tensor"
+        share = _mem_fraction(r.sglang.server_args) if colocated else 0.0
+        total = budget / p.usable if budget else 0.0
+        items.append(Item("SGLang servers' share", "all", share * total,
+                          "lower --mem-fraction-static in rollout.sglang.server_args" if colocated
+                          else "servers on their own GPUs"))
+        servers.append(f"SGLang servers: weights {arch.params() * b / GIB:.1f} GiB each, the rest of their GPUs "
+                       f"for the KV cache ({'colocated with the trainer' if colocated else 'own GPUs'})")
+
+    if t.algorithm == "opd" and cfg.opd.teacher_engine == "local":
+        teacher_tp = (m.megatron.teacher_tp or tp) if megatron else 1
+        for route, path in sorted(cfg.opd.teachers.items()):
+            teacher = resolve_arch(path, aliases)
+            items.append(Item(f"teacher {route} ({teacher.params() / 1e9:.2f}B)", "all",
+                              teacher.params() * b / teacher_tp,
+                              "opd.teacher_engine=sglang (sampled form)" if not megatron
+                              else "raise model.megatron.teacher_tp"))
+    if t.algorithm == "grpo" and cfg.grpo.kl_coef > 0:
+        items.append(Item("reference model", "all", local * b, fits_more))
+
+    prompt_lens = [p.prompt_tokens] * t.prompts_per_step
+    response_lens = [r.max_new_tokens] * (t.prompts_per_step * r.samples_per_prompt)
+    common = dict(recompute_old=t.recompute_old_logprobs, epochs=t.epochs)
+    if t.algorithm == "opd":
+        teachers = [resolve_arch(v, aliases).flop_shape() for v in sorted(cfg.opd.teachers.values())]
+        parts = flops.opd_step_flops(arch.flop_shape(), teachers[0] if teachers else None, prompt_lens,
+                                     response_lens, r.samples_per_prompt, **common)
+    else:
+        parts = flops.grpo_step_flops(arch.flop_shape(), prompt_lens, response_lens, r.samples_per_prompt,
+                                      use_reference=cfg.grpo.kl_coef > 0, **common)
+    step = sum(parts.values())
+    seconds = step / (world * p.peak_tflops * 1e12 * p.mfu)
+    return Plan(title or cfg.run_dir, layout, budget, items, step, t.prompts_per_step * r.samples_per_prompt * seq,
+                seconds, servers, cfg, aliases)
+
+
+def _mem_fraction(server_args: list[str]) -> float:
+    """--mem-fraction-static from the server flags; SGLang's own default on a large GPU otherwise."""
+    for i, arg in enumerate(server_args):
+        if arg.startswith("--mem-fraction-static"):
+            return float(arg.split("=", 1)[1] if "=" in arg else server_args[i + 1])
+    return 0.88
+
+
+def device_budget(cfg: RunConfig) -> float | None:
+    """Usable bytes per GPU: plan.memory_gib, else the CUDA device's own memory, else None (CPU: not checked)."""
+    gib = cfg.plan.memory_gib
+    if gib <= 0 and cfg.model.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            gib = torch.cuda.get_device_properties(torch.device(cfg.model.device)).total_memory / GIB
+    return gib * GIB * cfg.plan.usable if gib > 0 else None
+
+
+def check_run(cfg: RunConfig) -> Plan | None:
+    """The trainer's start-up check: raises PlanError when the run cannot fit the device it is planned for."""
+    budget = device_budget(cfg)
+    if not cfg.plan.check or budget is None:
+        return None
+    plan = build_plan(cfg, budget=budget)
+    problem = plan.problem()
+    if problem:
+        raise PlanError(f"refusing to start: {problem}\n{plan.table()}")
+    return plan
+
+
+def plan_study(path: str, overrides: list[str], run_overrides: list[str], stage: str = "") -> list[Plan]:
+    """One plan per stage of a study file (or the named stage). A stage's ``{out}/<name>/final`` model has the
+    shape of that stage's own model."""
+    from megaopd.study import StudyConfig, stage_config
+
+    study = load_config(path, overrides, cls=StudyConfig)
+    names = [s.name for s in study.stages]
+    if stage and stage not in names:
+        raise ConfigError(f"no stage {stage!r} in {path}; stages: {', '.join(names)}")
+    configs = {}
+    for s in study.stages:
+        s.overrides = s.overrides + run_overrides
+        configs[s.name] = stage_config(study, s)
+    aliases = {f"{study.out}/{name}/final": c.model.path for name, c in configs.items()}
+    for _ in range(len(configs)):  # a final whose stage itself started from another final
+        aliases = {k: aliases.get(v, v) for k, v in aliases.items()}
+    plans = []
+    for name, c in configs.items():
+        if not stage or name == stage:
+            plans.append(build_plan(c, aliases, device_budget(c), title=f"stage {name}"))
+    return plans
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megaopd plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="a run config, or a study file (every stage is planned)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value (for a study: study keys, e.g. vars.student=)")
+    parser.add_argument("--stage", default="", help="plan only this stage of a study")
+    parser.add_argument("--memory-gib", type=float, help="memory per GPU (plan.memory_gib)")
+    parser.add_argument("--gpus-per-node", type=int, help="plan.gpus_per_node")
+    parser.add_argument("--nodes", type=int, help="trainer nodes (plan.nodes)")
+    parser.add_argument("--mfu", type=float, help="assumed MFU for the step time (plan.mfu)")
+    args = parser.parse_intermixed_args(argv)
+    flags = {"memory_gib": args.memory_gib, "gpus_per_node": args.gpus_per_node, "nodes": args.nodes,
+             "mfu": args.mfu}
+    run_overrides = [f"plan.{k}={v}" for k, v in flags.items() if v is not None]
+    try:
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        if isinstance(data, dict) and "stages" in data:
+            plans = plan_study(args.config, args.overrides, run_overrides, args.stage)
+        else:
+            cfg = load_config(args.config, args.overrides + run_overrides)
+            plans = [build_plan(cfg, budget=device_budget(cfg), title=args.config)]
+    except (ConfigError, PlanError) as e:
+        print(f"megaopd plan: {e}", file=sys.stderr)
+        return 2
+    print("\n\n".join(plan.table() for plan in plans))
+    return 1 if any(plan.problem() for plan in plans) else 0
