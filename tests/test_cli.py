@@ -17,7 +17,33 @@ def test_make_embedded_then_eval(tmp_path):
     out = megaopd("eval", "--model", model, "--data", tmp_path / "data" / "letter_count" / "heldout.jsonl",
                   "--max-new-tokens", "8", "--prompts-per-domain", "5").stdout
     metrics = json.loads(out)
-    assert 0.0 <= metrics["eval/letter_count/accuracy_greedy"] <= 1.0 and "eval/letter_count/response_length" in metrics
+    # The same five prompts decoded greedily by transformers' own generate and scored by the verifier directly.
+    lengths, scores = greedy_reference(model, tmp_path / "data" / "letter_count" / "heldout.jsonl", 5, 8)
+    assert metrics["eval/letter_count/response_length"] == sum(lengths) / 5
+    assert metrics["eval/letter_count/accuracy_greedy"] == sum(scores) / 5
+    assert metrics["eval/mean/accuracy_greedy"] == metrics["eval/letter_count/accuracy_greedy"]
+
+
+def greedy_reference(model_dir, heldout, prompts: int, max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Response lengths (up to and including the first EOS) and verifier scores of greedy decoding with HF generate."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megaopd.data.rows import load_rows
+    from megaopd.verifiers import score
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lengths, scores = [], []
+    for row in load_rows(heldout)[0][:prompts]:
+        text = tokenizer.apply_chat_template(row.prompt, add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+        out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        length = out.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in out else len(out)
+        lengths.append(length)
+        scores.append(score(row, tokenizer.decode(out[:length], skip_special_tokens=True)))
+    return lengths, scores
 
 
 def test_config_error_is_one_clear_line(tmp_path):
