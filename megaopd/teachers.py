@@ -84,6 +84,7 @@ class TeacherRouter:
         groups = self._groups(samples)
         sampling = dict(temperature=self.temperature, top_p=self.top_p)
         batch.teacher_logprobs = torch.zeros_like(batch.response_mask)
+        batch.teacher_topk_ids = batch.teacher_topk_logprobs = batch.teacher_tail = None  # sized by the first view
         batch.teacher_route = torch.tensor([self.routes.index(self.route(s.row.domain)) for s in samples])
         for route, indices in groups.items():
             sub, teacher = batch.select(torch.tensor(indices)), self.teachers[route]
