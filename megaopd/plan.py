@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 from dataclasses import dataclass, replace
@@ -39,6 +40,7 @@ import yaml
 from megaopd import flops
 from megaopd.config import ConfigError, RunConfig, load_config
 
+log = logging.getLogger(__name__)
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -327,7 +329,11 @@ def check_run(cfg: RunConfig) -> Plan | None:
     budget = device_budget(cfg)
     if not cfg.plan.check or budget is None:
         return None
-    plan = build_plan(cfg, budget=budget)
+    try:
+        plan = build_plan(cfg, budget=budget)
+    except KeyError as e:  # an architecture whose config.json lacks a key the planner reads: not planned
+        log.warning("not planning %s: its config.json has no %s", cfg.model.path, e)
+        return None
     problem = plan.problem()
     if problem:
         raise PlanError(f"refusing to start: {problem}\n{plan.table()}")
