@@ -43,8 +43,8 @@ class ModelConfig:
     backend: Literal["hf", "megatron"] = "hf"  # hf (one process, CPU or one GPU) | megatron (megatron-core under torchrun, TP/PP/DP)
     # The compute dtype: the weights the forward, backward and local rollouts use. With bfloat16 the HF backend
     # keeps fp32 master weights and optimizer state beside them (master_dtype), so small updates are not lost.
-    dtype: str = "float32"
-    master_dtype: str = "float32"  # optimizer's copy of the weights and its Adam state; = dtype keeps no copy
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    master_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # optimizer's copy of the weights and its Adam state; = dtype keeps no copy
     # HF backend: keep only each layer's input for backward and recompute the layer (one more forward per train
     # pass, not billed: the ledger counts model FLOPs); what fits 4k-token responses at micro-batch 8 on one GPU.
     activation_checkpointing: bool = False

@@ -45,7 +45,7 @@ def test_resolved_config_round_trips(tmp_path):
     ("train.algorithm=gpro", "grpo"), ("opd.form=top_k", "topk"), ("opd.kl=revers", "reverse"),
     ("rollout.engine=sglng", "sglang"), ("opd.teacher_engine=lcoal", "local"), ("model.backend=megatorn", "megatron"),
     ("train.tis=tokens", "token"), ("model.megatron.fp8=e4m4", "e4m3"), ("rollout.sglang.sync=tensors", "tensor"),
-    ("counts_as=cold-start", "cold_start")])
+    ("counts_as=cold-start", "cold_start"), ("model.dtype=bfloat61", "bfloat16")])
 def test_misspelled_enumerated_value_is_rejected_at_load(tmp_path, override, closest):
     key, value = override.split("=")
     with pytest.raises(ConfigError, match=rf"^{key}: '{value}' is not one of .*; did you mean '{closest}'\?$"):
