@@ -27,7 +27,8 @@ class MegatronConfig:
     tp: int = 1  # tensor-parallel size; data parallel is world_size / (tp * pp)
     pp: int = 1  # pipeline-parallel size (micro-batches: train.micro_batch_size sequences each)
     teacher_tp: int = 0  # frozen teachers' TP (0: the student's); teachers run with pp=1 on their own groups
-    fp8: Literal["none", "hybrid", "e4m3"] = "none"  # none | hybrid | e4m3: Transformer Engine FP8 recipe (needs TE and a GPU); bf16 otherwise
+    # Transformer Engine FP8 recipe (needs TE and a GPU); none: bf16
+    fp8: Literal["none", "hybrid", "e4m3"] = "none"
     transformer_engine: bool = True  # TE layer spec on GPU; the local spec otherwise (always on CPU)
     distributed_optimizer: bool = True  # shard optimizer state over data parallel (megatron DistributedOptimizer)
     sequence_parallel: bool = True  # with TP > 1 and the TE spec; the local spec cannot (CPU tests)
@@ -40,11 +41,13 @@ class MegatronConfig:
 @dataclass
 class ModelConfig:
     path: str = ""  # an HF causal-LM directory: config.json + safetensors + tokenizer
-    backend: Literal["hf", "megatron"] = "hf"  # hf (one process, CPU or one GPU) | megatron (megatron-core under torchrun, TP/PP/DP)
+    # hf (one process, CPU or one GPU) | megatron (megatron-core under torchrun, TP/PP/DP)
+    backend: Literal["hf", "megatron"] = "hf"
     # The compute dtype: the weights the forward, backward and local rollouts use. With bfloat16 the HF backend
     # keeps fp32 master weights and optimizer state beside them (master_dtype), so small updates are not lost.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    master_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # optimizer's copy of the weights and its Adam state; = dtype keeps no copy
+    # The optimizer's copy of the weights and its Adam state; = dtype keeps no copy.
+    master_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # HF backend: keep only each layer's input for backward and recompute the layer (one more forward per train
     # pass, not billed: the ledger counts model FLOPs); what fits 4k-token responses at micro-batch 8 on one GPU.
     activation_checkpointing: bool = False
@@ -75,7 +78,8 @@ class SGLangConfig:
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     retries: int = 2  # per request, after which a launched server is restarted once, then dropped
-    sync: Literal["disk", "tensor", "distributed"] = "disk"  # disk (HF export + /update_weights_from_disk) | tensor (colocated GPU) | distributed (NCCL)
+    # disk (HF export + /update_weights_from_disk) | tensor (colocated GPU) | distributed (NCCL)
+    sync: Literal["disk", "tensor", "distributed"] = "disk"
     probe_tolerance: float = 1e-4  # max |server - trainer| logprob on the probe after a sync; loosen for bf16
 
 
@@ -139,7 +143,8 @@ class SFTConfig:
 
 @dataclass
 class TrainConfig:
-    algorithm: Literal["sft", "grpo", "opd", "grpo_opd"] = "grpo"  # sft | grpo | opd | grpo_opd (GRPO's advantage plus opd.coef times the OPD term)
+    # grpo_opd: GRPO's advantage plus opd.coef times the OPD term
+    algorithm: Literal["sft", "grpo", "opd", "grpo_opd"] = "grpo"
     steps: int = 100
     prompts_per_step: int = 16
     micro_batch_size: int = 64  # sequences per forward/backward; gradients accumulate over the rest
