@@ -101,9 +101,13 @@ def run_contract(policy, model_dir: str | Path, work: Path) -> dict:
     # The trainer's checkpoint: the state goes through torch.save; a further step is undone by loading it.
     torch.save(policy.state_dict(), work / "policy_state.pt")
     policy.train_minibatch(batch, nll, MBS)
-    out["second_step_moves"] = _diff(policy.logprobs(batch, MBS), trained)
+    stepped = policy.logprobs(batch, MBS)
+    out["second_step_moves"] = _diff(stepped, trained)
     policy.load_state_dict(torch.load(work / "policy_state.pt", weights_only=False))
     out["state_restored"] = _diff(policy.logprobs(batch, MBS), trained)
+    policy.train_minibatch(batch, nll, MBS)  # the optimizer state came back too: the same step lands the same
+    out["resumed_step"] = _diff(policy.logprobs(batch, MBS), stepped)
+    policy.load_state_dict(torch.load(work / "policy_state.pt", weights_only=False))
 
     policy.save_hf(work / "hf")
     reloaded = reference_logprobs(work / "hf", batch)

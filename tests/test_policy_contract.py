@@ -33,7 +33,7 @@ def check(result: dict) -> None:
     # the reported loss is the token-mean over the whole minibatch, and one step lowers it
     assert result["loss_reported"] == pytest.approx(result["loss_before"], abs=TOL)
     assert result["grad_norm"] > 0 and result["loss_after"] < result["loss_before"]
-    assert result["second_step_moves"] > 1e-4 and result["state_restored"] < TOL
+    assert result["second_step_moves"] > 1e-4 and result["state_restored"] < TOL and result["resumed_step"] < TOL
     assert result["save_hf"] < TOL and 0 <= result["named_tensors"] < TOL
 
 
