@@ -2,7 +2,8 @@
 
     cfg = load_config("configs/embedded/grpo.yaml", ["train.steps=50", "grpo.clip_high=0.28"])
 
-An unknown key anywhere (file or override) is an error naming the key and the closest valid one. Every run
+An unknown key anywhere (file or override) is an error naming the key and the closest valid one; so is a value of
+an enumerated setting (a ``Literal`` field) that is not one of its choices. Every run
 directory gets the resolved config as ``config.yaml`` so that a run can be repeated exactly.
 """
 
@@ -14,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -26,7 +27,8 @@ class MegatronConfig:
     tp: int = 1  # tensor-parallel size; data parallel is world_size / (tp * pp)
     pp: int = 1  # pipeline-parallel size (micro-batches: train.micro_batch_size sequences each)
     teacher_tp: int = 0  # frozen teachers' TP (0: the student's); teachers run with pp=1 on their own groups
-    fp8: str = "none"  # none | hybrid | e4m3: Transformer Engine FP8 recipe (needs TE and a GPU); bf16 otherwise
+    # Transformer Engine FP8 recipe (needs TE and a GPU); none: bf16
+    fp8: Literal["none", "hybrid", "e4m3"] = "none"
     transformer_engine: bool = True  # TE layer spec on GPU; the local spec otherwise (always on CPU)
     distributed_optimizer: bool = True  # shard optimizer state over data parallel (megatron DistributedOptimizer)
     sequence_parallel: bool = True  # with TP > 1 and the TE spec; the local spec cannot (CPU tests)
@@ -39,11 +41,13 @@ class MegatronConfig:
 @dataclass
 class ModelConfig:
     path: str = ""  # an HF causal-LM directory: config.json + safetensors + tokenizer
-    backend: str = "hf"  # hf (one process, CPU or one GPU) | megatron (megatron-core under torchrun, TP/PP/DP)
+    # hf (one process, CPU or one GPU) | megatron (megatron-core under torchrun, TP/PP/DP)
+    backend: Literal["hf", "megatron"] = "hf"
     # The compute dtype: the weights the forward, backward and local rollouts use. With bfloat16 the HF backend
     # keeps fp32 master weights and optimizer state beside them (master_dtype), so small updates are not lost.
-    dtype: str = "float32"
-    master_dtype: str = "float32"  # optimizer's copy of the weights and its Adam state; = dtype keeps no copy
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The optimizer's copy of the weights and its Adam state; = dtype keeps no copy.
+    master_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # HF backend: keep only each layer's input for backward and recompute the layer (one more forward per train
     # pass, not billed: the ledger counts model FLOPs); what fits 4k-token responses at micro-batch 8 on one GPU.
     activation_checkpointing: bool = False
@@ -74,13 +78,14 @@ class SGLangConfig:
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     retries: int = 2  # per request, after which a launched server is restarted once, then dropped
-    sync: str = "disk"  # disk (HF export + /update_weights_from_disk) | tensor (colocated GPU) | distributed (NCCL)
+    # disk (HF export + /update_weights_from_disk) | tensor (colocated GPU) | distributed (NCCL)
+    sync: Literal["disk", "tensor", "distributed"] = "disk"
     probe_tolerance: float = 1e-4  # max |server - trainer| logprob on the probe after a sync; loosen for bf16
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "local"  # local (in-process, the trainer's own model) | sglang (HTTP servers)
+    engine: Literal["local", "sglang"] = "local"  # local (in-process, the trainer's own model) | sglang (HTTP servers)
     samples_per_prompt: int = 8  # the GRPO group size; usually 1 for OPD
     max_new_tokens: int = 64
     temperature: float = 1.0  # 1 / 1 keeps the behaviour policy equal to the student
@@ -110,9 +115,9 @@ class GRPOConfig:
 
 @dataclass
 class OPDConfig:
-    form: str = "full_vocab"  # full_vocab | topk | sampled (docs/opd.md)
+    form: Literal["full_vocab", "topk", "sampled"] = "full_vocab"  # full_vocab | topk | sampled (docs/opd.md)
     topk: int = 0  # K of form=topk: the teacher's K most likely tokens per response position, plus a tail bucket
-    kl: str = "reverse"  # reverse | forward: the KL of the full_vocab and topk forms
+    kl: Literal["reverse", "forward"] = "reverse"  # reverse | forward: the KL of the full_vocab and topk forms
     coef: float = 1.0  # train.algorithm=grpo_opd: weight of the OPD term added to GRPO's group advantage / loss
     # The teacher scores under the rollout's sampling settings: its logits divided by rollout.temperature (and, on
     # the local teacher, its distribution cut to its own top-p nucleus when rollout.top_p < 1). False: temperature 1.
@@ -123,7 +128,7 @@ class OPDConfig:
     clip: float = 0.2  # clip of the importance ratio in the sampled-token form
     # local (HF forward in the trainer) | sglang (prefill on servers; rollout.sglang settings, sampled or topk form).
     # Teacher servers are launched per teacher, or attached by route from $MEGAOPD_TEACHER_URLS / teacher_urls.
-    teacher_engine: str = "local"
+    teacher_engine: Literal["local", "sglang"] = "local"
     teacher_urls: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -138,7 +143,8 @@ class SFTConfig:
 
 @dataclass
 class TrainConfig:
-    algorithm: str = "grpo"  # sft | grpo | opd | grpo_opd (GRPO's advantage plus opd.coef times the OPD term)
+    # grpo_opd: GRPO's advantage plus opd.coef times the OPD term
+    algorithm: Literal["sft", "grpo", "opd", "grpo_opd"] = "grpo"
     steps: int = 100
     prompts_per_step: int = 16
     micro_batch_size: int = 64  # sequences per forward/backward; gradients accumulate over the rest
@@ -147,7 +153,7 @@ class TrainConfig:
     recompute_old_logprobs: bool = True  # recompute with the trainer instead of trusting rollout logprobs
     # Truncated importance sampling against the train/rollout mismatch (e.g. SGLang kernels vs the trainer's):
     # policy-gradient terms weighted by min(p_trainer / p_rollout, tis_cap), per token or per sequence.
-    tis: str = "none"  # none | token | sequence
+    tis: Literal["none", "token", "sequence"] = "none"  # none | token | sequence
     tis_cap: float = 2.0
     seed: int = 0
     logit_chunk_rows: int = 1024  # response rows per vocabulary-projection chunk ([rows x V] float32 at most)
@@ -197,7 +203,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     # What this run's FLOPs count as when a later run builds on its model: cold_start | training | external.
-    counts_as: str = "training"
+    counts_as: Literal["training", "cold_start", "external"] = "training"
 
 
 class ConfigError(ValueError):
@@ -210,8 +216,20 @@ def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
     return ConfigError(f"unknown config key {where + key!r}{hint}")
 
 
+def _unknown_choice(value: Any, choices: tuple, where: str) -> ConfigError:
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    valid = ", ".join(repr(c) for c in choices)
+    return ConfigError(f"{where.rstrip('.')}: {value!r} is not one of {valid}{hint}")
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
+            raise _unknown_choice(value, choices, where)
+        return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where.rstrip('.')}: expected a mapping, got {value!r}")

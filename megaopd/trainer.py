@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from megaopd import flops, verifiers
+from megaopd.backend import Policy
 from megaopd.batch import Sample, collate
 from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state
 from megaopd.config import RunConfig, save_config
@@ -46,7 +47,7 @@ FINAL_DIR = "final"
 PREEMPTED_EXIT = 75
 
 
-def build_policy(cfg: RunConfig, trainable: bool = True) -> HFPolicy:
+def build_policy(cfg: RunConfig, trainable: bool = True) -> Policy:
     optim = cfg.optim if trainable else None
     if cfg.model.backend == "megatron":  # megatron-core under torchrun; imported only when chosen
         from megaopd.megatron import require

@@ -10,14 +10,47 @@ def megaopd(*args, check=True):
                           check=check)
 
 
+def answering_model(model_dir, reply: str) -> None:
+    """Rewrite an untied Llama so that greedy decoding after the prompt's last token spells `reply` then EOS.
+
+    Zeroed attention and MLP outputs leave each position's hidden state its own token's embedding; each LM-head
+    row is the normalised embedding of the token that should precede it, so the argmax is "the next character".
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chain = tokenizer.encode("\n" + reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert len(set(chain)) == len(chain), "each token may have one successor"
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        unit = embed / embed.norm(dim=-1, keepdim=True)
+        model.lm_head.weight.zero_()
+        for before, after in zip(chain, chain[1:]):
+            model.lm_head.weight[after] = 100 * unit[before]
+    model.save_pretrained(model_dir)
+
+
 def test_make_embedded_then_eval(tmp_path):
     megaopd("make-embedded", "--out", tmp_path, "--presets", "llama-tiny", "--domains", "letter_count")
     model = tmp_path / "models" / "llama-tiny"
     assert (model / "model.safetensors").exists() and (model / "tokenizer.json").exists()
-    out = megaopd("eval", "--model", model, "--data", tmp_path / "data" / "letter_count" / "heldout.jsonl",
-                  "--max-new-tokens", "8", "--prompts-per-domain", "5").stdout
+    answering_model(model, "answer:7")  # 8 tokens + EOS
+    heldout = tmp_path / "data" / "letter_count" / "heldout.jsonl"
+    rows = [json.loads(line) for line in heldout.read_text().splitlines()]
+    for i, row in enumerate(rows):  # the first five: truths 7, 8, 7, 8, 8; the rest must not be read
+        row["reward_model"]["ground_truth"] = "7" if i in (0, 2) or i >= 5 else "8"
+    heldout.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = megaopd("eval", "--model", model, "--data", heldout, "--max-new-tokens", "12",
+                  "--prompts-per-domain", "5").stdout
     metrics = json.loads(out)
-    assert 0.0 <= metrics["eval/letter_count/accuracy_greedy"] <= 1.0 and "eval/letter_count/response_length" in metrics
+    assert metrics["eval/letter_count/response_length"] == 9  # stopped at EOS, which counts
+    assert metrics["eval/letter_count/accuracy_greedy"] == 2 / 5
+    assert metrics["eval/mean/accuracy_greedy"] == 2 / 5
 
 
 def test_config_error_is_one_clear_line(tmp_path):

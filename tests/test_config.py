@@ -39,3 +39,42 @@ def test_resolved_config_round_trips(tmp_path):
     again = load_config(tmp_path / "config.yaml")
     assert again == cfg and isinstance(again, RunConfig)
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["steps"] == 3
+
+
+@pytest.mark.parametrize("override, closest", [
+    ("train.algorithm=gpro", "grpo"), ("opd.form=top_k", "topk"), ("opd.kl=revers", "reverse"),
+    ("rollout.engine=sglng", "sglang"), ("opd.teacher_engine=lcoal", "local"), ("model.backend=megatorn", "megatron"),
+    ("train.tis=tokens", "token"), ("model.megatron.fp8=e4m4", "e4m3"), ("rollout.sglang.sync=tensors", "tensor"),
+    ("counts_as=cold-start", "cold_start"), ("model.dtype=bfloat61", "bfloat16")])
+def test_misspelled_enumerated_value_is_rejected_at_load(tmp_path, override, closest):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^{key}: '{value}' is not one of .*; did you mean '{closest}'\?$"):
+        load_config(None, [override])
+    # the same through a file, at any depth
+    *parents, leaf = key.split(".")
+    doc = {leaf: value}
+    for parent in reversed(parents):
+        doc = {parent: doc}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=rf"did you mean '{closest}'"):
+        load_config(path)
+
+
+def test_enumerated_values_load_and_a_far_miss_lists_the_choices():
+    cfg = load_config(None, ["train.algorithm=grpo_opd", "opd.form=topk", "model.megatron.fp8=hybrid"])
+    assert (cfg.train.algorithm, cfg.opd.form, cfg.model.megatron.fp8) == ("grpo_opd", "topk", "hybrid")
+    with pytest.raises(ConfigError, match=r"^train\.tis: 'xyz' is not one of 'none', 'token', 'sequence'$"):
+        load_config(None, ["train.tis=xyz"])
+    with pytest.raises(ConfigError, match=r"model\.megatron\.fp8: True is not one of"):
+        load_config(None, ["model.megatron.fp8=true"])  # YAML's bool, not a string
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    paths = sorted(Path(__file__).parents[1].glob("configs/**/*.yaml"))
+    assert paths
+    for path in paths:
+        if "studies" not in path.parts:
+            load_config(path)

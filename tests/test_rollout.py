@@ -1,4 +1,5 @@
-"""The local engine: logprobs it reports are the trainer's teacher-forced logprobs; EOS and length stop it."""
+"""The local engine: logprobs it reports are the trainer's teacher-forced logprobs; EOS and length stop it; it
+samples from the tempered, nucleus-cut distribution."""
 
 import pytest
 import torch
@@ -34,13 +35,45 @@ def test_same_generator_state_gives_same_rollouts(assets):
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
 
 
-def test_stop_on_eos_and_length():
-    eos = 3
-    logits = torch.full((2, 5), -1e9)
-    logits[0, eos] = 0.0  # row 0 always emits EOS
-    logits[1, 1] = 0.0
-    token, logprob = sample_tokens(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
-    assert token.tolist() == [eos, 1] and torch.allclose(logprob, torch.zeros(2))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sample_tokens_draws_from_the_tempered_distribution(temperature):
+    """20,000 draws per row from two real (non-degenerate) distributions: each token's frequency is within 4.5
+    binomial standard deviations of softmax(logits / T), and each draw's logprob is that distribution's."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [-0.5, 0.3, 0.3, 1.5, -2.0]])
+    draws = 20_000
+    expected = (logits / temperature).softmax(-1)
+    tokens, logprobs = sample_tokens(logits.repeat(draws, 1), temperature, 1.0, torch.Generator().manual_seed(0))
+    tokens = tokens.view(draws, 2)
+    for row in range(2):
+        freq = torch.bincount(tokens[:, row], minlength=5).double() / draws
+        sd = (expected[row] * (1 - expected[row]) / draws).sqrt()
+        assert ((freq - expected[row]).abs() <= 4.5 * sd).all(), (row, freq, expected[row])
+    assert torch.allclose(logprobs.view(draws, 2), expected.log().gather(-1, tokens.T).T, atol=1e-6)
+    greedy, own = sample_tokens(logits, 0.0, 1.0, torch.Generator().manual_seed(0))
+    assert greedy.tolist() == [0, 3] and torch.allclose(own, logits.log_softmax(-1)[[0, 1], [0, 3]])
+
+
+def test_batch_rows_stop_on_eos_or_length_independently(assets):
+    """Four sampled rows in one batch; a token that some rows sample is declared EOS: those rows stop right after
+    its first occurrence, the others run to the length limit with the very same tokens (rows that are done keep
+    drawing, so the shared generator stream is not shifted)."""
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")))
+    rows = load_rows(assets / "data" / "arith_add" / "train.jsonl")[0][:2]
+    engine = LocalEngine(policy)
+    first = engine.generate(rows, 2, 1.0, 1.0, 10, torch.Generator().manual_seed(1))
+    assert [s.finish_reason for s in first] == ["length"] * 4
+    seen = [set(s.response_ids) for s in first]
+    stop = next(t for t in sorted(set().union(*seen)) if 0 < sum(t in ids for ids in seen) < 4
+                and all(s.response_ids.index(t) < 9 for s in first if t in s.response_ids))
+    policy.tokenizer.eos_token = policy.tokenizer.convert_ids_to_tokens(stop)
+    again = engine.generate(rows, 2, 1.0, 1.0, 10, torch.Generator().manual_seed(1))
+    for before, after in zip(first, again):
+        if stop in before.response_ids:
+            cut = before.response_ids.index(stop) + 1
+            assert after.finish_reason == "stop" and after.response_ids == before.response_ids[:cut]
+            assert after.rollout_logprobs == before.rollout_logprobs[:cut]
+        else:
+            assert after.finish_reason == "length" and after.response_ids == before.response_ids
 
 
 def test_engine_stops_at_eos_or_length(assets):

@@ -70,6 +70,17 @@ def wait_for(ids: dict[str, str], timeout: float = 240) -> None:
     pytest.fail(f"jobs still queued after {timeout} s: {queued}")
 
 
+def assert_final_eval_is_the_saved_models(final: dict, model: Path, data: Path) -> None:
+    """The stage's final metrics are what `megaopd eval` measures on the model directory it saved (the same 8
+    held-out prompts, greedy): accuracy and response length, exactly."""
+    out = subprocess.run([sys.executable, "-m", "megaopd.cli", "eval", "--model", str(model), "--data",
+                          str(data / "heldout.jsonl"), "--max-new-tokens", "16", "--prompts-per-domain", "8"],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    again = json.loads(out)
+    for metric in ("arith_add/accuracy_greedy", "arith_add/response_length", "mean/accuracy_greedy"):
+        assert final[f"final/{metric}"] == again[f"eval/{metric}"], metric
+
+
 def test_study_runs_as_dependent_jobs(cluster, tmp_path, capsys):
     study = write_study(tmp_path, [
         {"name": "base", "config": str(ROOT / "configs/embedded/sft.yaml"),
@@ -95,7 +106,7 @@ def test_study_runs_as_dependent_jobs(cluster, tmp_path, capsys):
         summary = json.loads((out / stage / "summary.json").read_text())
         assert summary["algorithm"] == algorithm and summary["steps"] == 4
         assert summary["ledger"]["totals"]["stage"] > 0
-        assert 0 <= summary["final"]["final/mean/accuracy_greedy"] <= 1
+        assert_final_eval_is_the_saved_models(summary["final"], out / stage / "final", out / "data" / "arith_add")
         assert f"{stage} (final)" in report
         events = EventAccumulator(str(out / stage / "tensorboard"))
         events.Reload()
