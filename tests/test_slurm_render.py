@@ -243,7 +243,7 @@ def test_scripts_pass_shellcheck(tmp_path):
         for job in jobs:
             (rendered / f"{prefix}-{job.name}.sbatch").write_text(job.script)
     files = [*rendered.iterdir(), *ROOT.glob("slurm/*"), *ROOT.glob(".ci/slurm_*.sh")]
-    assert len(files) == 10 + 3 + 2
+    assert len(files) == 10 + 3 + 4
     # -x follows `source slurm/lib.sh` (resolved from the checkout, hence cwd=ROOT).
     result = subprocess.run([lint_tool("shellcheck"), "-x", *map(str, files)], cwd=ROOT, capture_output=True,
                             text=True)

@@ -1,0 +1,22 @@
+"""The trainer entry point of CPU rehearsals and CI: ``megaopd.megatron.launch`` with megatron's CUDA-only calls
+redirected to the CPU first (``megaopd.megatron.cpu_rehearsal``). Never the entry point on a GPU cluster.
+
+    torchrun --nproc-per-node 2 -m megaopd.megatron.cpu_launch CONFIG model.backend=megatron ...
+
+In a launch file: ``trainer_module: megaopd.megatron.cpu_launch`` (the default is ``megaopd.megatron.launch``).
+"""
+
+import sys
+
+from megaopd.megatron.cpu_rehearsal import redirect_cuda_to_cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    redirect_cuda_to_cpu()
+    from megaopd.megatron.launch import main as launch
+
+    return launch(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
