@@ -21,12 +21,27 @@ megaopd_setup() {
   export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-${OMP_NUM_THREADS:-1}}
   CONTAINER_ARGS=()
   if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+    # The --container-* flags come from the pyxis plugin; without it srun would reject them on every step.
+    local help
+    help=$(srun --help 2>&1 || true)  # not piped into grep -q: srun would die of SIGPIPE under pipefail
+    if [[ $help != *--container-image* ]]; then
+      echo "megaopd: CONTAINER_IMAGE is set but this cluster's srun has no --container-image (pyxis is not" \
+        "installed): leave the launch setting container_image empty and use venv instead" >&2
+      exit 1
+    fi
     local mounts=$WORKDIR:$WORKDIR
     [[ -n ${CONTAINER_MOUNTS:-} ]] && mounts+=,$CONTAINER_MOUNTS
     # shellcheck disable=SC2034  # used by the scripts that source this file
     CONTAINER_ARGS=(--container-image="$CONTAINER_IMAGE" --container-mounts="$mounts"
                     --container-workdir="$WORKDIR" --no-container-mount-home)
   fi
+}
+
+# The address of Slurm node $1 (its NodeAddr; the name itself when Slurm gives none).
+megaopd_node_addr() {
+  local addr
+  addr=$(scontrol show node "$1" 2>/dev/null | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
+  echo "${addr:-$1}"
 }
 
 megaopd_on_signal() {

@@ -41,6 +41,8 @@ def demo_study(out: Path) -> StudyConfig:
 
 def gpu_jobs(tmp_path):
     study = demo_study(tmp_path / "demo")
+    for stage in ("base", "grpo"):  # the servers' models, as the earlier stages would leave them
+        write_model(Path(study.out) / stage / "final")
     return study, {job.name: job for job in plan(study, load_launch(None, GPU_LAUNCH))}
 
 
@@ -83,27 +85,42 @@ def test_gpu_study_plan_nodes_dependencies_and_signals(tmp_path):
 
 
 def fake_cluster(tmp_path: Path, nodes: list[str]) -> dict[str, str]:
-    """Stand-ins for srun, scontrol and python that log their arguments (and the env the trainer sees)."""
+    """Stand-ins for srun, scontrol and python3 that log their arguments (and the env the trainer sees)."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
     stubs = {
-        "scontrol": f"""[[ $1 == show ]] && printf '%s\\n' {' '.join(nodes)} && exit 0
+        # Node k of the list has the address 10.0.0.k: the script must use addresses, not names, in its URLs.
+        "scontrol": f"""nodes=({' '.join(nodes)})
+[[ $1 == show && $2 == hostnames ]] && printf '%s\\n' "${{nodes[@]}}" && exit 0
+if [[ $1 == show && $2 == node ]]; then
+  for i in "${{!nodes[@]}}"; do [[ ${{nodes[i]}} == "$3" ]] && echo "NodeName=$3 NodeAddr=10.0.0.$((i + 1)) State=IDLE"; done
+  exit 0
+fi
 echo "scontrol $*" >> {log}""",
         # SGLang servers run until stopped; the trainer exits with $TRAINER_EXIT, or 75 once signalled.
-        "srun": f"""echo "srun $* ROLLOUT=${{MEGAOPD_ROLLOUT_URLS:-}} TEACHERS=${{MEGAOPD_TEACHER_URLS:-}}" >> {log}
+        "srun": f"""[[ $1 == --help ]] && echo "  --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH" && exit 0
+echo "srun $* ROLLOUT=${{MEGAOPD_ROLLOUT_URLS:-}} TEACHERS=${{MEGAOPD_TEACHER_URLS:-}}" >> {log}
 case "$*" in
   *sglang.launch_server*) exec sleep 30 ;;
   *) trap 'echo "trainer got USR1" >> {log}; exit 75' USR1
      [[ -n ${{TRAINER_SLEEP:-}} ]] && {{ touch {tmp_path}/started; sleep "$TRAINER_SLEEP" & wait $!; }}
      exit "${{TRAINER_EXIT:-0}}" ;;
 esac""",
-        "python": "exit 0",  # the servers' health check
+        # The servers' health check answers; the TP check is the real one.
+        "python3": f"""[[ $1 == *server_tp.py ]] && exec {sys.executable} "$@"
+exit 0""",
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-4]",
             "HOME": str(tmp_path)}
+
+
+def write_model(path: Path, heads: int = 16, kv_heads: int = 8) -> None:
+    """Just the config.json the scripts read: the heads that decide each server's tensor-parallel size."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(f'{{"num_attention_heads": {heads}, "num_key_value_heads": {kv_heads}}}')
 
 
 def run_script(tmp_path, script: str, **env) -> tuple[int, list[str]]:
@@ -123,14 +140,102 @@ def test_multinode_script_splits_nodes_and_hands_addresses_to_the_trainer(tmp_pa
     assert sorted(servers) == ["n3", "n4"]  # the rollout node, then the teacher's
     assert f"--model-path {study.out}/base/final" in servers["n3"]
     assert f"--model-path {study.out}/grpo/final" in servers["n4"]
-    assert all("--tp-size 8" in s and "--container-image=/shared/megaopd-gpu.sqsh" in s for s in servers.values())
+    for server in servers.values():
+        for expected in ("--ntasks=1", "--tp-size 8", "--container-image=/shared/megaopd-gpu.sqsh",
+                         "env python -m sglang.launch_server", "--port 30000", "--weight-version 0", "--dtype float32"):
+            assert expected in server, expected
     (trainer,) = [c for c in calls if "torchrun" in c]
-    for expected in ("--nodes=2 --ntasks-per-node=1 --nodelist=n1,n2", "--nnodes=2 --nproc-per-node=8",
-                     "--rdzv-endpoint=n1:29500", "--rdzv-id=42", "SIGUSR1", "--shutdown-timeout=300",
+    # One torchrun agent per trainer node: --ntasks given, not inherited from the job's 4 tasks.
+    for expected in ("--nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=n1,n2", "--kill-on-bad-exit=1",
+                     "--nnodes=2 --nproc-per-node=8", "--master-addr=10.0.0.1 --master-port=29500",
+                     "exec torchrun --node-rank=\"$SLURM_NODEID\"", "SIGUSR1", "--shutdown-timeout=300",
                      "-m megaopd.megatron.launch", f"run_dir={study.out}/opd_self",
-                     "ROLLOUT=http://n3:30000", "TEACHERS=*=http://n4:30000"):
+                     "ROLLOUT=http://10.0.0.3:30000", "TEACHERS=*=http://10.0.0.4:30000"):
         assert expected in trainer, expected
+    assert "rdzv" not in trainer  # a static rendezvous: nothing compares host names
     assert not any(c.startswith("scontrol requeue") for c in calls)
+
+
+def test_site_settings_are_rendered(tmp_path):
+    study = demo_study(tmp_path / "demo")
+    launch = load_launch(None, GPU_LAUNCH + [
+        "container_image=", "sglang_python=/opt/sglang/bin/python", "sglang_tp=4", "server_start_timeout_s=90",
+        "sglang_args=[--mem-fraction-static, '0.8']", "sglang_env={SGLANG_LOG: debug}",
+        "trainer_module=megaopd.megatron.cpu_launch",
+        "overrides=[model.backend=megatron, opd.form=sampled, model.dtype=bfloat16, "
+        "rollout.sglang.max_total_tokens=4096]"])
+    jobs = {job.name: job for job in plan(study, launch)}
+    script = jobs["opd_self"].script
+    for expected in ("TRAINER_MODULE=megaopd.megatron.cpu_launch\n", "SGLANG_PYTHON=/opt/sglang/bin/python\n",
+                     "SGLANG_TP=4\n", "SERVER_START_TIMEOUT=90\n", "SGLANG_ENV=(SGLANG_LOG=debug)\n",
+                     "SGLANG_ARGS=(--dtype bfloat16 --max-total-tokens 4096 --mem-fraction-static 0.8)\n"):
+        assert expected in script, expected
+    # Without an image no container flag reaches any srun (a cluster without pyxis rejects them).
+    for name in ("base", "grpo"):
+        write_model(Path(study.out) / name / "final")
+    rc, calls = run_script(tmp_path, script)
+    assert rc == 0, calls
+    assert not any("--container" in c or c.startswith("srun --help") for c in calls)
+    servers = [c for c in calls if "sglang.launch_server" in c]
+    assert len(servers) == 2 and all("env SGLANG_LOG=debug /opt/sglang/bin/python -m sglang.launch_server" in c
+                                     and "--tp-size 4" in c for c in servers)
+    (trainer,) = [c for c in calls if "torchrun" in c]
+    assert "-m megaopd.megatron.cpu_launch" in trainer
+
+
+def test_server_tensor_parallel_size_follows_the_heads(tmp_path):
+    from megaopd.launch.server_tp import server_tp
+
+    write_model(tmp_path / "m", heads=12, kv_heads=4)
+    assert server_tp(tmp_path / "m", 4) == 4
+    assert server_tp(tmp_path / "m", 8, requested=2) == 2
+    assert server_tp(tmp_path / "m", 2) == 2  # 4 KV heads, 2 per GPU
+    with pytest.raises(ValueError, match=r"12 attention heads and 4 KV heads do not split over tensor-parallel "
+                                         r"size 8 \(the node has 8 GPUs\); sizes that do, up to 8: \[1, 2, 4\]"):
+        server_tp(tmp_path / "m", 8)
+    write_model(tmp_path / "gqa", heads=32, kv_heads=2)
+    assert server_tp(tmp_path / "gqa", 8) == 8  # KV heads replicated 4 times
+    with pytest.raises(ValueError, match="a server runs on one node, which has 8"):
+        server_tp(tmp_path / "gqa", 8, requested=16)
+    # At submission for the models that exist already ...
+    study = demo_study(tmp_path / "demo")
+    write_model(Path(study.out) / "base" / "final", heads=12, kv_heads=4)
+    with pytest.raises(ConfigError, match="stage grpo: .*base/final/config.json: 12 attention heads"):
+        plan(study, load_launch(None, GPU_LAUNCH))
+    assert plan(study, load_launch(None, GPU_LAUNCH + ["sglang_tp=4"]))
+    # ... and in the job for those an earlier job writes: refused before any server starts.
+    jobs = {job.name: job for job in plan(demo_study(tmp_path / "later"), load_launch(None, GPU_LAUNCH))}
+    write_model(tmp_path / "later" / "base" / "final", heads=12, kv_heads=4)
+    rc, calls = run_script(tmp_path, jobs["grpo"].script)
+    assert rc == 1 and not any("sglang.launch_server" in c or "torchrun" in c for c in calls)
+
+
+def test_health_wait_names_its_bound_and_a_dead_server(tmp_path):
+    study, jobs = gpu_jobs(tmp_path)
+    script = jobs["grpo"].script.replace("SERVER_START_TIMEOUT=1200", "SERVER_START_TIMEOUT=3")
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    env = fake_cluster(tmp_path, ["n1", "n2", "n3"])
+    (tmp_path / "bin" / "python3").write_text(f"#!/bin/bash\n[[ $1 == *server_tp.py ]] && exec {sys.executable} "
+                                              '"$@"\nexit 1\n')
+    result = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "no SGLang server at http://10.0.0.3:30000 after 3 s (launch setting server_start_timeout_s)" in \
+        result.stderr
+    # A server step that dies is reported at once, not after the bound.
+    (tmp_path / "bin" / "srun").write_text("#!/bin/bash\n[[ $1 == --help ]] && echo --container-image && exit 0\nexit 3\n")
+    result = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "exited during start-up" in result.stderr
+
+
+def test_container_image_without_pyxis_is_refused(tmp_path):
+    study, jobs = gpu_jobs(tmp_path)
+    path = tmp_path / "job.sbatch"
+    path.write_text(jobs["base"].script)
+    env = fake_cluster(tmp_path, ["n1", "n2"])
+    (tmp_path / "bin" / "srun").write_text("#!/bin/bash\necho 'Usage: srun [OPTIONS(0)...]'\n")
+    result = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "no --container-image (pyxis is not installed)" in result.stderr
 
 
 def test_multinode_script_requeues_after_preemption_exit(tmp_path):
@@ -270,4 +375,4 @@ def test_megatron_on_one_gpu_still_runs_under_torchrun(tmp_path):
     launch = load_launch(None, ["nodes=1", "gpus_per_node=1", "overrides=[model.backend=megatron]"])
     script = {job.name: job for job in plan(study, launch)}["base"].script
     assert "TRAIN_NODES=1\n" in script and "GPUS_PER_NODE=1\n" in script
-    assert "-m megaopd.megatron.launch" in script and "-m megaopd.cli train" not in script
+    assert "TRAINER_MODULE=megaopd.megatron.launch\n" in script and "-m megaopd.cli train" not in script

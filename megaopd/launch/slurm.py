@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaopd.config import ConfigError, RunConfig, from_dict, load_config, to_dict
+from megaopd.launch.server_tp import server_tp
 from megaopd.study import StageConfig, StudyConfig, stage_is_done
 
 # The templates live beside the package in a source checkout (also the layout inside the Docker images).
@@ -51,6 +52,13 @@ class LaunchConfig:
     max_requeues: int = 20
     sglang_port: int = 30000
     master_port: int = 29500
+    # The multi-node script's parts a site may need to change (docs/cluster.md, "Site settings").
+    trainer_module: str = "megaopd.megatron.launch"  # torchrun -m this on each trainer node
+    sglang_python: str = ""  # the Python of SGLang's environment on the server nodes; empty: the job's `python`
+    sglang_args: list[str] = field(default_factory=list)  # more sglang.launch_server flags
+    sglang_env: dict[str, str] = field(default_factory=dict)  # more environment of the servers
+    sglang_tp: int = 0  # each server's tensor-parallel size; 0: the node's GPUs (checked against the heads)
+    server_start_timeout_s: int = 1200  # how long the job waits for every server's /health
     overrides: list[str] = field(default_factory=list)  # config overrides for every stage, e.g. model.device=cuda
     sbatch: list[str] = field(default_factory=list)  # more #SBATCH options, e.g. "--constraint=h100"
     setup: list[str] = field(default_factory=list)  # shell lines run first in each job, e.g. "module load cuda"
@@ -166,14 +174,24 @@ def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -
         return _render(SINGLE_NODE, _sbatch_lines(study, stage.name, launch, nodes=1),
                        _settings(study, launch, cmd))
     _check_distributed(cfg, launch, stage.name)
+    _check_servers(launch, stage.name, [cfg.model.path] * bool(rollout_nodes) + [path for _, path in teachers])
     nodes = launch.nodes + rollout_nodes + len(teachers)
+    # The servers load the model in the trainer's dtype (the weight-sync probe compares their logprobs).
+    sglang_args = ["--dtype", cfg.model.dtype, *(["--max-total-tokens", str(cfg.rollout.sglang.max_total_tokens)]
+                                                 if cfg.rollout.sglang.max_total_tokens else []), *launch.sglang_args]
     settings = _settings(study, launch, None) + [
         f"TRAIN_NODES={launch.nodes}",
         f"GPUS_PER_NODE={launch.gpus_per_node}",
+        f"TRAINER_MODULE={launch.trainer_module}",
         f"ROLLOUT_NODES={rollout_nodes}",
         f"ROLLOUT_MODEL={shlex.quote(cfg.model.path)}",
         f"TEACHERS=({' '.join(shlex.quote(f'{route}={path}') for route, path in teachers)})",
+        f"SGLANG_PYTHON={shlex.quote(launch.sglang_python or 'python')}",
+        f"SGLANG_TP={launch.sglang_tp}",
+        f"SGLANG_ARGS=({shlex.join(sglang_args)})",
+        f"SGLANG_ENV=({' '.join(shlex.quote(f'{k}={v}') for k, v in launch.sglang_env.items())})",
         f"SGLANG_PORT={launch.sglang_port}",
+        f"SERVER_START_TIMEOUT={launch.server_start_timeout_s}",
         f"MASTER_PORT={launch.master_port}",
         f"SIGNAL_SECONDS={launch.signal_seconds}",
         f"TRAIN_ARGS=({shlex.join(train_args)})",
@@ -188,6 +206,20 @@ def _check_distributed(cfg: RunConfig, launch: LaunchConfig, stage: str) -> None
     if cfg.model.backend == "hf" and launch.nodes * launch.gpus_per_node > 1:
         raise ConfigError(f"stage {stage}: the hf backend trains in one process; use model.backend=megatron "
                           f"for {launch.nodes} node(s) x {launch.gpus_per_node} GPU(s)")
+
+
+def _check_servers(launch: LaunchConfig, stage: str, models: list[str]) -> None:
+    """Refuse at submission what the job would refuse later: a bad entry point, heads that do not split over the
+    servers' tensor-parallel size (for the models that exist already; the job checks the others)."""
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", launch.trainer_module):
+        raise ConfigError(f"stage {stage}: trainer_module={launch.trainer_module!r} is not a module name "
+                          "(e.g. megaopd.megatron.launch)")
+    for model in models:
+        if (Path(model) / "config.json").exists():
+            try:
+                server_tp(model, launch.gpus_per_node, launch.sglang_tp)
+            except ValueError as e:
+                raise ConfigError(f"stage {stage}: {e}") from None
 
 
 def _sbatch_lines(study: StudyConfig, name: str, launch: LaunchConfig, nodes: int,
