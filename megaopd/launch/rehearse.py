@@ -42,8 +42,10 @@ from megaopd.study import AssetsConfig, StageConfig, StudyConfig
 ROOT = Path(__file__).resolve().parents[2]
 # An import-only vllm stub that SGLang's RoPE layer needs on a plain CPU (shared/reference/sglang.md).
 SGLANG_CPU_STUBS = ROOT / "tests" / "sglang_cpu"
+# On CPU SGLang budgets weights + KV cache as a fraction of the whole machine's memory, counting what other
+# processes use: a small fraction fails on a busy machine. --max-total-tokens (the stage's) caps the KV cache.
 SGLANG_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                   "--skip-server-warmup", "--mem-fraction-static", "0.05"]
+                   "--skip-server-warmup", "--mem-fraction-static", "0.8"]
 # Launch fields that belong to the real site: replaced by the local cluster's, and reported as not rehearsed.
 SITE_FIELDS = ("partition", "account", "qos", "container_image", "container_mounts", "venv", "setup", "sbatch",
                "mem", "cpus_per_task", "sglang_python", "sglang_args", "sglang_env", "sglang_tp")
@@ -173,7 +175,8 @@ def rehearsal_launch(study: StudyConfig, launch: LaunchConfig, cap: int, sglang_
                  trainer_module="megaopd.megatron.cpu_launch", sglang_python=sglang_python,
                  sglang_args=SGLANG_CPU_ARGS, server_start_timeout_s=900,
                  sglang_env={"PYTHONPATH": str(SGLANG_CPU_STUBS), "OMP_NUM_THREADS": "1"})
-    base = dataclasses.replace(launch, **local, overrides=[*launch.overrides, *ON_CPU], stages={})
+    base = dataclasses.replace(launch, **local, gpus_per_node=min(launch.gpus_per_node, cap),
+                               overrides=[*launch.overrides, *ON_CPU], stages={})
     stages = {}
     for stage in study.stages:
         sl = for_stage(launch, stage.name)
@@ -259,7 +262,7 @@ def rehearse(study: StudyConfig, launch: LaunchConfig, args: argparse.Namespace)
     local = rehearsal_launch(rehearsal, launch, args.gpus_per_node, sglang_python)
     jobs = plan(rehearsal, local)
     nodes = max(int(re.search(r"--nodes=(\d+)", j.script)[1]) for j in jobs)
-    gpus = max([local.gpus_per_node, *(s["gpus_per_node"] for s in local.stages.values())])
+    gpus = max([1, *(s["gpus_per_node"] for s in local.stages.values())])
     skipped = not_rehearsed(launch)
     print(f"megaopd rehearse: {len(rehearsal.stages)} stage(s) on a local cluster of {nodes} node(s) x {gpus} "
           f"stand-in GPU(s); stand-ins: {', '.join(f'{k} -> {v}' for k, v in stand_ins(study)[0].items())}")
