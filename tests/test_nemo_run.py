@@ -8,17 +8,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megaopd.config import load_config
 from megaopd.launch.slurm import LaunchConfig, absolute_study, load_launch, plan
 from megaopd.study import StudyConfig
 
-from test_slurm_render import GPU_LAUNCH, demo_study, fake_cluster, sbatch_options
+from test_slurm_multinode import cluster  # noqa: F401  (the 4-node CI cluster)
+from test_slurm_render import GPU_LAUNCH, demo_study, fake_cluster, sbatch_options, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.nemo
@@ -81,6 +85,8 @@ def test_slurm_executor_submits_the_rendered_jobs(tmp_path, nemo_home, monkeypat
                 f"setup=['echo site setup >> {tmp_path / 'calls.log'}']"]
     settings.remove("container_image=/shared/megaopd-gpu.sqsh")  # a venv instead: the activation is observable
     study = demo_study(tmp_path / "demo")
+    for stage in ("base", "grpo"):  # the servers' models (their heads decide the servers' TP)
+        write_model(Path(study.out) / stage / "final")
     launch = load_launch(None, settings)
     jobs = {job.name: job for job in plan(study, launch)}
     module = launcher()
@@ -114,3 +120,41 @@ def test_slurm_executor_submits_the_rendered_jobs(tmp_path, nemo_home, monkeypat
         assert "hostname --ip-address" in theirs[0]
         assert ours[:2] == ["site setup", "venv activated"] and any("torchrun" in c for c in ours)
     assert rc_ours == 75 and "scontrol requeue 42" in ours
+
+
+@pytest.mark.multinode
+@pytest.mark.slow
+def test_slurm_executor_runs_a_multinode_stage_on_the_cluster(cluster, tmp_path):
+    """nemo-run's Slurm executor submits a Megatron TP2 stage over 2 trainer nodes to the multi-node cluster: one
+    rank per node, as the ranks themselves report, and the job COMPLETED."""
+    out = tmp_path / "nemo_mn"  # the job names (megaopd-nemo_mn-*) are this test's own on the shared cluster
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump({
+        "out": str(out), "assets": {"presets": ["qwen3-tiny"], "domains": ["arith_add"], "train_rows": 100,
+                                    "heldout_rows": 20},
+        "stages": [{"name": "base", "config": str(ROOT / "configs/embedded/sft.yaml"), "overrides": [
+            "model.path={out}/models/qwen3-tiny", "data.train=[{out}/data/arith_add/train.jsonl]",
+            "data.eval=[{out}/data/arith_add/heldout.jsonl]", "train.steps=2", "sft.stop_at_accuracy=0",
+            "eval.every=2", "eval.prompts_per_domain=2", "eval.final_prompts_per_domain=2",
+            "rollout.max_new_tokens=8"]}]}))
+    launch = [f"venv={sys.prefix}", f"workdir={ROOT}", "nodes=2", "gpus_per_node=1",
+              "trainer_module=megaopd.megatron.cpu_launch",
+              "overrides=[model.backend=megatron, model.megatron.tp=2, model.device=cpu, model.dtype=float32]"]
+    home = tmp_path / "nemo_home"
+    result = cluster.client([sys.executable, str(ROOT / "launchers" / "nemo_run_study.py"), str(study),
+                             "--executor", "slurm", "--stages", "base",
+                             *(a for setting in launch for a in ("--set", setting))],
+                            env={"NEMORUN_HOME": str(home)}, cwd=str(ROOT), stdin=subprocess.DEVNULL, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    names = {"megaopd-nemo_mn-assets", "megaopd-nemo_mn-base"}
+    deadline = time.monotonic() + 900
+    while not names <= {r["JobName"] for r in cluster.job_records()}:
+        assert time.monotonic() < deadline, "the jobs did not finish"
+        time.sleep(2)
+    records = {r["JobName"]: r for r in cluster.job_records() if r["JobName"] in names}
+    assert {name: r["JobState"] for name, r in records.items()} == dict.fromkeys(names, "COMPLETED")
+    assert records["megaopd-nemo_mn-base"]["NodeList"] == "node[1-2]"
+    (log,) = home.glob("experiments/**/sbatch_megaopd-nemo_mn-base_*.out")
+    ranks = dict(re.findall(r"megaopd: rank (\d+) of 2 \(local 0\) on (\S+)", log.read_text()))
+    assert ranks == {"0": "node1", "1": "node2"}
+    assert json.loads((out / "base" / "summary.json").read_text())["steps"] == 2
