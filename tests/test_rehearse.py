@@ -62,7 +62,9 @@ def test_stand_ins_keep_the_layout_and_swap_models_data_and_site(tmp_path):
     launch = rehearse.rehearsal_launch(small, load_launch(LAUNCH), 2, "/sglang/bin/python")
     from megaopd.launch.slurm import plan
 
-    jobs = {job.name: job.script for job in plan(small, launch)}
+    planned = plan(small, launch)
+    assert rehearse.cluster_nodes(planned) == 5  # multi_teacher's
+    jobs = {job.name: job.script for job in planned}
     # The real node layout: 2 trainer nodes + 1 rollout node; OPD + 1 per teacher (multi_teacher: 2 teachers).
     for name, nodes in (("expert_math", 3), ("opd_self_math", 4), ("multi_teacher", 5), ("joint_grpo", 3)):
         assert f"#SBATCH --nodes={nodes}\n" in jobs[name], name

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from pathlib import Path
 from megaopd.config import ConfigError, load_config, save_config
 from megaopd.data.synthetic import DOMAINS
 from megaopd.launch.local_cluster import LocalCluster
-from megaopd.launch.slurm import LaunchConfig, absolute_study, for_stage, load_launch, plan
+from megaopd.launch.slurm import Job, LaunchConfig, absolute_study, for_stage, load_launch, plan
 from megaopd.study import AssetsConfig, StageConfig, StudyConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,6 +199,15 @@ def not_rehearsed(launch: LaunchConfig) -> list[str]:
 
 
 # ---- 3. run it on a local cluster and read back what happened ----
+# Why a pending job would never start: the rehearsal stops waiting for it.
+NEVER_RUNS = ("DependencyNeverSatisfied", "PartitionNodeLimit", "PartitionConfig", "BadConstraints")
+
+
+def cluster_nodes(jobs: list[Job]) -> int:
+    """The nodes of the largest job (its ``#SBATCH --nodes`` line)."""
+    return max(int(re.search(r"^#SBATCH --nodes=(\d+)$", job.script, re.M)[1]) for job in jobs)
+
+
 def run_on_cluster(cluster: LocalCluster, study_path: Path, launch_path: Path, timeout_s: float) -> dict[str, str]:
     """Submit through `megaopd submit` inside the cluster and wait; job name -> Slurm job id."""
     result = cluster.client([sys.executable, "-m", "megaopd.cli", "submit", str(study_path), "--launch",
@@ -211,8 +221,8 @@ def run_on_cluster(cluster: LocalCluster, study_path: Path, launch_path: Path, t
         queue = [line.split() for line in queue if line.strip()]
         if not queue:
             return ids
-        if all(state == "PENDING" and reason == "DependencyNeverSatisfied" for _, state, reason in queue):
-            cluster.client(["scancel", *(job for job, _, _ in queue)])  # an upstream stage failed
+        if all(state == "PENDING" and reason in NEVER_RUNS for _, state, reason in queue):
+            cluster.client(["scancel", *(job for job, _, _ in queue)])  # an upstream stage failed, say
             return ids
         time.sleep(3)
     cluster.client(["scancel", *ids.values()])
@@ -253,6 +263,8 @@ def rehearse(study: StudyConfig, launch: LaunchConfig, args: argparse.Namespace)
         print("megaopd rehearse: the real layout has problems (nothing was run):", *problems, sep="\n  ")
         return 1
     state = Path(args.state).resolve()
+    if (state / "out").exists():  # a rehearsal's own output: a rerun starts afresh, not from its finished stages
+        shutil.rmtree(state / "out")
     rehearsal = absolute_study(rehearsal_study(study, state / "out", args.steps, args.stages))
     sglang_python = args.sglang_python or os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
     if not sglang_python:
@@ -261,7 +273,7 @@ def rehearse(study: StudyConfig, launch: LaunchConfig, args: argparse.Namespace)
         return 2
     local = rehearsal_launch(rehearsal, launch, args.gpus_per_node, sglang_python)
     jobs = plan(rehearsal, local)
-    nodes = max(int(re.search(r"--nodes=(\d+)", j.script)[1]) for j in jobs)
+    nodes = cluster_nodes(jobs)
     gpus = max([1, *(s["gpus_per_node"] for s in local.stages.values())])
     skipped = not_rehearsed(launch)
     print(f"megaopd rehearse: {len(rehearsal.stages)} stage(s) on a local cluster of {nodes} node(s) x {gpus} "
@@ -278,6 +290,9 @@ def rehearse(study: StudyConfig, launch: LaunchConfig, args: argparse.Namespace)
         cluster.up()
         ids = run_on_cluster(cluster, study_path, launch_path, args.timeout)
         states = {name: job_state(cluster, job_id) for name, job_id in ids.items()}
+    except (PermissionError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+        print(f"megaopd rehearse: {e}", file=sys.stderr)
+        return 1
     finally:
         if not args.keep:
             cluster.down()
