@@ -56,8 +56,13 @@ def test_stand_ins_keep_the_layout_and_swap_models_data_and_site(tmp_path):
     study = cluster_study()
     models, data = rehearse.stand_ins(study)
     assert models == {"/models/Qwen3-1.7B": "qwen3-tiny", "/models/Qwen3-8B": "qwen3-small"}
-    assert data["/data/rl/math/train.jsonl"] == ("arith_add", "train")
-    assert data["/data/rl/code/heldout.jsonl"] == ("prog_trace", "heldout")
+    assert data["/data/rl/math/train.jsonl"] == ("math", "arith_add", "train")
+    assert data["/data/rl/code/heldout.jsonl"] == ("code", "prog_trace", "heldout")
+    rehearse.write_standin_data(study, tmp_path / "out")
+    from megaopd.data.rows import load_rows
+
+    rows, _ = load_rows(tmp_path / "out" / "standin" / "code" / "train.jsonl")
+    assert len(rows) == 200 and {(r.data_source, r.domain) for r in rows} == {("prog_trace", "code")}
     small = absolute_study(rehearse.rehearsal_study(study, tmp_path / "out", 2, None))
     launch = rehearse.rehearsal_launch(small, load_launch(LAUNCH), 2, "/sglang/bin/python")
     from megaopd.launch.slurm import plan
@@ -73,6 +78,8 @@ def test_stand_ins_keep_the_layout_and_swap_models_data_and_site(tmp_path):
         assert "model.megatron.tp=2" in jobs[name] and "model.device=cpu" in jobs[name]
     assert f"model.path={small.out}/models/qwen3-tiny" in jobs["expert_math"]
     assert f"opd.teachers.*={small.out}/models/qwen3-small" in jobs["opd_external_math"]
+    assert f"data.train=[{small.out}/standin/math/train.jsonl, {small.out}/standin/code/train.jsonl]" in jobs[
+        "multi_teacher"]
     assert "--partition" not in jobs["expert_math"] and "CONTAINER_IMAGE=''" in jobs["expert_math"]
     assert rehearse.not_rehearsed(load_launch(LAUNCH)) == ["container_image=/shared/megaopd-gpu.sqsh",
                                                            "partition=gpu"]

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 from megaopd.config import ConfigError, load_config, save_config
-from megaopd.data.synthetic import DOMAINS
+from megaopd.data.rows import write_rows
+from megaopd.data.synthetic import DOMAINS, make_split
 from megaopd.launch.local_cluster import LocalCluster
 from megaopd.launch.slurm import Job, LaunchConfig, absolute_study, for_stage, load_launch, plan
 from megaopd.study import AssetsConfig, StageConfig, StudyConfig
@@ -106,9 +107,9 @@ def shape_problems(model: str, tp: int, pp: int) -> list[str]:
 
 
 # ---- 2. the rehearsal study and launch file ----
-def stand_ins(study: StudyConfig) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+def stand_ins(study: StudyConfig) -> tuple[dict[str, str], dict[str, tuple[str, str, str]]]:
     """External model path -> embedded preset (first the student's family tiny, then small, base), and data file
-    -> (synthetic domain, split), one domain per data directory, in order of first use."""
+    -> (its directory's name, synthetic domain, split), one synthetic domain per data directory."""
     models, data = {}, {}
     sizes = {"qwen3": ["qwen3-tiny", "qwen3-small", "qwen3-base"], "llama": ["llama-tiny", "llama-small"]}
     dirs: list[str] = []
@@ -127,7 +128,7 @@ def stand_ins(study: StudyConfig) -> tuple[dict[str, str], dict[str, tuple[str, 
                 if parent not in dirs:
                     dirs.append(parent)
                     domains[parent] = synthetic_domain(Path(parent).name, set(domains.values()))
-                data[file] = (domains[parent], split)
+                data[file] = (Path(parent).name, domains[parent], split)
     return models, data
 
 
@@ -155,11 +156,23 @@ def rehearsal_study(study: StudyConfig, out: Path, steps: int, stages: list[str]
                       for route, path in cfg.opd.teachers.items() if path in models]
         for key, files in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
             if files:
-                extra.append(f"{key}=[" + ", ".join("{out}/data/%s/%s.jsonl" % data[f] for f in files) + "]")
+                extra.append(f"{key}=[" + ", ".join(f"{{out}}/standin/{data[f][0]}/{data[f][2]}.jsonl"
+                                                    for f in files) + "]")
         rehearsal.append(dataclasses.replace(stage, overrides=[*stage.overrides, *extra, *small(steps)]))
-    domains = sorted({domain for domain, _ in data.values()})
-    assets = AssetsConfig(presets=sorted(set(models.values())), domains=domains, train_rows=200, heldout_rows=20)
+    domains = sorted({domain for _, domain, _ in data.values()})
+    assets = AssetsConfig(presets=sorted(set(models.values())), domains=domains, train_rows=20, heldout_rows=20)
     return dataclasses.replace(study, out=str(out), assets=assets, stages=rehearsal)
+
+
+def write_standin_data(study: StudyConfig, out: Path, rows: int = 200) -> None:
+    """{out}/standin/<data directory's name>/{train,heldout}.jsonl: synthetic rows whose domain (the key of the
+    verifier's data_source stays) is the directory's name, so that multi-teacher routes named after the data
+    directories (opd.teachers.math, .code) find their rows as they would the real ones."""
+    for name, domain, split in set(stand_ins(study)[1].values()):
+        made = make_split(domain, split, rows if split == "train" else max(rows // 10, 8))
+        for row in made:
+            row.extra_info["domain"] = name
+        write_rows(out / "standin" / name / f"{split}.jsonl", made)
 
 
 def rehearsal_gpus(nodes: int, gpus: int, tp: int, pp: int, cap: int) -> int:
@@ -266,6 +279,7 @@ def rehearse(study: StudyConfig, launch: LaunchConfig, args: argparse.Namespace)
     if (state / "out").exists():  # a rehearsal's own output: a rerun starts afresh, not from its finished stages
         shutil.rmtree(state / "out")
     rehearsal = absolute_study(rehearsal_study(study, state / "out", args.steps, args.stages))
+    write_standin_data(study, Path(rehearsal.out))
     sglang_python = args.sglang_python or os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
     if not sglang_python:
         print("megaopd rehearse: no SGLang environment for the CPU servers: give --sglang-python or set "
