@@ -62,9 +62,10 @@ def add_local(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig, sta
         stage, stage_launch = by_name[name], for_stage(launch, name)
         args = [study.substitute(o) for o in stage.overrides] + stage_launch.overrides
         train_args = [stage.config, *args, f"run_dir={out / name}"]
-        # The megatron backend runs the trainer on every torchrun rank (megaopd.megatron.launch), even on one GPU.
+        # The megatron backend runs the trainer on every torchrun rank (the launch setting trainer_module,
+        # megaopd.megatron.launch by default), even on one GPU.
         megatron = load_config(stage.config, train_args[1:]).model.backend == "megatron"
-        script = (run.Script(path="megaopd.megatron.launch", entrypoint=python, m=True, args=train_args) if megatron
+        script = (run.Script(path=stage_launch.trainer_module, entrypoint=python, m=True, args=train_args) if megatron
                   else run.Script(path="megaopd.cli", entrypoint=python, m=True, args=["train", *train_args]))
         after = [task_ids[d] for d in ["assets", *deps[name]] if d in task_ids]
         task_ids[name] = exp.add(script, executor=local_executor(stage_launch, torchrun=megatron), name=name,

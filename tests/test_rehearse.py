@@ -43,7 +43,8 @@ def test_the_shipped_layout_passes_and_layout_mistakes_are_caught(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"num_attention_heads": 16, "num_key_value_heads": 8,
                                                    "num_hidden_layers": 28}))
-    odd = load_launch(LAUNCH, ["gpus_per_node=6", "sglang_tp=2", "overrides=[model.backend=megatron, model.megatron.tp=3]"])
+    odd = load_launch(LAUNCH, ["gpus_per_node=6", "sglang_tp=2",
+                               "overrides=[model.backend=megatron, model.megatron.tp=3]"])
     problems = rehearse.layout_problems(cluster_study(f"vars.student={model}"), odd)
     assert any(p.startswith("stage expert_math") and "16 attention heads / 8 KV heads do not split over tp=3" in p
                for p in problems), problems
@@ -86,3 +87,24 @@ def test_stand_ins_keep_the_layout_and_swap_models_data_and_site(tmp_path):
     # DP shrinks, TP and PP stay: TP 4 over 2 nodes needs 2 GPUs each, TP 2 x PP 2 over 3 nodes 4 each.
     assert rehearse.rehearsal_gpus(2, 8, 4, 1, cap=1) == 2 and rehearse.rehearsal_gpus(3, 8, 2, 2, cap=2) == 4
     assert rehearse.rehearsal_gpus(2, 8, 2, 1, cap=2) == 2  # the shipped layout: TP 2, DP 2
+
+
+@pytest.mark.multinode
+@pytest.mark.slow
+def test_one_stage_rehearses_on_a_local_cluster(tmp_path, capsys):
+    """expert_math of the 2-domain cluster study with the shipped 2-trainer-node launch file: 2 trainer nodes
+    (Megatron TP2 x DP2 over gloo), an SGLang CPU rollout server on the third node, 2 steps, weights verified."""
+    if os.geteuid() != 0:
+        pytest.skip("megaopd rehearse needs root")
+    python = os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
+    if not python:
+        pytest.skip("no SGLang environment: set MEGAOPD_SGLANG_PYTHON (make test builds .venv-sglang)")
+    # Its own cluster name and subnet: the CI cluster (mns, 10.77.0) stays up beside it.
+    assert rehearse.main([str(STUDY), "--launch", str(LAUNCH), "--stages", "expert_math", "--state",
+                          str(tmp_path / "state"), "--name", "mrht", "--subnet", "10.78.9"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.startswith("expert_math ")]
+    assert "COMPLETED" in row and "nodes: node1 node2" in row and "ranks/node: node1:2 node2:2" in row
+    assert "servers: node3(qwen3-tiny)" in row and "steps: 2" in row and "verified weights: 0,1,2" in row
+    assert "megaopd rehearse: passed" in out
+    assert not (tmp_path / "state" / "cluster").exists()  # torn down
