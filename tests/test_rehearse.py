@@ -105,6 +105,6 @@ def test_one_stage_rehearses_on_a_local_cluster(tmp_path, capsys):
     out = capsys.readouterr().out
     (row,) = [line for line in out.splitlines() if line.startswith("expert_math ")]
     assert "COMPLETED" in row and "nodes: node1 node2" in row and "ranks/node: node1:2 node2:2" in row
-    assert "servers: node3(qwen3-tiny)" in row and "steps: 2" in row and "verified weights: 0,1,2" in row
+    assert "servers: rollout:node3(qwen3-tiny) " in row and "steps: 2" in row and "verified weights: 0,1,2" in row
     assert "megaopd rehearse: passed" in out
     assert not (tmp_path / "state" / "cluster").exists()  # torn down

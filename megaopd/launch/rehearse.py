@@ -254,7 +254,10 @@ def stage_report(log: str, run_dir: Path) -> dict:
     ranks: dict[str, int] = {}
     for host in re.findall(r"megaopd: rank \d+ of \d+ \(local \d+\) on (\S+)", log):
         ranks[host] = ranks.get(host, 0) + 1
-    servers = re.findall(r"SGLang server on (\S+) at \S+: (\S+)", log)
+    teachers = re.search(r"teachers on (.*)$", log, re.M)
+    teacher_hosts = teachers[1].split() if teachers else []
+    servers = [("teacher" if host in teacher_hosts else "rollout", host, model)
+               for host, model in re.findall(r"SGLang server on (\S+) at \S+: (\S+)", log)]
     versions = sorted({int(v) for v in re.findall(r"weights v(\d+) verified", log)})
     summary = run_dir / "summary.json"
     steps = json.loads(summary.read_text())["steps"] if summary.exists() else None
@@ -262,11 +265,17 @@ def stage_report(log: str, run_dir: Path) -> dict:
             "versions": versions}
 
 
+def short(model: str) -> str:
+    """A model directory by its name, or <stage>/final for a stage's output."""
+    path = Path(model)
+    return f"{path.parent.name}/{path.name}" if path.name == "final" else path.name
+
+
 def format_row(name: str, state: str, report: dict) -> str:
     ranks = " ".join(f"{h}:{n}" for h, n in sorted(report["ranks"].items())) or "-"
-    servers = " ".join(f"{host}({Path(model).name})" for host, model in report["servers"]) or "-"
+    servers = " ".join(f"{role}:{host}({short(model)})" for role, host, model in report["servers"]) or "-"
     versions = ",".join(map(str, report["versions"])) or "-"
-    return (f"{name:24} {state:10} nodes: {report['nodes']:14} ranks/node: {ranks:16} servers: {servers:30} "
+    return (f"{name:24} {state:10} nodes: {report['nodes']:14} ranks/node: {ranks:16} servers: {servers:50} "
             f"steps: {report['steps'] if report['steps'] is not None else '-'}  verified weights: {versions}")
 
 
