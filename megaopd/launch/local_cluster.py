@@ -44,10 +44,12 @@ IFNAMSIZ = 15  # Linux's limit on interface names
 
 class LocalCluster:
     """``nodes`` slurmd nodes named node1..nodeN, ``gpus_per_node`` stand-in GPUs each, ``cpus`` CPUs each
-    (default: this machine's count; every node advertises the same real cores)."""
+    (default: this machine's count; every node advertises the same real cores). With ``aliases`` the node names
+    are known to Slurm only, as on sites whose NodeNames are aliases: node k's hostname is ``<name>host<k>``, and
+    that is the only name of its address in the cluster's /etc/hosts."""
 
     def __init__(self, nodes: int, state_dir: Path, name: str = "mns", subnet: str = "10.77.0",
-                 gpus_per_node: int = 2, cpus: int | None = None):
+                 gpus_per_node: int = 2, cpus: int | None = None, aliases: bool = False):
         if not 1 <= nodes <= 200:
             raise ValueError(f"nodes={nodes}: between 1 and 200 (addresses <subnet>.11 to .210)")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", name):
@@ -59,6 +61,7 @@ class LocalCluster:
         self.gpus_per_node, self.cpus = gpus_per_node, cpus or os.cpu_count() or 1
         self.head_ns, self.head_host = f"{name}-head", f"{name}head"
         self.node_names = [f"node{k}" for k in range(1, nodes + 1)]
+        self.hostnames = [f"{name}host{k}" if aliases else f"node{k}" for k in range(1, nodes + 1)]
         self.conf = self.state_dir / "etc" / "slurm.conf"
         self.jobcomp = self.state_dir / "log" / "jobcomp.txt"
 
@@ -98,7 +101,7 @@ class LocalCluster:
         for g in range(self.gpus_per_node):  # slurmd drops GRES without File=; a /dev/null-like device will do
             os.mknod(self.state_dir / "dev" / f"gpu{g}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
         hosts = "127.0.0.1 localhost\n" + f"{self.subnet}.1 {self.head_host}\n" + "".join(
-            f"{self.subnet}.{10 + k} {node}\n" for k, node in enumerate(self.node_names, 1))
+            f"{self.subnet}.{10 + k} {host}\n" for k, host in enumerate(self.hostnames, 1))
         for ns in self._all_ns():
             (HOSTS_DIR / ns).mkdir(parents=True, exist_ok=True)
             (HOSTS_DIR / ns / "hosts").write_text(hosts)
@@ -111,8 +114,9 @@ class LocalCluster:
         s = self.state_dir
         mem_mb = int(_mem_total_kb() / 1024 * 0.9)
         gres = f" Gres=gpu:{self.gpus_per_node}" if self.gpus_per_node else ""
-        nodes = [f"NodeName={node} NodeAddr={self.subnet}.{10 + k} CPUs={self.cpus} RealMemory={mem_mb}{gres} "
-                 "State=UNKNOWN" for k, node in enumerate(self.node_names, 1)]
+        nodes = [f"NodeName={node} NodeHostname={host} NodeAddr={self.subnet}.{10 + k} CPUs={self.cpus} "
+                 f"RealMemory={mem_mb}{gres} State=UNKNOWN"
+                 for k, (node, host) in enumerate(zip(self.node_names, self.hostnames), 1)]
         return "\n".join([
             f"ClusterName={self.name}",
             f"SlurmctldHost={self.head_host}({self.subnet}.1)",  # must equal the controller's UTS hostname
@@ -158,8 +162,8 @@ class LocalCluster:
                      f"--pid-file={s}/run/munged.pid", f"--seed-file={s}/munge/munge.seed",
                      f"--log-file={s}/log/munged.log"], s / "log" / "munged.out")
         self._in_ns(self.head_ns, self.head_host, ["slurmctld", "-f", str(self.conf)])
-        for k, node in enumerate(self.node_names, 1):
-            self._in_ns(self.node_ns(k), node, ["slurmd", "-f", str(self.conf), "-N", node])
+        for k, (node, host) in enumerate(zip(self.node_names, self.hostnames), 1):
+            self._in_ns(self.node_ns(k), host, ["slurmd", "-f", str(self.conf), "-N", node])
 
     def _in_ns(self, ns: str, hostname: str, argv: list[str]) -> None:
         """Start a daemon inside netns ``ns`` in its own UTS and mount namespace, with the cluster's /etc/hosts."""
@@ -340,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subnet", default="10.77.0", help="first three octets of the cluster's /24")
     parser.add_argument("--gpus-per-node", type=int, default=2, help="stand-in GPUs per node (GRES)")
     parser.add_argument("--cpus", type=int, default=None, help="CPUs each node advertises (default: nproc)")
+    parser.add_argument("--aliases", action="store_true", help="node names known to Slurm only (see LocalCluster)")
     args = parser.parse_args(argv)
-    cluster = LocalCluster(args.nodes, args.state, args.name, args.subnet, args.gpus_per_node, args.cpus)
+    cluster = LocalCluster(args.nodes, args.state, args.name, args.subnet, args.gpus_per_node, args.cpus,
+                           args.aliases)
     if args.action == "up":
         try:
             cluster.up()

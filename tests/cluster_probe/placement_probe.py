@@ -1,0 +1,43 @@
+"""Test-only stand-in for the trainer entry point (launch setting ``trainer_module=placement_probe``): every
+torchrun worker reports where it runs, over gloo, and rank 0 prints one ``placement {json}`` line for the test.
+
+Each worker: its rank, local rank, host name, Slurm node, its torchrun agent (parent PID) and whether it reached
+the rollout servers of MEGAOPD_ROLLOUT_URLS; plus an all_reduce of the ranks, checked against its expected sum.
+"""
+
+import json
+import os
+import socket
+import urllib.request
+
+import torch
+import torch.distributed as dist
+
+
+def reaches(urls: str) -> bool:
+    try:
+        for url in filter(None, urls.split(",")):
+            urllib.request.urlopen(f"{url}/health", timeout=10)
+        return True
+    except OSError:
+        return False
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    me = {"rank": rank, "local_rank": int(os.environ["LOCAL_RANK"]), "host": socket.gethostname(),
+          "node": os.environ.get("SLURMD_NODENAME", ""), "agent": os.getppid(),
+          "servers_reached": reaches(os.environ.get("MEGAOPD_ROLLOUT_URLS", ""))}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, me)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    if rank == 0:
+        print("placement " + json.dumps({"workers": everyone, "rank_sum": total.item(),
+                                         "expected_sum": world * (world - 1) / 2}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Test-only stand-in for SGLang in the placement test (its trainer never asks a server anything)."""
