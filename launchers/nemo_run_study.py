@@ -95,6 +95,7 @@ def slurm_task(job: Job, script: Path, prefix: str) -> tuple[run.Script, run.Slu
         name = key.replace("-", "_")  # nemo-run writes name back as --name-with-dashes
         value = int(value) if isinstance(value, str) and value.isdigit() else value
         (fields if name in _EXECUTOR_FIELDS else extra)[name] = value
+    fields.setdefault("account", None)  # nemo-run requires the argument; None writes no --account line
     executor = run.SlurmExecutor(
         **fields, additional_parameters=extra, job_name_prefix=prefix,
         setup_lines=f"exec bash {shlex.quote(str(script))}",

@@ -141,6 +141,7 @@ def test_slurm_executor_runs_a_multinode_stage_on_the_cluster(cluster, tmp_path)
               "trainer_module=megaopd.megatron.cpu_launch",
               "overrides=[model.backend=megatron, model.megatron.tp=2, model.device=cpu, model.dtype=float32]"]
     home = tmp_path / "nemo_home"
+    earlier = {r["JobId"] for r in cluster.job_records()}
     result = cluster.client([sys.executable, str(ROOT / "launchers" / "nemo_run_study.py"), str(study),
                              "--executor", "slurm", "--stages", "base",
                              *(a for setting in launch for a in ("--set", setting))],
@@ -148,10 +149,10 @@ def test_slurm_executor_runs_a_multinode_stage_on_the_cluster(cluster, tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     names = {"megaopd-nemo_mn-assets", "megaopd-nemo_mn-base"}
     deadline = time.monotonic() + 900
-    while not names <= {r["JobName"] for r in cluster.job_records()}:
+    while len(records := {r["Name"]: r for r in cluster.job_records()
+                          if r["Name"] in names and r["JobId"] not in earlier}) < len(names):
         assert time.monotonic() < deadline, "the jobs did not finish"
         time.sleep(2)
-    records = {r["JobName"]: r for r in cluster.job_records() if r["JobName"] in names}
     assert {name: r["JobState"] for name, r in records.items()} == dict.fromkeys(names, "COMPLETED")
     assert records["megaopd-nemo_mn-base"]["NodeList"] == "node[1-2]"
     (log,) = home.glob("experiments/**/sbatch_megaopd-nemo_mn-base_*.out")
