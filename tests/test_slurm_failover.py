@@ -101,7 +101,7 @@ def test_killed_rollout_server_stops_the_stage_naming_it_and_a_resubmission_resu
     # One trainer node (Megatron on CPU) and one rollout node (an SGLang CPU server): a 2-node job.
     launch = [f"venv={sys.prefix}", f"workdir={ROOT}", "nodes=1", "gpus_per_node=1", "rollout_nodes=1",
               "trainer_module=megaopd.megatron.cpu_launch", f"sglang_python={sglang_python()}", "sglang_tp=1",
-              f"sglang_args=[{', '.join(CPU_SERVER)}]", f"sglang_env={{PYTHONPATH: {STUBS}, OMP_NUM_THREADS: '1'}}",
+              f"sglang_args={json.dumps(CPU_SERVER)}", f"sglang_env={{PYTHONPATH: {STUBS}, OMP_NUM_THREADS: '1'}}",
               "overrides=[model.backend=megatron, model.device=cpu, model.dtype=float32]"]
     ids = submit(cluster, study, launch)
     metrics = out / "grpo" / "metrics.jsonl"
@@ -127,11 +127,11 @@ def test_killed_rollout_server_stops_the_stage_naming_it_and_a_resubmission_resu
     assert f"from step {checkpointed}" in resumed
     assert f"weights v{checkpointed} verified" in resumed  # the new server was given the checkpoint's weights
     after = [json.loads(line) for line in metrics.read_text().splitlines()]
-    train_steps = [m["step"] for m in after if "flops/total_stage" in m and not any(k.startswith("final/") for k in m)]
-    assert train_steps == list(range(1, steps + 1))  # every step once: none lost, none counted twice
-    # The ledger continues from the checkpoint's: steps up to it are the first job's, unchanged.
-    assert after[:checkpointed] == before[:checkpointed]
-    totals = [m["flops/total_stage"] for m in after[:steps]]
+    logged = [m["step"] for m in after if not any(k.startswith("final/") for k in m)]
+    assert logged == list(range(steps + 1))  # step 0 (start), then every step once: none lost, none twice
+    # The ledger continues from the checkpoint's: the lines up to it are the first job's, unchanged.
+    assert after[:checkpointed + 1] == before[:checkpointed + 1]
+    totals = [m["flops/total_stage"] for m in after[:steps + 1]]
     assert all(b > a for a, b in zip(totals, totals[1:]))
     summary = json.loads((out / "grpo" / "summary.json").read_text())
     assert summary["steps"] == steps and summary["ledger"]["totals"]["stage"] == after[-1]["flops/total_stage"]
