@@ -58,15 +58,19 @@ megaopd_run_trainer() {
   trap 'megaopd_on_signal TERM' TERM
   "$@" &
   TRAINER_PID=$!
-  local status=0 again
+  local status=0 again alive
   wait "$TRAINER_PID" || status=$?
   # A trapped signal interrupts wait (status > 128) while the trainer checkpoints, or just as it exits: wait
-  # again for the trainer's own exit status (127 means bash has already reported it: status was real).
+  # again for the trainer's own exit status. A trainer already gone had that status (bash 5 reports it again
+  # for every wait, older bash says 127): stop there rather than wait forever.
   while ((status > 128)); do
+    alive=0
+    kill -0 "$TRAINER_PID" 2>/dev/null && alive=1
     again=0
     wait "$TRAINER_PID" || again=$?
     ((again == 127)) && break
     status=$again
+    ((alive)) || break
   done
   return "$status"
 }

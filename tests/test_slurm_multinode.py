@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megaopd.launch.local_cluster import NETNS_DIR, LocalCluster
 from megaopd.launch.slurm import LaunchConfig, render_stage
@@ -23,6 +25,16 @@ from megaopd.study import StageConfig, StudyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "cluster_probe"  # the placement probe (trainer side) and a /health-only server
+SGLANG_STUBS = ROOT / "tests" / "sglang_cpu"  # the import-only vllm stub SGLang's RoPE layer needs on plain CPU
+# A few tiny steps per stage: these tests are about layouts, jobs and resumption, not learning.
+SMALL = ["eval.every=2", "eval.prompts_per_domain=4", "eval.final_prompts_per_domain=4", "checkpoint.every=2",
+         "rollout.max_new_tokens=16", "train.prompts_per_step=4"]
+DATA = {"add": "[{out}/data/arith_add/train.jsonl]", "trace": "[{out}/data/prog_trace/train.jsonl]",
+        "both": "[{out}/data/arith_add/train.jsonl, {out}/data/prog_trace/train.jsonl]",
+        "eval": "[{out}/data/arith_add/heldout.jsonl, {out}/data/prog_trace/heldout.jsonl]"}
+LAYOUT = re.compile(r"megaopd: job (\d+) restart (\d+): train on (.+?) \((\d+) workers each, master \S+\), "
+                    r"rollout on (.+?), teachers on (.+)$", re.M)
+RANK = re.compile(r"^megaopd: rank (\d+)/(\d+) local (\d+) on (\S+)$", re.M)
 CI_STATE = Path(os.environ.get("MEGAOPD_MULTINODE_STATE", "/tmp/megaopd-multinode"))
 pytestmark = pytest.mark.multinode
 
@@ -100,9 +112,15 @@ def job_state(cluster: LocalCluster, job_id: str) -> dict[str, str]:
 
 
 def wait_for(cluster: LocalCluster, ids: list[str], timeout: float) -> None:
+    """Until the jobs have left the queue, or only jobs whose dependencies failed are left (cancelled here)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not cluster.client(["squeue", "-h", "-o", "%i", "-j", ",".join(ids)]).stdout.split():
+        queued = dict(line.split() for line in cluster.client(["squeue", "-h", "-o", "%i %r", "-j", ",".join(ids)])
+                      .stdout.splitlines())
+        if not queued:
+            return
+        if set(queued.values()) == {"DependencyNeverSatisfied"}:
+            cluster.client(["scancel", *queued])
             return
         time.sleep(1)
     cluster.client(["scancel", *ids])
@@ -171,3 +189,134 @@ def test_rendezvous_works_when_node_names_are_aliases(root_only, tmp_path):
     assert agents_per_host(workers) == {"mntalhost1": 1, "mntalhost2": 1}
     assert all(w["servers_reached"] for w in workers)
     assert "master 10.79.3.11" in log
+
+
+def sglang_python() -> str:
+    """SGLang's own environment (`make test` builds .venv-sglang and exports MEGAOPD_SGLANG_PYTHON)."""
+    unavailable = os.environ.get("MEGAOPD_SGLANG_UNAVAILABLE", "")
+    if unavailable:  # make could not build it on this disk, and said why
+        pytest.skip(f"no SGLang environment: {unavailable}")
+    python = os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
+    if not python or subprocess.run([python, "-c", "import sglang"], capture_output=True).returncode:
+        absent("no SGLang environment: set MEGAOPD_SGLANG_PYTHON (make test builds .venv-sglang)")
+    return python
+
+
+def cpu_launch(**fields) -> dict:
+    """A launch file for the CPU cluster: megatron on gloo (megaopd.megatron.cpu_launch), one stand-in GPU per
+    trainer node (one worker), SGLang CPU servers from their own environment."""
+    return {"time": "00:20:00", "venv": sys.prefix, "workdir": str(ROOT), "gpus_per_node": 1,
+            "trainer_module": "megaopd.megatron.cpu_launch", "sglang_tp": 1,
+            "sglang_args": ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                            "--skip-server-warmup",
+                            # Of the memory free at start-up; the KV cache stays within max_total_tokens anyway,
+                            # and a small fraction fails when other processes' memory moves during the load.
+                            "--mem-fraction-static", "0.8"],
+            "sglang_env": {"PYTHONPATH": str(SGLANG_STUBS), "OMP_NUM_THREADS": "1"},
+            "overrides": ["model.backend=megatron", "opd.form=sampled", "rollout.sglang.max_total_tokens=2048"],
+            **fields}
+
+
+def submit_study(cluster: LocalCluster, tmp_path: Path, stages: list[dict], launch: dict) -> dict[str, str]:
+    """`megaopd submit STUDY --launch L.yaml` from the head namespace, as a user would; job name -> id."""
+    study = {"out": str(tmp_path / "out"), "vars": DATA,
+             "assets": {"presets": ["qwen3-tiny"], "domains": ["arith_add", "prog_trace"], "train_rows": 200,
+                        "heldout_rows": 40},
+             "stages": stages}
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study))
+    (tmp_path / "launch.yaml").write_text(yaml.safe_dump(launch))
+    result = cluster.client([sys.executable, "-m", "megaopd.cli", "submit", str(tmp_path / "study.yaml"),
+                             "--launch", str(tmp_path / "launch.yaml")], cwd=ROOT,
+                            env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    return dict(line.split() for line in result.stdout.splitlines())
+
+
+def job_log(tmp_path: Path, name: str, job_id: str) -> str:
+    return next((tmp_path / "out" / "slurm" / "logs").glob(f"*-{name}-{job_id}.out")).read_text()
+
+
+def stage(name: str, config: str, *overrides: str) -> dict:
+    return {"name": name, "config": str(ROOT / "configs" / "embedded" / config),
+            "overrides": ["model.path={out}/models/qwen3-tiny", "data.eval={eval}", *SMALL, *overrides]}
+
+
+@pytest.mark.slow
+def test_two_domain_study_runs_on_four_nodes_through_megaopd_submit(cluster, tmp_path):
+    """GRPO experts (megatron DP over 2 trainer nodes), joint GRPO (+ an SGLang rollout node), self-teacher OPD
+    (+ an SGLang teacher node) and multi-teacher OPD (+ two), then the report, all as dependent Slurm jobs."""
+    sglang = sglang_python()
+    grpo = ["train.steps=2", "rollout.samples_per_prompt=4"]
+    stages = [
+        stage("expert_add", "grpo.yaml", "data.train={add}", *grpo),
+        stage("expert_trace", "grpo.yaml", "data.train={trace}", *grpo),
+        stage("joint_grpo", "grpo.yaml", "data.train={both}", *grpo),
+        stage("opd_self", "opd.yaml", "data.train={add}", "opd.teachers.*={out}/expert_add/final", "train.steps=2"),
+        stage("multi_teacher", "opd.yaml", "data.train={both}", "opd.teachers.arith_add={out}/expert_add/final",
+              "opd.teachers.prog_trace={out}/expert_trace/final", "train.steps=2"),
+    ]
+    launch = cpu_launch(nodes=2, teacher_servers=True, sglang_python=sglang,
+                        stages={"joint_grpo": {"rollout_nodes": 1}})
+    start = time.monotonic()
+    ids = submit_study(cluster, tmp_path, stages, launch)
+    assert list(ids) == ["assets", "expert_add", "expert_trace", "joint_grpo", "opd_self", "multi_teacher", "report"]
+    wait_for(cluster, list(ids.values()), timeout=1200)
+    print(f"study on 4 nodes: {time.monotonic() - start:.0f} s")
+    logs = {name: job_log(tmp_path, name, job_id) for name, job_id in ids.items()}
+    states = {name: job_state(cluster, job_id)["JobState"] for name, job_id in ids.items()}
+    assert states == dict.fromkeys(ids, "COMPLETED"), {n: logs[n][-2000:] for n, s in states.items()
+                                                        if s != "COMPLETED"}
+
+    # Per stage, from its own log: 2 trainer nodes with one rank each, then its server nodes.
+    servers = {"expert_add": (0, 0), "expert_trace": (0, 0), "joint_grpo": (1, 0), "opd_self": (0, 1),
+               "multi_teacher": (0, 2)}
+    for name, (rollout_nodes, teacher_nodes) in servers.items():
+        ((_, restart, train, workers, rollout, teachers),) = LAYOUT.findall(logs[name])
+        train_hosts = train.split()
+        assert restart == "0" and workers == "1" and len(set(train_hosts)) == 2, logs[name][:2000]
+        server_hosts = [h for h in (rollout.split() + teachers.split()) if h != "none"]
+        assert len(rollout.split()) == max(rollout_nodes, 1) and len(server_hosts) == rollout_nodes + teacher_nodes
+        assert not set(server_hosts) & set(train_hosts)
+        ranks = sorted((int(r), int(w), host) for r, w, _, host in RANK.findall(logs[name]))
+        assert ranks == [(0, 2, train_hosts[0]), (1, 2, train_hosts[1])], (name, ranks)
+        assert len(re.findall(r"^megaopd: SGLang .* server on ", logs[name], re.M)) == len(server_hosts)
+        summary = json.loads((tmp_path / "out" / name / "summary.json").read_text())
+        assert summary["steps"] == 2 and summary["ledger"]["totals"]["stage"] > 0
+    # The rollout server served every pushed version, each verified before use.
+    assert "weights v2 verified on 1 server(s)" in logs["joint_grpo"]
+    assert "megaopd: SGLang rollout server on " in logs["joint_grpo"]
+    for route in ("arith_add", "prog_trace"):  # one teacher server per domain, each on its own node
+        assert f"megaopd: SGLang teacher {route} server on " in logs["multi_teacher"]
+    report = (tmp_path / "out" / "report.txt").read_text()
+    assert all(f"{name} (final)" in report for name in servers)
+    # The teachers' FLOPs are booked on top of the student's own.
+    opd = json.loads((tmp_path / "out" / "opd_self" / "summary.json").read_text())["ledger"]["totals"]
+    assert opd["with_teachers"] > opd["stage"]
+
+
+@pytest.mark.slow
+def test_preempted_multinode_stage_requeues_and_resumes_with_the_same_ledger(cluster, tmp_path):
+    """Two identical megatron GRPO stages on 2 nodes each, side by side; one gets USR1 mid-stage (what
+    `#SBATCH --signal=B:USR1@N` sends): it checkpoints, requeues, resumes and ends with its twin's ledger."""
+    same = ["data.train={add}", "train.steps=6", "rollout.samples_per_prompt=4"]
+    ids = submit_study(cluster, tmp_path, [stage("steady", "grpo.yaml", *same),
+                                           stage("preempted", "grpo.yaml", *same)], cpu_launch(nodes=2))
+    metrics = tmp_path / "out" / "preempted" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and '"step": 2' in metrics.read_text()):  # mid-stage: a step done, more to go
+        assert time.monotonic() < deadline, "the stage did not start"
+        time.sleep(0.5)
+    assert cluster.client(["scancel", "--batch", "--signal=USR1", ids["preempted"]]).returncode == 0
+    wait_for(cluster, list(ids.values()), timeout=600)
+
+    log = job_log(tmp_path, "preempted", ids["preempted"])
+    assert job_state(cluster, ids["preempted"])["JobState"] == "COMPLETED", log[-3000:]
+    assert job_state(cluster, ids["preempted"])["Restarts"] == "1"
+    assert job_state(cluster, ids["steady"])["Restarts"] == "0"
+    assert "requeueing job" in log and "resumed" in log
+    assert [restart for _, restart, *_ in LAYOUT.findall(log)] == ["0", "1"]
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == 6
+    ledgers = {name: json.loads((tmp_path / "out" / name / "summary.json").read_text())["ledger"]["own"]
+               for name in ("steady", "preempted")}
+    assert ledgers["preempted"] == ledgers["steady"]
+    assert ledgers["steady"]["rollout"] > 0

@@ -104,6 +104,7 @@ case "$*" in
   *sglang.launch_server*) exec sleep 30 ;;
   *) trap 'echo "trainer got USR1" >> {log}; exit 75' USR1
      [[ -n ${{TRAINER_SLEEP:-}} ]] && {{ touch {tmp_path}/started; sleep "$TRAINER_SLEEP" & wait $!; }}
+     [[ -n ${{TRAINER_KILLED:-}} ]] && kill -KILL $$
      exit "${{TRAINER_EXIT:-0}}" ;;
 esac""",
         # The servers' health check answers; the TP check is the real one.
@@ -146,7 +147,7 @@ def test_multinode_script_splits_nodes_and_hands_addresses_to_the_trainer(tmp_pa
             assert expected in server, expected
     (trainer,) = [c for c in calls if "torchrun" in c]
     # One torchrun agent per trainer node: --ntasks given, not inherited from the job's 4 tasks.
-    for expected in ("--nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=n1,n2", "--kill-on-bad-exit=1",
+    for expected in ("--nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=n1,n2",
                      "--nnodes=2 --nproc-per-node=8", "--master-addr=10.0.0.1 --master-port=29500",
                      "exec torchrun --node-rank=\"$SLURM_NODEID\"", "SIGUSR1", "--shutdown-timeout=300",
                      "-m megaopd.megatron.launch", f"run_dir={study.out}/opd_self",
@@ -243,6 +244,13 @@ def test_multinode_script_requeues_after_preemption_exit(tmp_path):
     rc, calls = run_script(tmp_path, jobs["grpo"].script, TRAINER_EXIT="75")
     assert rc == 75
     assert "scontrol requeue 42" in calls
+
+
+def test_a_trainer_killed_by_a_signal_ends_the_job_with_its_status(tmp_path):
+    _, jobs = gpu_jobs(tmp_path)
+    rc, calls = run_script(tmp_path, jobs["grpo"].script, TRAINER_KILLED="1")  # bash once spun here forever
+    assert rc == 128 + signal.SIGKILL
+    assert not any(c.startswith("scontrol requeue") for c in calls)
 
 
 def test_multinode_script_refuses_too_few_nodes(tmp_path):

@@ -6,12 +6,17 @@ redirected to the CPU first (``megaopd.megatron.cpu_rehearsal``). Never the entr
 In a launch file: ``trainer_module: megaopd.megatron.cpu_launch`` (the default is ``megaopd.megatron.launch``).
 """
 
+import os
+import socket
 import sys
 
 from megaopd.megatron.cpu_rehearsal import redirect_cuda_to_cpu
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Where each rank landed, one line per rank: rehearsals and the multi-node tests read the layout from it.
+    print(f"megaopd: rank {os.environ.get('RANK', 0)}/{os.environ.get('WORLD_SIZE', 1)} local "
+          f"{os.environ.get('LOCAL_RANK', 0)} on {socket.gethostname()}", flush=True)
     redirect_cuda_to_cpu()
     from megaopd.megatron.launch import main as launch
 
