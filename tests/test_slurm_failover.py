@@ -114,7 +114,7 @@ def test_killed_rollout_server_stops_the_stage_naming_it_and_a_resubmission_resu
     assert wait_ended(cluster, ids["grpo"], 600) == "FAILED"
     cluster.client(["scancel", ids["report"]])  # it waits on the failed stage forever (afterok)
     log = next((out / "slurm" / "logs").glob(f"*-grpo-{ids['grpo']}.out")).read_text()
-    url = re.search(r"SGLang server on node2 at (\S+):", log)[1]
+    url = re.search(r"SGLang rollout server on node2 at (\S+):", log)[1]
     # Dead in a rollout: "rollout: every SGLang server failed: <url>: ..."; in a weight sync: "SGLang server <url>/...".
     assert re.search(rf"ServerError: .*{re.escape(url)}", log), log[-3000:]
     before = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -254,10 +254,9 @@ def stage_report(log: str, run_dir: Path) -> dict:
     ranks: dict[str, int] = {}
     for host in re.findall(r"megaopd: rank \d+ of \d+ \(local \d+\) on (\S+)", log):
         ranks[host] = ranks.get(host, 0) + 1
-    teachers = re.search(r"teachers on (.*)$", log, re.M)
-    teacher_hosts = teachers[1].split() if teachers else []
-    servers = [("teacher" if host in teacher_hosts else "rollout", host, model)
-               for host, model in re.findall(r"SGLang server on (\S+) at \S+: (\S+)", log)]
+    # "SGLang rollout server on node3 at URL: MODEL", "SGLang teacher <route> server on node4 at URL: MODEL"
+    servers = [(role.replace(" ", ":"), host, model) for role, host, model in
+               re.findall(r"SGLang (rollout|teacher \S+) server on (\S+) at \S+: (\S+)", log)]
     versions = sorted({int(v) for v in re.findall(r"weights v(\d+) verified", log)})
     summary = run_dir / "summary.json"
     steps = json.loads(summary.read_text())["steps"] if summary.exists() else None
