@@ -6,73 +6,124 @@ graph as `megaopd submit` (a stage waits for the stages whose run directories it
     python launchers/nemo_run_study.py STUDY.yaml --stages base                          # a subset (+ assets)
 
 Needs ``nemo-run==0.11.1`` with ``leptonai==0.27.3`` (later leptonai releases break ``import nemo_run``).
-Logs go to ``$NEMORUN_HOME/experiments/<title>/...`` (default ~/.nemo_run). The Slurm executor reuses the
-launch config of `megaopd submit` (partition, account, time, nodes, GPUs, container); preemption with
-requeue-and-resume is what `megaopd submit`'s scripts add on top, so prefer those for long runs.
+Logs go to ``$NEMORUN_HOME/experiments/<title>/...`` (default ~/.nemo_run).
+
+On Slurm the tasks are exactly `megaopd submit`'s jobs (``megaopd.launch.slurm.plan``): nemo-run queues and tracks
+each one, and the job's batch shell hands over (``exec``) to megaopd's rendered script, saved in
+``{out}/slurm/nemo/<job>.sbatch``. So every launch setting (trainer, rollout and teacher nodes, venv or container,
+setup lines, signal, requeue limit, site settings) reaches the job the way it does with `megaopd submit`, from one
+source: the rendered script's ``#SBATCH`` lines become the executor's options, and its body runs unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shlex
 import sys
 from pathlib import Path
 
 import nemo_run as run
 
 from megaopd.config import load_config, save_config
-from megaopd.launch.slurm import LaunchConfig, absolute_study, dependencies, for_stage, load_launch, submission_order
+from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, dependencies, for_stage, load_launch, plan,
+                                  study_file, submission_order)
 from megaopd.study import StudyConfig, stage_is_done
 
 ROOT = Path(__file__).resolve().parents[1]
+# nemo-run names the job and its log itself (it reads the log back from its own job directory).
+_NEMO_OWNS = ("job-name", "output")
+_EXECUTOR_FIELDS = {f.name for f in dataclasses.fields(run.SlurmExecutor) if f.init}
 
 
+# ---- local: each stage as a Python task on this machine ----
 def local_executor(launch: LaunchConfig, torchrun: bool = False) -> run.LocalExecutor:
     # The tasks run `python -m megaopd...` from the experiment's directory: put this checkout on the path.
     return run.LocalExecutor(env_vars={"PYTHONPATH": str(ROOT)}, launcher="torchrun" if torchrun else None,
                              ntasks_per_node=max(launch.gpus_per_node, 1) if torchrun else 1)
 
 
-def slurm_executor(launch: LaunchConfig, torchrun: bool = False) -> run.SlurmExecutor:
-    gpus = launch.gpus_per_node
-    return run.SlurmExecutor(
-        account=launch.account, partition=launch.partition or None, time=launch.time,
-        nodes=launch.nodes, ntasks_per_node=1, gpus_per_node=gpus or None,
-        cpus_per_task=launch.cpus_per_task or None, mem=launch.mem or None,
-        container_image=launch.container_image or None, container_mounts=launch.container_mounts,
-        launcher="torchrun" if torchrun or launch.nodes * max(gpus, 1) > 1 else None,
-        env_vars={"PYTHONPATH": str(ROOT)},
-        # An empty job_dir (nemo-run's home) is the one that submits correctly through a local tunnel, and the
-        # plain packager ships nothing (the default one runs `git archive` and needs a git checkout).
-        tunnel=run.LocalTunnel(job_dir=""), packager=run.Packager())
-
-
-def add_study(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig, make_executor,
-              stages: list[str] | None = None, python: str = "python") -> None:
-    """Add the study's tasks to ``exp`` (inside its ``with`` block); ``study`` must be absolute. ``python``
-    runs the tasks: this interpreter for the local executor, the job's (venv or container) on Slurm."""
+def add_local(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig, stages: list[str] | None = None,
+              python: str = sys.executable) -> None:
+    """Add the study's tasks to ``exp`` (inside its ``with`` block); ``study`` must be absolute."""
     out = Path(study.out)
-    study_file = out / "nemo_run" / "study.yaml"
-    study_file.parent.mkdir(parents=True, exist_ok=True)
-    save_config(study, study_file)
+    study_path = out / "nemo_run" / "study.yaml"
+    study_path.parent.mkdir(parents=True, exist_ok=True)
+    save_config(study, study_path)
     by_name = {s.name: s for s in study.stages}
     deps = dependencies(study)
     todo = [n for n in submission_order(study) if (stages is None or n in stages) and not stage_is_done(out / n)]
     task_ids: dict[str, str] = {}
     if study.assets.presets or study.assets.domains:
         task_ids["assets"] = exp.add(
-            run.Script(path="megaopd.launch.jobs", args=["assets", str(study_file)], entrypoint=python, m=True),
-            executor=make_executor(launch), name="assets")
+            run.Script(path="megaopd.launch.jobs", args=["assets", str(study_path)], entrypoint=python, m=True),
+            executor=local_executor(launch), name="assets")
     for name in todo:
         stage, stage_launch = by_name[name], for_stage(launch, name)
         args = [study.substitute(o) for o in stage.overrides] + stage_launch.overrides
         train_args = [stage.config, *args, f"run_dir={out / name}"]
-        # The megatron backend runs the trainer on every torchrun rank (megaopd.megatron.launch), even on one GPU.
+        # The megatron backend runs the trainer on every torchrun rank (the launch setting trainer_module,
+        # megaopd.megatron.launch by default), even on one GPU.
         megatron = load_config(stage.config, train_args[1:]).model.backend == "megatron"
-        script = (run.Script(path="megaopd.megatron.launch", entrypoint=python, m=True, args=train_args) if megatron
+        script = (run.Script(path=stage_launch.trainer_module, entrypoint=python, m=True, args=train_args) if megatron
                   else run.Script(path="megaopd.cli", entrypoint=python, m=True, args=["train", *train_args]))
         after = [task_ids[d] for d in ["assets", *deps[name]] if d in task_ids]
-        task_ids[name] = exp.add(script, executor=make_executor(stage_launch, torchrun=megatron), name=name,
+        task_ids[name] = exp.add(script, executor=local_executor(stage_launch, torchrun=megatron), name=name,
                                  dependencies=after)
+
+
+# ---- Slurm: `megaopd submit`'s jobs, queued and tracked by nemo-run ----
+def sbatch_options(script: str) -> dict[str, str | bool]:
+    """The ``#SBATCH --key[=value]`` lines of a rendered script, in order (a bare flag maps to True)."""
+    options = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH --"):
+            key, _, value = line[len("#SBATCH --"):].partition("=")
+            options[key] = value if value else True
+    return options
+
+
+def slurm_task(job: Job, script: Path, prefix: str) -> tuple[run.Script, run.SlurmExecutor]:
+    """The task and executor that run ``job``: nemo-run's batch script carries the rendered ``#SBATCH`` options,
+    then execs ``script`` (the rendered job) in its place, so the trap for the preemption signal, the node split
+    and the requeue are megaopd's. ``prefix`` + the job's name gives the same job name as `megaopd submit`."""
+    script.write_text(job.script)
+    fields, extra = {}, {}
+    for key, value in sbatch_options(job.script).items():
+        if key in _NEMO_OWNS:
+            continue
+        name = key.replace("-", "_")  # nemo-run writes name back as --name-with-dashes
+        value = int(value) if isinstance(value, str) and value.isdigit() else value
+        (fields if name in _EXECUTOR_FIELDS else extra)[name] = value
+    fields.setdefault("account", None)  # nemo-run requires the argument; None writes no --account line
+    executor = run.SlurmExecutor(
+        **fields, additional_parameters=extra, job_name_prefix=prefix,
+        setup_lines=f"exec bash {shlex.quote(str(script))}",
+        # An empty job_dir (nemo-run's home) is the one that submits correctly through a local tunnel, and the
+        # plain packager ships nothing (the default one runs `git archive` and needs a git checkout).
+        tunnel=run.LocalTunnel(job_dir=""), packager=run.Packager())
+    # Only reached if the exec above failed (the script is missing on the node: {out} is not shared).
+    fallback = run.Script(inline=f"echo 'megaopd: could not run {script}' >&2; exit 1")
+    return fallback, executor
+
+
+def add_slurm(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig,
+              stages: list[str] | None = None) -> None:
+    """Add `megaopd submit`'s jobs for ``study`` (absolute) to ``exp``: assets, the stages not yet done (or only
+    ``stages``), and the report when every stage is included."""
+    # Not under a directory named nemo_run: nemo-run rewrites "/nemo_run" in its scripts (its container mount).
+    script_dir = Path(study.out) / "slurm" / "nemo"
+    script_dir.mkdir(parents=True, exist_ok=True)
+    study_file(study).parent.mkdir(parents=True, exist_ok=True)
+    save_config(study, study_file(study))  # what the assets and report jobs read
+    prefix = f"megaopd-{Path(study.out).name}-"
+    jobs = [j for j in plan(study, launch)
+            if stages is None or j.name == "assets" or j.name in stages]
+    task_ids: dict[str, str] = {}
+    for job in jobs:
+        task, executor = slurm_task(job, script_dir / f"{job.name}.sbatch", prefix)
+        task_ids[job.name] = exp.add(task, executor=executor, name=job.name,
+                                     dependencies=[task_ids[a] for a in job.after if a in task_ids])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,14 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="study overrides, key.sub=value")
     parser.add_argument("--executor", choices=["local", "slurm"], default="local")
     parser.add_argument("--launch", help="launch YAML, as for `megaopd submit` (Slurm executor)")
+    parser.add_argument("--set", dest="launch_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="launch override, as for `megaopd submit` (repeatable)")
     parser.add_argument("--stages", nargs="*", help="only these stages (default: all)")
     args = parser.parse_args(argv)
     study = absolute_study(load_config(args.config, args.overrides, cls=StudyConfig))
-    launch = load_launch(args.launch)
+    launch = load_launch(args.launch, args.launch_overrides)
     local = args.executor == "local"
     with run.Experiment(f"megaopd-{Path(study.out).name}") as exp:
-        add_study(exp, study, launch, local_executor if local else slurm_executor, args.stages,
-                  sys.executable if local else "python")
+        if local:
+            add_local(exp, study, launch, args.stages)
+        else:
+            add_slurm(exp, study, launch, args.stages)
         # Slurm: queue every task with afterok dependencies and return; local: run level by level, waiting.
         exp.run(detach=not local)
     return 0

@@ -7,6 +7,7 @@
     megaopd study CONFIG [key.sub=value ...]            # a list of stages, then the report
     megaopd report STUDY_DIR [STUDY_DIR ...]            # report.md, plots and report.json (several dirs: seeds)
     megaopd submit CONFIG [--launch L.yaml] [--dry-run] # the study as dependent Slurm jobs
+    megaopd rehearse CONFIG --launch L.yaml             # the same on a local multi-node cluster, tiny models (root)
     megaopd plan CONFIG [key.sub=value ...]             # memory per GPU rank and cost of one step (run or study)
 """
 
@@ -22,7 +23,8 @@ from megaopd.config import ConfigError, load_config
 
 
 # Subcommands that own their arguments.
-_DELEGATED = {"report": "megaopd.report", "submit": "megaopd.launch.submit", "plan": "megaopd.plan"}
+_DELEGATED = {"report": "megaopd.report", "submit": "megaopd.launch.submit", "rehearse": "megaopd.launch.rehearse",
+              "plan": "megaopd.plan"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("report", help="write the report of one or more study directories (see megaopd report -h)")
     sub.add_parser("submit", help="submit a study to Slurm (see megaopd submit -h)")
     sub.add_parser("plan", help="memory per GPU rank and one step's cost of a run or study (megaopd plan -h)")
+    sub.add_parser("rehearse", help="rehearse a cluster study on a local multi-node cluster (see megaopd rehearse -h)")
     p = sub.add_parser("study", help="run a study's stages in order, print accuracy vs FLOPs, write the report")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key.sub=value")

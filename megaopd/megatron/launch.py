@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     require()
     rank = int(os.environ.get("RANK", 0))
+    # Every rank says where it runs: the placement of a multi-node job, read back from its own log.
+    print(f"megaopd: rank {rank} of {os.environ.get('WORLD_SIZE', 1)} (local {os.environ.get('LOCAL_RANK', 0)}) "
+          f"on {socket.gethostname()}", flush=True)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     from megaopd.trainer import train

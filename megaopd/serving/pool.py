@@ -31,6 +31,7 @@ class ServerPool:
             raise ValueError(f"{name}: no SGLang servers (give URLs or let megaopd launch them)")
         self.servers, self.cfg, self.name = list(servers), cfg, name
         self.restarted: set[str] = set()
+        self.dropped: dict[str, str] = {}  # URL -> the error it was dropped for: names the node when all are gone
         self.lock = threading.Lock()  # one recovery at a time
 
     @classmethod
@@ -93,16 +94,17 @@ class ServerPool:
         while True:
             live = list(self.servers)
             if not live:
-                raise ServerError(f"{self.name}: every SGLang server failed; see the errors above")
+                raise ServerError(f"{self.name}: every SGLang server failed: "
+                                  + "; ".join(f"{url}: {error}" for url, error in self.dropped.items()))
             server = live[(index + attempt) % len(live)]
             try:
                 return server.post(path, payload, self.cfg.request_timeout_s, self.cfg.retries)
             except ServerError as error:
                 log.error("%s: %s", self.name, error)
-                self._recover(server)
+                self._recover(server, error)
                 attempt += 1
 
-    def _recover(self, server: SGLangServer) -> None:
+    def _recover(self, server: SGLangServer, error: ServerError) -> None:
         with self.lock:
             if server not in self.servers or server.healthy():
                 return  # another thread already restarted or dropped it
@@ -111,8 +113,10 @@ class ServerPool:
                 try:
                     server.restart(self.cfg.startup_timeout_s)
                     return
-                except ServerError as error:
-                    log.error("%s: restart failed: %s", self.name, error)
+                except ServerError as restart_error:
+                    log.error("%s: restart failed: %s", self.name, restart_error)
+                    error = restart_error
             log.error("%s: dropping SGLang server %s", self.name, server.url)
+            self.dropped[server.url] = str(error)
             server.stop()
             self.servers.remove(server)

@@ -1,0 +1,368 @@
+"""``megaopd rehearse STUDY --launch L.yaml``: your cluster study, rehearsed on this machine before a GPU hour.
+
+    sudo megaopd rehearse configs/studies/cluster/two_domain_qwen3.yaml --launch configs/cluster/launch_2node.yaml
+
+First the real layout is checked without running anything: every stage's script renders (config keys, backends,
+node counts), tensor x pipeline parallel divides each stage's GPUs, and where a model's config.json is readable
+here its heads and layers split over TP and PP. Then a local Slurm cluster (``local_cluster``: one network
+namespace per node) with as many nodes as the largest stage is brought up, and the study runs on it through
+`megaopd submit`, the path a real submission takes, with the same node layout: trainer nodes running torchrun
+of megatron-core (TP/PP as in the launch file, gloo on CPU via ``megaopd.megatron.cpu_launch``), SGLang CPU
+servers on the rollout and teacher nodes. What differs, and why:
+- models: the embedded tiny ones (``megaopd.embedded``) stand in for each model outside the study (the student
+  and external teachers; same family), built by the study's assets job; synthetic data stands in for the data
+  files, one synthetic domain per data directory;
+- a few steps per stage (``--steps``), small batches, float32 on CPU, no FP8;
+- GPUs per node: at most ``--gpus-per-node`` (default 2) stand-in GPUs, more only where TP x PP needs them, so
+  DP shrinks and TP/PP stay; each SGLang server runs at TP 1;
+- site settings (partition, account, QoS, container, setup lines, extra sbatch options) are the local cluster's;
+  they are listed as not rehearsed.
+Per stage it prints nodes, ranks per node, servers, steps and the weight versions verified on the servers, then
+tears the cluster down. Needs root (namespaces); without it, it says what to run instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from megaopd.config import ConfigError, load_config, save_config
+from megaopd.data.rows import write_rows
+from megaopd.data.synthetic import DOMAINS, make_split
+from megaopd.launch.local_cluster import LocalCluster
+from megaopd.launch.slurm import Job, LaunchConfig, absolute_study, for_stage, load_launch, plan
+from megaopd.study import AssetsConfig, StageConfig, StudyConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+# An import-only vllm stub that SGLang's RoPE layer needs on a plain CPU (shared/reference/sglang.md).
+SGLANG_CPU_STUBS = ROOT / "tests" / "sglang_cpu"
+# On CPU SGLang budgets weights + KV cache as a fraction of the whole machine's memory, counting what other
+# processes use: a small fraction fails on a busy machine. --max-total-tokens (the stage's) caps the KV cache.
+SGLANG_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                   "--skip-server-warmup", "--mem-fraction-static", "0.8"]
+# Launch fields that belong to the real site: replaced by the local cluster's, and reported as not rehearsed.
+SITE_FIELDS = ("partition", "account", "qos", "container_image", "container_mounts", "venv", "setup", "sbatch",
+               "mem", "cpus_per_task", "sglang_python", "sglang_args", "sglang_env", "sglang_tp")
+ON_CPU = ["model.device=cpu", "model.dtype=float32", "model.megatron.fp8=none",
+          "model.megatron.transformer_engine=false"]
+
+
+def small(steps: int) -> list[str]:
+    """A few short steps per stage, with a checkpoint and an evaluation on the way."""
+    return [f"train.steps={steps}", "checkpoint.every=1", f"eval.every={steps}", "eval.prompts_per_domain=2",
+            "eval.final_prompts_per_domain=2", "train.prompts_per_step=2", "train.micro_batch_size=2",
+            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "rollout.sglang.max_total_tokens=2048",
+            "rollout.sglang.request_timeout_s=300", "sft.stop_at_accuracy=0", "optim.warmup_steps=0"]
+
+
+# ---- 1. the real layout, checked without running anything ----
+def layout_problems(study: StudyConfig, launch: LaunchConfig) -> list[str]:
+    """Mistakes in the real study and launch file: a script that does not render, a parallel layout that does
+    not fit the GPUs, heads or layers that do not split (where the model's config.json is readable here)."""
+    try:
+        plan(study, launch)
+    except (ConfigError, ValueError, KeyError) as e:
+        return [f"the study does not render: {e}"]
+    problems = []
+    for stage in study.stages:
+        sl = for_stage(launch, stage.name)
+        cfg = load_config(stage.config, [study.substitute(o) for o in stage.overrides] + sl.overrides)
+        if cfg.model.backend != "megatron":
+            continue
+        tp, pp = cfg.model.megatron.tp, cfg.model.megatron.pp
+        world = sl.nodes * max(sl.gpus_per_node, 1)
+        where = f"stage {stage.name} ({sl.nodes} node(s) x {sl.gpus_per_node} GPU(s))"
+        if world % (tp * pp):
+            problems.append(f"{where}: tp={tp} x pp={pp} does not divide the {world} GPUs")
+        models = {"model.path": cfg.model.path}
+        if cfg.train.algorithm == "opd" and cfg.opd.teacher_engine == "local":
+            models |= {f"opd.teachers.{r}": p for r, p in cfg.opd.teachers.items()}
+        for key, path in models.items():
+            problems += [f"{where}: {key}={path}: {p}" for p in shape_problems(path, tp, pp)]
+    return problems
+
+
+def shape_problems(model: str, tp: int, pp: int) -> list[str]:
+    """Heads and layers that do not split over TP and PP, from the model's config.json (none if unreadable)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    heads, layers = config.get("num_attention_heads", 0), config.get("num_hidden_layers", 0)
+    kv_heads = config.get("num_key_value_heads") or heads
+    out = []
+    if heads % tp or kv_heads % tp:
+        out.append(f"{heads} attention heads / {kv_heads} KV heads do not split over tp={tp}")
+    if layers % pp:
+        out.append(f"{layers} layers do not split over pp={pp}")
+    return out
+
+
+# ---- 2. the rehearsal study and launch file ----
+def stand_ins(study: StudyConfig) -> tuple[dict[str, str], dict[str, tuple[str, str, str]]]:
+    """External model path -> embedded preset (first the student's family tiny, then small, base), and data file
+    -> (its directory's name, synthetic domain, split), one synthetic domain per data directory."""
+    models, data = {}, {}
+    sizes = {"qwen3": ["qwen3-tiny", "qwen3-small", "qwen3-base"], "llama": ["llama-tiny", "llama-small"]}
+    dirs: list[str] = []
+    domains: dict[str, str] = {}  # data directory -> synthetic domain
+    for stage in study.stages:
+        cfg = load_config(stage.config, [study.substitute(o) for o in stage.overrides])
+        paths = [cfg.model.path] + (list(cfg.opd.teachers.values()) if cfg.train.algorithm == "opd" else [])
+        for path in paths:
+            if not path.startswith(study.out + "/") and path not in models:
+                family = "llama" if "llama" in path.lower() else "qwen3"
+                used = sum(p.startswith(family) for p in models.values())
+                models[path] = sizes[family][min(used, len(sizes[family]) - 1)]
+        for files, split in ((cfg.data.train, "train"), (cfg.data.eval, "heldout")):
+            for file in files:
+                parent = str(Path(file).parent)
+                if parent not in dirs:
+                    dirs.append(parent)
+                    domains[parent] = synthetic_domain(Path(parent).name, set(domains.values()))
+                data[file] = (Path(parent).name, domains[parent], split)
+    return models, data
+
+
+def synthetic_domain(directory: str, used: set[str]) -> str:
+    """A synthetic domain for a data directory: one whose ability names it (math -> arithmetic, code -> code),
+    else the first unused one."""
+    free = [d for d in DOMAINS if d not in used] or list(DOMAINS)
+    name = directory.lower()
+    return next((d for d in free if name and (name in DOMAINS[d].ability or DOMAINS[d].ability in name)), free[0])
+
+
+def rehearsal_study(study: StudyConfig, out: Path, steps: int, stages: list[str] | None) -> StudyConfig:
+    """The study on stand-in models and data under ``out``: each stage's own overrides, then the stand-ins."""
+    models, data = stand_ins(study)
+    rehearsal = []
+    for stage in study.stages:
+        if stages is not None and stage.name not in stages:
+            continue
+        cfg = load_config(stage.config, [study.substitute(o) for o in stage.overrides])
+        extra = []
+        if cfg.model.path in models:
+            extra.append(f"model.path={{out}}/models/{models[cfg.model.path]}")
+        if cfg.train.algorithm == "opd":
+            extra += [f"opd.teachers.{route}={{out}}/models/{models[path]}"
+                      for route, path in cfg.opd.teachers.items() if path in models]
+        for key, files in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+            if files:
+                extra.append(f"{key}=[" + ", ".join(f"{{out}}/standin/{data[f][0]}/{data[f][2]}.jsonl"
+                                                    for f in files) + "]")
+        rehearsal.append(dataclasses.replace(stage, overrides=[*stage.overrides, *extra, *small(steps)]))
+    domains = sorted({domain for _, domain, _ in data.values()})
+    assets = AssetsConfig(presets=sorted(set(models.values())), domains=domains, train_rows=20, heldout_rows=20)
+    return dataclasses.replace(study, out=str(out), assets=assets, stages=rehearsal)
+
+
+def write_standin_data(study: StudyConfig, out: Path, rows: int = 200) -> None:
+    """{out}/standin/<data directory's name>/{train,heldout}.jsonl: synthetic rows whose domain (the key of the
+    verifier's data_source stays) is the directory's name, so that multi-teacher routes named after the data
+    directories (opd.teachers.math, .code) find their rows as they would the real ones."""
+    for name, domain, split in set(stand_ins(study)[1].values()):
+        made = make_split(domain, split, rows if split == "train" else max(rows // 10, 8))
+        for row in made:
+            row.extra_info["domain"] = name
+        write_rows(out / "standin" / name / f"{split}.jsonl", made)
+
+
+def rehearsal_gpus(nodes: int, gpus: int, tp: int, pp: int, cap: int) -> int:
+    """The fewest stand-in GPUs per node, from min(gpus, cap) up, on which TP x PP fits the trainer nodes."""
+    for g in range(max(min(gpus, cap), 1), max(gpus, 1) + 1):
+        if (nodes * g) % (tp * pp) == 0:
+            return g
+    return max(gpus, 1)  # the real layout does not fit either: layout_problems said so
+
+
+def rehearsal_launch(study: StudyConfig, launch: LaunchConfig, cap: int, sglang_python: str) -> LaunchConfig:
+    local = dict(partition="", account="", qos="", container_image="", container_mounts=[], venv=sys.prefix,
+                 workdir=str(ROOT), setup=[], sbatch=[], mem="", cpus_per_task=0, sglang_tp=1,
+                 trainer_module="megaopd.megatron.cpu_launch", sglang_python=sglang_python,
+                 sglang_args=SGLANG_CPU_ARGS, server_start_timeout_s=900,
+                 sglang_env={"PYTHONPATH": str(SGLANG_CPU_STUBS), "OMP_NUM_THREADS": "1"})
+    base = dataclasses.replace(launch, **local, gpus_per_node=min(launch.gpus_per_node, cap),
+                               overrides=[*launch.overrides, *ON_CPU], stages={})
+    stages = {}
+    for stage in study.stages:
+        sl = for_stage(launch, stage.name)
+        cfg = load_config(stage.config, [study.substitute(o) for o in stage.overrides] + sl.overrides)
+        own = {k: v for k, v in launch.stages.get(stage.name, {}).items() if k not in SITE_FIELDS}
+        gpus = sl.gpus_per_node
+        if cfg.model.backend == "megatron" or sl.nodes > 1 or gpus > 1:
+            gpus = rehearsal_gpus(sl.nodes, gpus, cfg.model.megatron.tp, cfg.model.megatron.pp, cap)
+        own["gpus_per_node"] = gpus
+        if "overrides" in own:
+            own["overrides"] = [*own["overrides"], *ON_CPU]
+        stages[stage.name] = own
+    return dataclasses.replace(base, stages=stages)
+
+
+def not_rehearsed(launch: LaunchConfig) -> list[str]:
+    fields = [dataclasses.asdict(launch)] + list(launch.stages.values())
+    return sorted({f"{k}={v}" for f in fields for k, v in f.items() if k in SITE_FIELDS and v})
+
+
+# ---- 3. run it on a local cluster and read back what happened ----
+# Why a pending job would never start: the rehearsal stops waiting for it.
+NEVER_RUNS = ("DependencyNeverSatisfied", "PartitionNodeLimit", "PartitionConfig", "BadConstraints")
+
+
+def cluster_nodes(jobs: list[Job]) -> int:
+    """The nodes of the largest job (its ``#SBATCH --nodes`` line)."""
+    return max(int(re.search(r"^#SBATCH --nodes=(\d+)$", job.script, re.M)[1]) for job in jobs)
+
+
+def run_on_cluster(cluster: LocalCluster, study_path: Path, launch_path: Path, timeout_s: float) -> dict[str, str]:
+    """Submit through `megaopd submit` inside the cluster and wait; job name -> Slurm job id."""
+    result = cluster.client([sys.executable, "-m", "megaopd.cli", "submit", str(study_path), "--launch",
+                             str(launch_path)], cwd=str(ROOT))
+    if result.returncode:
+        raise RuntimeError(f"megaopd submit failed ({result.returncode}):\n{result.stdout}{result.stderr}")
+    ids = dict(line.split() for line in result.stdout.splitlines() if len(line.split()) == 2)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        queue = cluster.client(["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(ids.values())]).stdout.split("\n")
+        queue = [line.split() for line in queue if line.strip()]
+        if not queue:
+            return ids
+        if all(state == "PENDING" and reason in NEVER_RUNS for _, state, reason in queue):
+            cluster.client(["scancel", *(job for job, _, _ in queue)])  # an upstream stage failed, say
+            return ids
+        time.sleep(3)
+    cluster.client(["scancel", *ids.values()])
+    raise TimeoutError(f"the rehearsal did not finish in {timeout_s:.0f} s (raise --timeout)")
+
+
+def job_state(cluster: LocalCluster, job_id: str) -> str:
+    out = cluster.client(["scontrol", "show", "job", job_id]).stdout
+    found = re.search(r"JobState=(\S+)", out)
+    return found[1] if found else "UNKNOWN"
+
+
+def stage_report(log: str, run_dir: Path) -> dict:
+    """What the stage's own output says: nodes, ranks per node, servers, steps, verified weight versions."""
+    nodes = re.search(r"train on (.*?) \(", log) or re.search(r"on (\S+): ", log)
+    ranks: dict[str, int] = {}
+    for host in re.findall(r"megaopd: rank \d+ of \d+ \(local \d+\) on (\S+)", log):
+        ranks[host] = ranks.get(host, 0) + 1
+    # "SGLang rollout server on node3 at URL: MODEL", "SGLang teacher <route> server on node4 at URL: MODEL"
+    servers = [(role.replace(" ", ":"), host, model) for role, host, model in
+               re.findall(r"SGLang (rollout|teacher \S+) server on (\S+) at \S+: (\S+)", log)]
+    versions = sorted({int(v) for v in re.findall(r"weights v(\d+) verified", log)})
+    summary = run_dir / "summary.json"
+    steps = json.loads(summary.read_text())["steps"] if summary.exists() else None
+    return {"nodes": nodes[1] if nodes else "?", "ranks": ranks, "servers": servers, "steps": steps,
+            "versions": versions}
+
+
+def short(model: str) -> str:
+    """A model directory by its name, or <stage>/final for a stage's output."""
+    path = Path(model)
+    return f"{path.parent.name}/{path.name}" if path.name == "final" else path.name
+
+
+def format_row(name: str, state: str, report: dict) -> str:
+    ranks = " ".join(f"{h}:{n}" for h, n in sorted(report["ranks"].items())) or "-"
+    servers = " ".join(f"{role}:{host}({short(model)})" for role, host, model in report["servers"]) or "-"
+    versions = ",".join(map(str, report["versions"])) or "-"
+    return (f"{name:24} {state:10} nodes: {report['nodes']:14} ranks/node: {ranks:16} servers: {servers:50} "
+            f"steps: {report['steps'] if report['steps'] is not None else '-'}  verified weights: {versions}")
+
+
+def rehearse(study: StudyConfig, launch: LaunchConfig, args: argparse.Namespace) -> int:
+    problems = layout_problems(study, launch)
+    if problems:
+        print("megaopd rehearse: the real layout has problems (nothing was run):", *problems, sep="\n  ")
+        return 1
+    state = Path(args.state).resolve()
+    if (state / "out").exists():  # a rehearsal's own output: a rerun starts afresh, not from its finished stages
+        shutil.rmtree(state / "out")
+    rehearsal = absolute_study(rehearsal_study(study, state / "out", args.steps, args.stages))
+    write_standin_data(study, Path(rehearsal.out))
+    sglang_python = args.sglang_python or os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
+    if not sglang_python:
+        print("megaopd rehearse: no SGLang environment for the CPU servers: give --sglang-python or set "
+              "MEGAOPD_SGLANG_PYTHON (make setup builds .venv-sglang)", file=sys.stderr)
+        return 2
+    local = rehearsal_launch(rehearsal, launch, args.gpus_per_node, sglang_python)
+    jobs = plan(rehearsal, local)
+    nodes = cluster_nodes(jobs)
+    gpus = max([1, *(s["gpus_per_node"] for s in local.stages.values())])
+    skipped = not_rehearsed(launch)
+    print(f"megaopd rehearse: {len(rehearsal.stages)} stage(s) on a local cluster of {nodes} node(s) x {gpus} "
+          f"stand-in GPU(s); stand-ins: {', '.join(f'{k} -> {v}' for k, v in stand_ins(study)[0].items())}")
+    if skipped:
+        print(f"not rehearsed (site settings): {', '.join(skipped)}")
+    study_path, launch_path = state / "study.yaml", state / "launch.yaml"
+    state.mkdir(parents=True, exist_ok=True)
+    save_config(rehearsal, study_path)
+    save_config(local, launch_path)
+    start = time.monotonic()
+    cluster = LocalCluster(nodes, state / "cluster", args.name, args.subnet, gpus)
+    try:
+        cluster.up()
+        ids = run_on_cluster(cluster, study_path, launch_path, args.timeout)
+        states = {name: job_state(cluster, job_id) for name, job_id in ids.items()}
+    except (PermissionError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+        print(f"megaopd rehearse: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if not args.keep:
+            cluster.down()
+    logs = Path(rehearsal.out) / "slurm" / "logs"
+    for name, job_id in ids.items():
+        log = "".join(p.read_text(errors="replace") for p in logs.glob(f"*-{name}-{job_id}.out"))
+        if name in ("assets", "report"):
+            print(f"{name:24} {states[name]}")
+        else:
+            print(format_row(name, states[name], stage_report(log, Path(rehearsal.out) / name)))
+        if states[name] != "COMPLETED" and log:
+            print(f"  {name}: last lines of its log ({logs}):\n    " + "\n    ".join(log.splitlines()[-15:]))
+    ok = all(s == "COMPLETED" for s in states.values())
+    print(f"megaopd rehearse: {'passed' if ok else 'FAILED'} in {time.monotonic() - start:.0f} s")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megaopd rehearse", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="the study YAML (as for megaopd submit)")
+    parser.add_argument("overrides", nargs="*", help="study overrides, key.sub=value")
+    parser.add_argument("--launch", help="launch YAML, as for megaopd submit")
+    parser.add_argument("--set", dest="launch_overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--stages", nargs="*", help="only these stages (their upstream stages must be listed too)")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per stage")
+    parser.add_argument("--gpus-per-node", type=int, default=2, help="stand-in GPUs per node, at most")
+    parser.add_argument("--sglang-python", default="", help="SGLang's environment (default $MEGAOPD_SGLANG_PYTHON)")
+    parser.add_argument("--state", default="/tmp/megaopd-rehearse", help="cluster state, run directories, logs")
+    parser.add_argument("--name", default="rehearse", help="the local cluster's name (namespaces)")
+    parser.add_argument("--subnet", default="10.78.0", help="the local cluster's /24")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds for the whole rehearsal")
+    parser.add_argument("--keep", action="store_true", help="leave the cluster up (down: local_cluster down)")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        command = shlex.join(["megaopd", "rehearse", *(argv if argv is not None else sys.argv[1:])])
+        print("megaopd rehearse needs root: it builds a Slurm cluster in network namespaces on this machine. Run\n"
+              f"  sudo -E env PATH=\"$PATH\" {command}\nor, without root, check the scripts only:\n"
+              f"  megaopd submit {args.config} --launch {args.launch or 'L.yaml'} --dry-run", file=sys.stderr)
+        return 2
+    try:
+        study = absolute_study(load_config(args.config, args.overrides, cls=StudyConfig))
+        launch = load_launch(args.launch, args.launch_overrides)
+    except ConfigError as e:
+        print(f"megaopd: config error: {e}", file=sys.stderr)
+        return 2
+    return rehearse(study, launch, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
