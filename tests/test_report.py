@@ -213,3 +213,111 @@ def test_targets_come_from_the_smoothed_curves_not_the_final_eval(tmp_path):
     assert sj["target"] == pytest.approx(0.5) and sj["joint_flops_to_target"] == pytest.approx(6000.0)
     e3 = next(c for c in report["seeds"][0]["comparisons"] if c["opd"] == "opd_self")
     assert e3["teacher"] == pytest.approx(0.4)  # GRPO's smoothed curve ends at (0.3 + 0.4 + 0.5) / 3
+
+
+# ---- intervals and three-way verdicts from per-prompt results (known answers) ----
+
+N = 1000  # held-out prompts per domain
+
+
+def correct(k: int, flip_to_wrong: int = 0, flip_to_right: int = 0) -> list[int]:
+    """k of N prompts right (the first k), then `flip_to_wrong` of those wrong and `flip_to_right` others right."""
+    v = [1] * k + [0] * (N - k)
+    for i in range(flip_to_wrong):
+        v[i] = 0
+    for i in range(flip_to_right):
+        v[k + i] = 1
+    return v
+
+
+def write_records(run, step_vectors: dict):
+    """evals/<step or final>.json as the evaluator writes them: {step | "final": {domain: [reward per prompt]}}."""
+    (run / "evals").mkdir()
+    for step, by_domain in step_vectors.items():
+        final = step == "final"
+        record = {"step": 0 if final else step, "final": final,
+                  "prompts": {d: {"n": len(v), "sha1": f"{d}-{len(v)}"} for d, v in by_domain.items()},
+                  "reward": {"greedy": by_domain}}
+        (run / "evals" / ("final.json" if final else f"step_{step:06d}.json")).write_text(json.dumps(record))
+
+
+def make_e6_study(root, trace_student: list[int]):
+    """Experts 0.5 on each domain; the student matches arith_add (80 prompts swapped: gap 0) and has
+    `trace_student` on prog_trace. Only (d) and (e) are measured."""
+    root.mkdir(parents=True)
+    expert = correct(500)
+    students = {"arith_add": correct(500, 40, 40), "prog_trace": trace_student}
+    for name, domain in (("expert_add", "arith_add"), ("expert_trace", "prog_trace")):
+        write_stage(root, name, "grpo", [(0, {domain: 0.3, "mean": 0.3}), (1000, {domain: 0.5, "mean": 0.5})],
+                    {domain: 0.5, "mean": 0.5})
+        write_records(root / name, {"final": {domain: expert}})
+    final = {d: sum(v) / N for d, v in students.items()}
+    write_stage(root, "multi", "opd", mean_curve([0, 100], [0.3, 0.4]), {**final, "mean": sum(final.values()) / 2})
+    write_records(root / "multi", {"final": students})
+    stages = [("expert_add", "expert", "arith_add"), ("expert_trace", "expert", "prog_trace"),
+              ("multi", "multi_teacher_opd", "")]
+    study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
+                                                      "domain": d} for n, m, d in stages]}
+    (root / "study.yaml").write_text(yaml.safe_dump(study))
+    return root
+
+
+def checks(report, finding):
+    return next(f for f in report["findings"] if f["id"] == finding)["checks"]
+
+
+@pytest.mark.parametrize("trace_student, trace_verdict, overall", [
+    # 50 of the expert's right answers lost: gap -0.05 exactly, at the tolerance: the interval must straddle it.
+    (correct(500, 50), "inconclusive", "inconclusive"),
+    # 200 lost: gap -0.2, far below the tolerance whatever the resample.
+    (correct(500, 200), "not reproduced", "not reproduced"),
+    # 20 lost: gap -0.02 with 1000 prompts: within the tolerance in every resample that matters.
+    (correct(500, 20), "reproduced", "reproduced"),
+])
+def test_gap_intervals_and_three_way_verdict(tmp_path, trace_student, trace_verdict, overall):
+    report = write_report(make_e6_study(tmp_path / "study", trace_student), replicates=400)
+    d = checks(report, "d")
+    add, trace = d["multi arith_add"], d["multi prog_trace"]
+    # The paired resample: 40 prompts lost, 40 gained, SE of the gap sqrt(80 / N) / sqrt(N) = 0.0089.
+    assert add["value"] == pytest.approx(0.0) and add["verdict"] == "reproduced"
+    assert -0.03 < add["interval"][0] < -0.01 and 0.01 < add["interval"][1] < 0.03
+    lost = N - sum(trace_student) - 500
+    se = (lost / N) ** 0.5 / N ** 0.5 * (1 - lost / N) ** 0.5  # a gap of -lost/N from `lost` paired -1s
+    lo, hi = trace["interval"]
+    assert lo < trace["value"] < hi and (hi - lo) / 2 == pytest.approx(1.96 * se, rel=0.25)
+    assert trace["verdict"] == trace_verdict and verdicts(report)["d"] == overall
+    # FLOPs do not move with the prompts: (e) has no interval and a two-way verdict.
+    assert checks(report, "e")["multi"]["interval"] is None and verdicts(report)["e"] == "reproduced"
+    assert verdicts(report)["a"] == "not measured in this study"
+    md = (tmp_path / "study" / "report" / "report.md").read_text()
+    assert f"{trace_verdict}" in md and "percentile bootstrap" in md
+
+
+def test_curve_intervals_standard_errors_and_a_reproducible_report(tmp_path):
+    """E3 on curves with per-prompt results: GRPO climbs 0.2 -> 0.5 over 300 FLOPs, OPD reaches 0.6 by 30 FLOPs:
+    the ratio's interval is far above 1 (reproduced), every curve point has its standard error, and the same
+    directory gives a byte-identical report.json."""
+    root = tmp_path / "study"
+    root.mkdir()
+    grpo_acc, opd_acc = [200, 300, 400, 500], [200, 450, 600, 600]
+    for name, flops, acc in (("grpo", [0, 100, 200, 300], grpo_acc), ("opd_self", [0, 10, 20, 30], opd_acc)):
+        write_stage(root, name, "x", mean_curve(flops, [a / N for a in acc]), {"mean": acc[-1] / N},
+                    lengths=[10, 10, 10])
+        write_records(root / name, {**{10 * i: {"arith_add": correct(a)} for i, a in enumerate(acc)},
+                                    "final": {"arith_add": correct(acc[-1])}})
+    study = {"out": str(root), "seed": 0, "stages": [
+        {"name": "grpo", "config": "x.yaml", "method": "grpo"},
+        {"name": "opd_self", "config": "x.yaml", "method": "opd_self", "compare_with": "grpo"}]}
+    (root / "study.yaml").write_text(yaml.safe_dump(study))
+    report = write_report(root, window=1, replicates=300)
+    (c,) = checks(report, "c").values()
+    assert c["value"] == pytest.approx(300 / (10 + 10 / 3))  # OPD crosses 0.5 a third of the way from 10 to 20
+    lo, hi = c["interval"]
+    assert 1 < lo < c["value"] < hi and c["verdict"] == "reproduced"
+    seed = report["seeds"][0]
+    points = seed["curves"]["grpo"]["mean"]
+    assert [p[:2] for p in points] == [[0.0, 0.2], [100.0, 0.3], [200.0, 0.4], [300.0, 0.5]]
+    assert points[-1][2] == pytest.approx((0.25 / (N - 1)) ** 0.5)  # sqrt(sample variance / n) at p = 0.5
+    first = (root / "report" / "report.json").read_bytes()
+    write_report(root, window=1, replicates=300)
+    assert (root / "report" / "report.json").read_bytes() == first
