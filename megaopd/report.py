@@ -4,8 +4,11 @@
 
 Reads a study directory (``study.yaml`` plus one run directory per stage, see ``megaopd/study.py``) and writes
 ``report.md``, ``report.json`` (every number of the markdown) and PNG plots into ``<first study>/report/``. Several
-study directories of the same layout are read as seeds: each is analysed alone, then each headline number is shown
-as mean and min-max across them. Every comparison is computed from the measured curves; nothing is asserted.
+study directories of the same layout are read as seeds (a study run with ``seeds`` is its ``seed_<s>/``): each is
+analysed alone, then each headline number is shown as mean and min-max across them. Every comparison is computed
+from the measured curves; nothing is asserted. Each number computed from held-out accuracy carries a bootstrap
+interval (INTERVAL_RULE; per-prompt results in ``<stage>/evals/``, statistics in ``megaopd/stats.py``), and each
+finding's verdict is reproduced, not reproduced or inconclusive by where that interval lies.
 """
 
 from __future__ import annotations
@@ -557,7 +560,8 @@ def _plot_length(seeds: list[tuple[dict, list[Stage]]], path: Path) -> bool:
         ax.set_ylabel("mean sampled response length (tokens)")
         ax.set_title(f"Rollout response length {title}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if drawn:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -683,7 +687,8 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
     dirs = study_dirs(study_dir if isinstance(study_dir, (list, tuple)) else [study_dir])
     out = Path(out_dir) if out_dir is not None else dirs[0] / "report"
     out.mkdir(parents=True, exist_ok=True)
-    loaded, seeds, _, spread, overall = analyse_seeds(dirs, metric, target_fraction, window, x, length_window, replicates)
+    loaded, seeds, _, spread, overall = analyse_seeds(dirs, metric, target_fraction, window, x, length_window,
+                                                      replicates)
     domains = sorted({d for _, stages in loaded for s in stages for d in s.domains(metric)})
     plots = []
     # The first seed's targets on the mean plot: where each curve has to get to.
