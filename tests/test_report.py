@@ -321,3 +321,42 @@ def test_curve_intervals_standard_errors_and_a_reproducible_report(tmp_path):
     first = (root / "report" / "report.json").read_bytes()
     write_report(root, window=1, replicates=300)
     assert (root / "report" / "report.json").read_bytes() == first
+
+
+def make_length_point(root, length: float, opd_flops_to_target: float):
+    """A self-teacher sweep point: GRPO climbs 0.2 -> 0.5 over 300 FLOPs (crossing its final 0.5 at 300) with
+    responses of `length` tokens; OPD climbs linearly to 0.6 and crosses 0.5 at `opd_flops_to_target`."""
+    root.mkdir(parents=True)
+    x = opd_flops_to_target / 0.75  # OPD: 0.2, 0.4, 0.6 at 0, x/2, x: crosses 0.5 at 0.75 x
+    opd_acc = [200, 400, 600]
+    curves = (("grpo", [0, 100, 200, 300], [200, 300, 400, 500]), ("opd_self", [0, x / 2, x], opd_acc))
+    for name, flops, acc in curves:
+        write_stage(root, name, "x", mean_curve(flops, [a / N for a in acc]), {"arith_add": acc[-1] / N,
+                                                                            "mean": acc[-1] / N})
+        write_records(root / name, {**{10 * i: {"arith_add": correct(a)} for i, a in enumerate(acc)},
+                                    "final": {"arith_add": correct(acc[-1])}})
+    lines = (root / "grpo" / "metrics.jsonl").read_text().splitlines()
+    final = json.loads(lines[-1]) | {"final/arith_add/response_length": length}
+    (root / "grpo" / "metrics.jsonl").write_text("\n".join(lines[:-1] + [json.dumps(final)]) + "\n")
+    study = {"out": str(root), "seed": 0, "stages": [
+        {"name": "grpo", "config": "x.yaml", "method": "grpo"},
+        {"name": "opd_self", "config": "x.yaml", "method": "opd_self", "compare_with": "grpo"}]}
+    (root / "study.yaml").write_text(yaml.safe_dump(study))
+    return root
+
+
+def test_length_sweep_ratio_grows_with_length(tmp_path):
+    # OPD reaches GRPO's final accuracy at 30, 15 and 5 FLOPs as responses grow 20 -> 60 -> 150 tokens: the ratio
+    # grows 300/30 = 10 -> 300/5 = 60, x6, with an interval far above 1.
+    points = [make_length_point(tmp_path / f"v{k}", length, f)
+              for k, (length, f) in enumerate([(20.0, 30.0), (60.0, 15.0), (150.0, 5.0)])]
+    out = tmp_path / "sweep"
+    assert main([str(p) for p in points] + ["--length-sweep", "--out", str(out), "--window", "1",
+                                            "--replicates", "200"]) == 0
+    sweep = json.loads((out / "length_sweep.json").read_text())
+    assert [p["response_length"] for p in sweep["points"]] == [20.0, 60.0, 150.0]
+    assert [p["ratio"] for p in sweep["points"]] == pytest.approx([10.0, 20.0, 60.0])
+    assert sweep["growth"] == pytest.approx(6.0) and sweep["grows"] == "reproduced"
+    assert 1 < sweep["growth_interval"][0] < 6.0 < sweep["growth_interval"][1]
+    assert (out / "ratio_vs_length.png").stat().st_size > 10_000
+    assert "the ratio grows with response length" in (out / "length_sweep.md").read_text()
