@@ -7,8 +7,9 @@ at one length; a point run with ``seeds`` counts as its seeds). Per point: the o
 the GRPO checkpoint's final accuracy with its bootstrap interval (megaopd/report.py, INTERVAL_RULE), against the
 GRPO checkpoint's mean greedy response length on the final eval. Writes ``length_sweep.json``, ``length_sweep.md``
 and ``ratio_vs_length.png``; the growth of the ratio is the longest point's over the shortest point's, with the
-interval of that quotient (the points' replicates are independent, so replicate b of one divides replicate b of
-the other).
+interval of that quotient: replicate b of one point divides replicate b of the other, and since the points share
+their held-out problems (only the wording differs) and the resamples come from the same fixed seed, that pairs
+them by problem.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def write_length_sweep(paths: list[str | Path], out: str | Path, target_fraction
     md = ["# Response-length sweep: GRPO/OPD FLOPs to the self-GRPO checkpoint's accuracy (E3)", "",
           f"- ratio: GRPO FLOPs / OPD FLOPs to the GRPO checkpoint's final smoothed accuracy ({TARGET_RULE})",
           "- response length: the GRPO checkpoint's mean greedy response length on the final eval (tokens)",
-          f"- {INTERVAL_RULE}", "", "| directory | seeds | response length | GRPO/OPD | interval |", "|---" * 5 + "|"]
+          f"- {INTERVAL_RULE} replicates = {replicates}.", "",
+          "| directory | seeds | response length | GRPO/OPD | interval |", "|---" * 5 + "|"]
     md += [f"| `{p['dir']}` | {p['seeds']} | {p['response_length']:.1f} | {_num(p['ratio'])} | "
            f"[{_num(p['interval'][0])}, {_num(p['interval'][1])}] |" for p in points]
     md += ["", f"**{conclusion}**", "", "![ratio_vs_length.png](ratio_vs_length.png)"]

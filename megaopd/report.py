@@ -51,7 +51,7 @@ FINDING_RULES = ("each finding is checked per pair (per domain for (d)) as a num
 TARGET_STYLES = (":", "-.", "--")
 BOOTSTRAP_SEED = 17  # the resamples are drawn from a fixed seed: the same runs give the same report
 NOT_REACHED_IS_INF = ("grpo_flops", "opd_flops", "merge_flops_to_target", "joint_flops_to_target", "split_flops")
-INTERVAL_RULE = (f"intervals: {int(100 * LEVEL)}% percentile bootstrap, {REPLICATES} replicates (fixed seed). Each "
+INTERVAL_RULE = (f"intervals: {int(100 * LEVEL)}% percentile bootstrap, `replicates` resamples (fixed seed). Each "
                  "replicate resamples every domain's held-out prompts with replacement, once per prompt set, so "
                  "that every eval and every stage on the same prompts sees the same resample (comparisons are "
                  "paired), recomputes every accuracy from the per-prompt results (evals/*.json), then every "
@@ -701,7 +701,7 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
         plots.append("response_length.png")
     report = json_safe({
         "x_axis": f"flops/total_{x}", "metric": metric, "target_fraction": target_fraction, "window": window,
-        "length_window": length_window,
+        "length_window": length_window, "replicates": replicates,
         "rules": {"flops_to_target": TARGET_RULE, "length": LENGTH_RULE, "findings": FINDING_RULES,
                   "intervals": INTERVAL_RULE, "match_tolerance": MATCH_TOLERANCE, "small_share": SMALL_SHARE},
         "single_seed": len(seeds) == 1, "findings": overall, "spread": spread, "seeds": seeds, "plots": plots})
@@ -721,7 +721,7 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
           "held-out prompts. Points at 0 FLOPs are off the log axis.",
           f"- {TARGET_RULE} window = {window}.",
           f"- response length first/last: {LENGTH_RULE}, length_window = {length_window}.",
-          f"- {INTERVAL_RULE} Intervals are printed in brackets after their number.",
+          f"- {INTERVAL_RULE} replicates = {replicates}; intervals are printed in brackets after their number.",
           f"- findings: {FINDING_RULES} Tolerance {MATCH_TOLERANCE}; small share <= {SMALL_SHARE}.", "",
           "## Findings of the paper, checked against this study", ""]
     for f in overall:

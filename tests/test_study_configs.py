@@ -67,7 +67,8 @@ def test_seeds_run_in_their_own_directories():
     cfg = stage_config(per_seed[2], per_seed[2].stages[2])
     assert cfg.train.seed == 2 and cfg.run_dir == f"/o/seed_2/{per_seed[2].stages[2].name}"
     assert cfg.model.path == "/o/seed_2/base/final"
-    assert seed_studies(load_config(ROOT / "configs/studies/two_domain.yaml", ["out=/o"], cls=StudyConfig))[0].out == "/o"
+    single = load_config(ROOT / "configs/studies/two_domain.yaml", ["out=/o"], cls=StudyConfig)
+    assert [s.out for s in seed_studies(single)] == ["/o"]
     with pytest.raises(ValueError, match="distinct"):
         seed_studies(StudyConfig(seeds=[1, 1]))
 
