@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from megaopd.report import (BOOTSTRAP_SEED, INTERVAL_RULE, LENGTH_WINDOW, TARGET_RULE, analyse_seeds,  # noqa: E402
                             json_safe, pointer, study_dirs)
-from megaopd.stats import REPLICATES, percentile_interval, seed_bootstrap, verdict  # noqa: E402
+from megaopd.stats import NOT_MEASURED, REPLICATES, percentile_interval, seed_bootstrap, verdict  # noqa: E402
 
 
 def sweep_point(path: str | Path, target_fraction: float, metric: str, window: int, length_window: int,
@@ -38,8 +38,8 @@ def sweep_point(path: str | Path, target_fraction: float, metric: str, window: i
     ratios, lengths, per_seed = [], [], []
     for (_, stages), r, rep in zip(loaded, seeds, reps):
         c = next((c for c in r["comparisons"] if c["method"] == "opd_self"), None)
-        if c is None or "teacher" not in c["targets"]:
-            raise ValueError(f"{r['study_dir']}: no opd_self stage compared with a GRPO stage (length_sweep.yaml)")
+        if c is None or "teacher" not in c["targets"]:  # a point still running (or not a length_sweep.yaml study)
+            return {"dir": str(path), "incomplete": f"{r['study_dir']}: no finished opd_self stage with its GRPO stage"}
         # Finding (c)'s check: the ratio with OPD never reaching the target as 0 (FINDING_RULES).
         k, label = next(k for k, f in enumerate(r["findings"]) if f["id"] == "c"), f"{c['opd']} vs {c['grpo']}"
         check = r["findings"][k]["checks"].get(label, {"value": None})
@@ -61,23 +61,28 @@ def write_length_sweep(paths: list[str | Path], out: str | Path, target_fraction
                        replicates: int = REPLICATES) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    points = sorted((sweep_point(p, target_fraction, metric, window, length_window, replicates) for p in paths),
-                    key=lambda p: p["response_length"])
-    short, long = points[0], points[-1]
-    quotients = [b / a if a and b is not None and a is not None else None
-                 for a, b in zip(short["_replicates"], long["_replicates"])]
-    growth = long["ratio"] / short["ratio"] if short["ratio"] and long["ratio"] is not None else None
-    interval = percentile_interval(quotients)
-    call = verdict(interval, ">", 1.0, growth)
-    conclusion = (f"GRPO/OPD FLOP ratio at {long['response_length']:.0f} vs {short['response_length']:.0f} tokens: "
-                  f"x{_num(growth)} [{_num(interval[0] if interval else None)}, "
-                  f"{_num(interval[1] if interval else None)}]: "
-                  + {"reproduced": "the ratio grows with response length",
-                     "not reproduced": "the ratio does not grow with response length",
-                     "inconclusive": "inconclusive (the interval straddles 1)"}.get(call, call))
+    measured = [sweep_point(p, target_fraction, metric, window, length_window, replicates) for p in paths]
+    incomplete = [p for p in measured if "incomplete" in p]
+    points = sorted((p for p in measured if "incomplete" not in p), key=lambda p: p["response_length"])
+    growth, interval, call = None, None, NOT_MEASURED
+    conclusion = f"{len(points)} finished point(s): the growth with length needs two"
+    if len(points) >= 2:
+        short, long = points[0], points[-1]
+        quotients = [b / a if a and b is not None and a is not None else None
+                     for a, b in zip(short["_replicates"], long["_replicates"])]
+        growth = long["ratio"] / short["ratio"] if short["ratio"] and long["ratio"] is not None else None
+        interval = percentile_interval(quotients)
+        call = verdict(interval, ">", 1.0, growth)
+        conclusion = (f"GRPO/OPD FLOP ratio at {long['response_length']:.0f} vs {short['response_length']:.0f} "
+                      f"tokens: x{_num(growth)} [{_num(interval[0] if interval else None)}, "
+                      f"{_num(interval[1] if interval else None)}]: "
+                      + {"reproduced": "the ratio grows with response length",
+                         "not reproduced": "the ratio does not grow with response length",
+                         "inconclusive": "inconclusive (the interval straddles 1)"}.get(call, call))
     for p in points:
         del p["_replicates"]
-    result = json_safe({"points": points, "growth": growth, "growth_interval": list(interval) if interval else None,
+    result = json_safe({"points": points, "incomplete": incomplete, "growth": growth,
+                        "growth_interval": list(interval) if interval else None,
                         "grows": call, "conclusion": conclusion, "target_fraction": target_fraction,
                         "metric": metric, "rules": {"flops_to_target": TARGET_RULE, "intervals": INTERVAL_RULE}})
     (out / "length_sweep.json").write_text(json.dumps(result, indent=1))
@@ -89,6 +94,7 @@ def write_length_sweep(paths: list[str | Path], out: str | Path, target_fraction
           "| directory | seeds | response length | GRPO/OPD | interval |", "|---" * 5 + "|"]
     md += [f"| `{p['dir']}` | {p['seeds']} | {p['response_length']:.1f} | {_num(p['ratio'])} | "
            f"[{_num(p['interval'][0])}, {_num(p['interval'][1])}] |" for p in points]
+    md += [f"| `{p['dir']}` | not finished: {p['incomplete']} | | | |" for p in incomplete]
     md += ["", f"**{conclusion}**", "", "![ratio_vs_length.png](ratio_vs_length.png)"]
     (out / "length_sweep.md").write_text("\n".join(md) + "\n")
     return result
@@ -101,6 +107,11 @@ def _num(v: float | None) -> str:
 def _plot(points: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     shown = [p for p in points if p["ratio"] and None not in p["interval"]]
+    if not shown:  # nothing finished yet: an empty figure that says so
+        ax.text(0.5, 0.5, "no finished sweep point", ha="center", va="center", transform=ax.transAxes)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     x = [p["response_length"] for p in shown]
     y = [p["ratio"] for p in shown]
     # Bars from the interval; an end at 0 or inf (a target never reached in some resamples) is clipped to the axes.
