@@ -752,7 +752,8 @@ def finding_line(finding: dict) -> str:
     checks = "; ".join(f"{label} {_f(c['value'], '.3g')}"
                        + (f" [{_f(c['interval'][0], '.3g')}, {_f(c['interval'][1], '.3g')}]" if c["interval"] else "")
                        + f" {c['op']} {c['threshold']:g}" for label, c in finding["checks"].items())
-    seeds = f" (reproduced in {finding['seeds_reproduced']} seeds)" if finding["n_seeds"] > 1 else ""
+    seeds = (f" (reproduced in {finding['seeds_reproduced']} seeds)"
+             if finding["n_seeds"] > 1 and finding["verdict"] != NOT_MEASURED else "")
     return f"({finding['id']}) {finding['verdict']}{seeds}: {finding['claim']}" + (f": {checks}" if checks else "")
 
 
