@@ -502,7 +502,8 @@ def aggregate(seeds: list[dict], reps: list[dict[str, list]]) -> tuple[dict, lis
             first = next(s["findings"][i]["checks"][label] for s in seeds if label in s["findings"][i]["checks"])
             value, interval = pooled(("findings", i, "checks", label, "value"))
             checks[label] = {"value": value, "op": first["op"], "threshold": first["threshold"], "interval": interval,
-                             "verdict": verdict(interval, first["op"], first["threshold"], value)}
+                             "verdict": verdict(interval, first["op"], first["threshold"], value),
+                             "detail": first["detail"] if len(seeds) == 1 else "mean over seeds"}
         measured = [s["findings"][i]["verdict"] for s in seeds if s["findings"][i]["verdict"] != NOT_MEASURED]
         overall.append({"id": f["id"], "claim": f["claim"], "verdict": combine([c["verdict"] for c in checks.values()]),
                         "checks": checks, "seeds_reproduced": f"{measured.count(REPRODUCED)} of {len(measured)}",
@@ -591,7 +592,7 @@ def _ci(r: dict, path: tuple, fmt: str = ".3e", scale: float = 1.0) -> str:
 
 def _check_line(label: str, c: dict) -> str:
     interval = "" if c["interval"] is None else f" [{_f(c['interval'][0], '.3g')}, {_f(c['interval'][1], '.3g')}]"
-    return (f"  - {label}: {c.get('detail', 'mean over seeds')} {_f(c['value'], '.3g')}{interval} "
+    return (f"  - {label}: {c['detail']} {_f(c['value'], '.3g')}{interval} "
             f"{c['op']} {c['threshold']:g}: {c['verdict']}")
 
 
