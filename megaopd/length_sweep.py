@@ -107,8 +107,12 @@ def _num(v: float | None) -> str:
 def _plot(points: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     shown = [p for p in points if p["ratio"] and None not in p["interval"]]
-    if not shown:  # nothing finished yet: an empty figure that says so
-        ax.text(0.5, 0.5, "no finished sweep point", ha="center", va="center", transform=ax.transAxes)
+    if not shown:  # nothing to draw on log axes: a figure that says why, with the numbers
+        lines = [f"{p['response_length']:.0f} tokens: GRPO/OPD {_num(p['ratio'])} [{_num(p['interval'][0])}, "
+                 f"{_num(p['interval'][1])}]" for p in points]
+        ax.text(0.5, 0.5, "\n".join(lines or ["no finished sweep point"]) + "\n(a ratio of 0: OPD never reaches "
+                "GRPO's final accuracy; off a log axis)", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return
