@@ -14,6 +14,7 @@ finding's verdict is reproduced, not reproduced or inconclusive by where that in
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -338,6 +339,13 @@ def _numbers(obj, path: tuple = ()):
         yield path, obj
 
 
+def _rng(*key) -> np.random.Generator:
+    """A generator per (seed dir, replicate, prompt set or stage): a number's resamples do not depend on which other
+    stages the study holds or in which order they are read."""
+    digest = hashlib.sha1(repr((BOOTSTRAP_SEED,) + key).encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
 def bootstrap(study_dir: str | Path, study: dict, stages: list[Stage], metric: str = "greedy",
               target_fraction: float = 0.9, window: int = 3, x: str = "stage", length_window: int = LENGTH_WINDOW,
               replicates: int = REPLICATES, seed: int = 0) -> tuple[dict, dict[str, list]]:
@@ -348,17 +356,16 @@ def bootstrap(study_dir: str | Path, study: dict, stages: list[Stage], metric: s
     result = analyse(study_dir, study, stages, *args)
     draws = []
     if any(s.records for s in stages):
-        rng = np.random.default_rng([BOOTSTRAP_SEED, seed])
-        for _ in range(replicates):
+        for b in range(replicates):
             indices: dict[tuple, np.ndarray] = {}
 
             def draw(domain: str, prompts: dict) -> np.ndarray:  # one resample per prompt set: comparisons paired
                 key = (domain, prompts["sha1"], prompts["n"])
                 if key not in indices:
-                    indices[key] = resample(rng, prompts["n"])
+                    indices[key] = resample(_rng(seed, b, *key), prompts["n"])
                 return indices[key]
 
-            replicate = [resample_stage(s, metric, draw, rng, length_window) for s in stages]
+            replicate = [resample_stage(s, metric, draw, _rng(seed, b, s.name), length_window) for s in stages]
             draws.append(dict(_numbers(analyse(study_dir, study, replicate, *args))))
     intervals, reps = {}, {}
     for path, point in _numbers(result):
