@@ -114,12 +114,12 @@ def _run(args) -> int:
         print(f"wrote {len(rows)} rows to {args.out}")
     elif args.command == "study":
         from megaopd.report import finding_line, write_report
-        from megaopd.study import StudyConfig, accuracy_flops_table, run_study
+        from megaopd.study import StudyConfig, accuracy_flops_table, run_study, seed_studies
 
         study = load_config(args.config, args.overrides, cls=StudyConfig)
         run_dirs = run_study(study)
         print(accuracy_flops_table(run_dirs))
-        report = write_report([study.out])
+        report = write_report([s.out for s in seed_studies(study)], Path(study.out) / "report")
         print(f"\nreport: {Path(study.out) / 'report' / 'report.md'}")
         for finding in report["findings"]:
             print(finding_line(finding))

@@ -146,22 +146,25 @@ def build_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def build_data(out_dir: str | Path, domains: list[str] | None = None, train_rows: int = 4000,
-               heldout_rows: int = 500, difficulty: dict[str, int] | None = None, seed: int = 0) -> dict[str, Path]:
+               heldout_rows: int = 500, difficulty: dict[str, int] | None = None, seed: int = 0,
+               heldout_percent: int = 10, verbosity: dict[str, int] | None = None) -> dict[str, Path]:
     """Write train / held-out JSONL per domain; returns domain -> its data directory."""
     out_dir = Path(out_dir)
     paths = {}
     for domain in domains or list(DOMAINS):
         level = (difficulty or {}).get(domain)
         for split, count in (("train", train_rows), ("heldout", heldout_rows)):
-            write_rows(out_dir / domain / f"{split}.jsonl", make_split(domain, split, count, level, seed))
+            rows = make_split(domain, split, count, level, seed, heldout_percent, (verbosity or {}).get(domain, 0))
+            write_rows(out_dir / domain / f"{split}.jsonl", rows)
         paths[domain] = out_dir / domain
     return paths
 
 
 def make_embedded(out: str | Path, presets: list[str], domains: list[str] | None = None, seed: int = 0,
-                  train_rows: int = 4000, heldout_rows: int = 500, difficulty: dict[str, int] | None = None) -> None:
+                  train_rows: int = 4000, heldout_rows: int = 500, difficulty: dict[str, int] | None = None,
+                  heldout_percent: int = 10, verbosity: dict[str, int] | None = None) -> None:
     out = Path(out)
     for preset in presets:
         if not (out / "models" / preset / "config.json").exists():
             build_model(preset, out / "models" / preset, seed)
-    build_data(out / "data", domains, train_rows, heldout_rows, difficulty, seed)
+    build_data(out / "data", domains, train_rows, heldout_rows, difficulty, seed, heldout_percent, verbosity)

@@ -1,9 +1,17 @@
-"""Held-out evaluation and reward scoring: accuracy per domain (greedy and sampled) and mean response length."""
+"""Held-out evaluation and reward scoring: accuracy per domain (greedy and sampled) and mean response length.
+
+Each evaluation can also write its per-prompt results (``evals/step_NNNNNN.json``, ``evals/final.json`` in the run
+directory): one reward per held-out prompt in file order, per domain and mode, plus the greedy response lengths.
+The report resamples these prompts to put bootstrap intervals on every accuracy and on what is computed from them.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -46,17 +54,20 @@ class Evaluator:
         limit = self.cfg.final_prompts_per_domain if final else self.cfg.prompts_per_domain
         return [r for rows in self.by_domain.values() for r in (rows[:limit] if limit > 0 else rows)]
 
-    def run(self, engine, tokenizer, step: int, final: bool = False) -> dict[str, float]:
+    def run(self, engine, tokenizer, step: int, final: bool = False, record: Path | None = None) -> dict[str, float]:
+        """Accuracy per domain and mode; with `record`, also write every prompt's reward there (see module doc)."""
         rows = self._rows(final)
         if not rows:
             return {}
         metrics: dict[str, float] = {}
+        per_prompt: dict = {"step": step, "final": final, "prompts": {}, "reward": {}, "response_length": {}}
         modes = [("greedy", 0.0)] + ([("sampled", 1.0)] if self.cfg.sampled else [])
         for mode, temperature in modes:
             # Its own generator, seeded by step: evaluation never moves the training RNG (resume stays exact).
             generator = torch.Generator().manual_seed(self.seed * 100_003 + step)
             samples = engine.generate(rows, 1, temperature, 1.0, self.max_new_tokens, generator)
             score_samples(tokenizer, samples)
+            per_prompt["reward"][mode] = _by_domain(samples, lambda s: _compact(s.reward))
             accuracy = per_domain_means(samples, lambda s: s.reward)
             for domain, acc in accuracy.items():
                 metrics[f"eval/{domain}/accuracy_{mode}"] = acc
@@ -64,4 +75,26 @@ class Evaluator:
             if mode == "greedy":
                 for domain, length in per_domain_means(samples, lambda s: len(s.response_ids)).items():
                     metrics[f"eval/{domain}/response_length"] = length
+                per_prompt["response_length"] = _by_domain(samples, lambda s: len(s.response_ids))
+        if record is not None:
+            # The prompts' identity (count and a hash of their texts): the report pairs only evals of the same prompts.
+            texts: dict[str, list[str]] = defaultdict(list)
+            for row in rows:
+                texts[row.domain].append(json.dumps(row.prompt, sort_keys=True))
+            per_prompt["prompts"] = {d: {"n": len(t), "sha1": hashlib.sha1("\n".join(t).encode()).hexdigest()[:16]}
+                                     for d, t in sorted(texts.items())}
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps(per_prompt, separators=(",", ":")) + "\n")
         return metrics
+
+
+def _by_domain(samples: list[Sample], value) -> dict[str, list]:
+    """value(sample) per domain, in the samples' (the held-out file's) order."""
+    out: dict[str, list] = defaultdict(list)
+    for s in samples:
+        out[s.row.domain].append(value(s))
+    return dict(sorted(out.items()))
+
+
+def _compact(reward: float) -> float | int:
+    return int(reward) if float(reward).is_integer() else reward

@@ -1,7 +1,7 @@
 """A study: a list of stages, each a normal run directory, run in order; a finished stage is reused and an
 interrupted one resumes from its last checkpoint.
 
-    megaopd study configs/studies/self_teacher.yaml
+    megaopd study configs/studies/self_teacher.yaml [seeds=[0,1,2]]
 
 Stage overrides may name ``{out}`` (the study directory) and any ``{var}`` of ``vars``; a stage's run directory
 is ``{out}/<name>`` and its trained model ``{out}/<name>/final``, which later stages use as their initial model or
@@ -11,8 +11,10 @@ teacher.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import torch
 
 from megaopd.config import RunConfig, load_config, save_config
 from megaopd.embedded import make_embedded
@@ -31,6 +33,8 @@ class AssetsConfig:
     difficulty: dict[str, int] = field(default_factory=dict)
     train_rows: int = 4000
     heldout_rows: int = 500
+    heldout_percent: int = 10  # share of distinct problems kept for held-out (2-digit addition has 8100 in all)
+    verbosity: dict[str, int] = field(default_factory=dict)  # worded solutions (the length sweep): domain -> 0..2
     seed: int = 0
 
 
@@ -54,6 +58,11 @@ class StageConfig:
 class StudyConfig:
     out: str = "runs/study"
     seed: int = 0  # every stage's train.seed; run the study again with another seed and out to measure the spread
+    # Several seeds in one command: each runs the whole study in {out}/seed_<s> (assets identical), one report.
+    seeds: list[int] = field(default_factory=list)
+    # torch intra-op threads of the study process: results depend on the thread count (reduction order), so it is
+    # a setting of the study, not of the environment (OMP_NUM_THREADS).
+    threads: int = 1
     # Named values substituted as {name} in stage overrides and asset presets (e.g. {student}: a sweep over student
     # size is `megaopd study STUDY.yaml vars.student=qwen3-small out=runs/student_small`).
     vars: dict[str, str] = field(default_factory=dict)
@@ -71,6 +80,15 @@ class StudyConfig:
         raise ValueError(f"study vars refer to each other in a cycle: {text!r}")
 
 
+def seed_studies(study: StudyConfig) -> list[StudyConfig]:
+    """The study itself, or one copy per seed of `seeds`, each with its own out directory."""
+    if not study.seeds:
+        return [study]
+    if len(set(study.seeds)) != len(study.seeds):
+        raise ValueError(f"study seeds must be distinct, got {study.seeds}")
+    return [replace(study, seed=s, seeds=[], out=f"{study.out}/seed_{s}") for s in study.seeds]
+
+
 def stage_config(study: StudyConfig, stage: StageConfig) -> RunConfig:
     if stage.method not in METHODS:
         raise ValueError(f"stage {stage.name!r}: method must be one of {METHODS}, got {stage.method!r}")
@@ -86,7 +104,7 @@ def build_assets(study: StudyConfig) -> None:
     a = study.assets
     if a.presets or a.domains:
         make_embedded(out, [study.substitute(p) for p in a.presets], [study.substitute(d) for d in a.domains] or None,
-                      a.seed, a.train_rows, a.heldout_rows, a.difficulty)
+                      a.seed, a.train_rows, a.heldout_rows, a.difficulty, a.heldout_percent, a.verbosity)
 
 
 def stage_is_done(run_dir: Path) -> bool:
@@ -95,6 +113,17 @@ def stage_is_done(run_dir: Path) -> bool:
 
 
 def run_study(study: StudyConfig) -> list[Path]:
+    """Every stage of every seed in order; returns the run directories."""
+    if study.threads < 1:
+        raise ValueError(f"study threads must be >= 1, got {study.threads}")
+    torch.set_num_threads(study.threads)
+    run_dirs = []
+    for one in seed_studies(study):
+        run_dirs += _run_one_seed(one)
+    return run_dirs
+
+
+def _run_one_seed(study: StudyConfig) -> list[Path]:
     build_assets(study)
     run_dirs = []
     for stage in study.stages:
@@ -112,15 +141,16 @@ def accuracy_flops_table(run_dirs: list[Path]) -> str:
     """Held-out accuracy (greedy, mean over domains) vs cumulative FLOPs, every eval of every stage."""
     lines = [f"{'stage':<14}{'step':>6}{'stage FLOPs':>14}{'+teachers':>12}{'+cold start':>13}{'accuracy':>10}"]
     for run_dir in run_dirs:
+        name = f"{run_dir.parent.name}/{run_dir.name}" if run_dir.parent.name.startswith("seed_") else run_dir.name
         for m in read_metrics(run_dir):
             if "eval/mean/accuracy_greedy" in m:
-                lines.append(f"{run_dir.name:<14}{m['step']:>6}{m['flops/total_stage']:>14.3e}"
+                lines.append(f"{name:<14}{m['step']:>6}{m['flops/total_stage']:>14.3e}"
                              f"{m['flops/total_with_teachers']:>12.3e}{m['flops/total_with_cold_start']:>13.3e}"
                              f"{m['eval/mean/accuracy_greedy']:>10.3f}")
         final = [m for m in read_metrics(run_dir) if "final/mean/accuracy_greedy" in m]
         if final:
             m = final[-1]
-            lines.append(f"{run_dir.name + ' (final)':<20}{m['flops/total_stage']:>14.3e}"
+            lines.append(f"{name + ' (final)':<20}{m['flops/total_stage']:>14.3e}"
                          f"{m['flops/total_with_teachers']:>12.3e}{m['flops/total_with_cold_start']:>13.3e}"
                          f"{m['final/mean/accuracy_greedy']:>10.3f}")
     return "\n".join(lines)

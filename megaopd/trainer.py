@@ -316,7 +316,9 @@ class Trainer:
         return self._finish(step)
 
     def _eval(self, step: int, final: bool = False) -> dict[str, float]:
-        metrics = self.evaluator.run(self.engine, self.policy.tokenizer, step, final)
+        # Per-prompt results beside the metrics, for the report's bootstrap (a resumed run rewrites its own steps).
+        record = self.run_dir / "evals" / ("final.json" if final else f"step_{step:06d}.json")
+        metrics = self.evaluator.run(self.engine, self.policy.tokenizer, step, final, record)
         if final:
             metrics = {k.replace("eval/", "final/", 1): v for k, v in metrics.items()}
         return metrics

@@ -79,3 +79,16 @@ def test_parquet_rows_load_through_the_same_path(tmp_path):
     pq.write_table(pa.Table.from_pylist([r.to_dict() for r in rows]), tmp_path / "d.parquet")
     loaded, report = load_rows(tmp_path / "d.parquet", strict=True)
     assert [r.prompt for r in loaded] == [r.prompt for r in rows] and report.loaded == 3
+
+
+def test_worded_solutions_keep_the_problems_and_grow_the_length():
+    rows = {v: make_split("arith_add", "heldout", 100, verbosity=v, heldout_percent=20) for v in range(3)}
+    for v in (1, 2):
+        assert [r.prompt for r in rows[v]] == [r.prompt for r in rows[0]]
+        assert [r.ground_truth for r in rows[v]] == [r.ground_truth for r in rows[0]]
+    mean = {v: sum(len(r.extra_info["solution"]) for r in rs) / len(rs) for v, rs in rows.items()}
+    assert 15 < mean[0] < 30 and 50 < mean[1] < 80 and 120 < mean[2] < 180  # byte tokens: ~20, ~60, ~150
+    for r in rows[2]:
+        assert score(r, r.extra_info["solution"]) == 1.0
+    with pytest.raises(ValueError, match="verbosity"):
+        make_split("prog_trace", "train", 3, verbosity=1)

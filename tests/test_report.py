@@ -133,7 +133,7 @@ def verdicts(report):
 
 def test_synthetic_study_numbers_and_findings(tmp_path):
     study = make_study(tmp_path / "study")
-    report = write_report(study, target_fraction=0.5, window=1)
+    report = write_report(study, target_fraction=0.5, window=1, length_window=1)
     out = study / "report"
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
     for png in ("accuracy_mean.png", "accuracy_arith_add.png", "accuracy_prog_trace.png", "response_length.png"):
@@ -162,7 +162,7 @@ def test_synthetic_study_numbers_and_findings(tmp_path):
                                 "e": "reproduced", "f": "reproduced"}
     md = (out / "report.md").read_text()
     assert "single seed" in md and "interpolate linearly in FLOPs" in md
-    assert "ratio GRPO/OPD 20.00" in md and "5.0%" in md and "31.7%" in md
+    assert "GRPO/OPD 20 > 1: reproduced" in md and "5.0%" in md and "31.7%" in md
     assert "not reached (best smoothed 0.400)" in md
     assert "![accuracy_mean.png](accuracy_mean.png)" in md
 
@@ -171,18 +171,22 @@ def test_seeds_give_mean_and_spread_and_a_split_verdict(tmp_path):
     # Seed 1's opd_self is 100x slower: ratio 0.2, so (c) holds in one seed only.
     dirs = [make_study(tmp_path / "s0"), make_study(tmp_path / "s1", opd_self_scale=100.0)]
     out = tmp_path / "rep"
-    assert main([str(d) for d in dirs] + ["--out", str(out), "--target-fraction", "0.5", "--window", "1"]) == 0
+    assert main([str(d) for d in dirs] + ["--out", str(out), "--target-fraction", "0.5", "--window", "1",
+                                          "--length-window", "1"]) == 0
     report = json.loads((out / "report.json").read_text())
     spread = report["spread"]["FLOPs ratio GRPO/OPD, opd_self vs grpo (teacher target)"]
+    # No per-prompt results: the interval is the seeds' bootstrap alone (means of 0.2 and 20 drawn with replacement).
+    assert spread.pop("interval") == pytest.approx([0.2, 20.0])
     assert spread == pytest.approx({"mean": 10.1, "min": 0.2, "max": 20.0, "n": 2})
     c = next(f for f in report["findings"] if f["id"] == "c")
-    assert c["verdict"] == "not reproduced" and c["seeds_reproduced"] == "1 of 2"
+    # Mean ratio 10.1 over the seeds, but its interval [0.2, 20] straddles 1.
+    assert c["verdict"] == "inconclusive" and c["seeds_reproduced"] == "1 of 2"
     assert verdicts(report)["e"] == "reproduced"
     assert "single seed" not in (out / "report.md").read_text()
 
 
 def test_one_of_two_pairs_failing_means_not_reproduced(tmp_path):
-    report = write_report(make_study(tmp_path / "study", ext_that_wins=True), window=1)
+    report = write_report(make_study(tmp_path / "study", ext_that_wins=True), window=1, length_window=1)
     v = verdicts(report)
     assert v["a"] == "not reproduced" and v["b"] == "not reproduced" and v["c"] == "reproduced"
     e2 = next(c for c in report["seeds"][0]["comparisons"] if c["opd"] == "opd_ext2")
@@ -209,3 +213,151 @@ def test_targets_come_from_the_smoothed_curves_not_the_final_eval(tmp_path):
     assert sj["target"] == pytest.approx(0.5) and sj["joint_flops_to_target"] == pytest.approx(6000.0)
     e3 = next(c for c in report["seeds"][0]["comparisons"] if c["opd"] == "opd_self")
     assert e3["teacher"] == pytest.approx(0.4)  # GRPO's smoothed curve ends at (0.3 + 0.4 + 0.5) / 3
+
+
+# ---- intervals and three-way verdicts from per-prompt results (known answers) ----
+
+N = 1000  # held-out prompts per domain
+
+
+def correct(k: int, flip_to_wrong: int = 0, flip_to_right: int = 0) -> list[int]:
+    """k of N prompts right (the first k), then `flip_to_wrong` of those wrong and `flip_to_right` others right."""
+    v = [1] * k + [0] * (N - k)
+    for i in range(flip_to_wrong):
+        v[i] = 0
+    for i in range(flip_to_right):
+        v[k + i] = 1
+    return v
+
+
+def write_records(run, step_vectors: dict):
+    """evals/<step or final>.json as the evaluator writes them: {step | "final": {domain: [reward per prompt]}}."""
+    (run / "evals").mkdir()
+    for step, by_domain in step_vectors.items():
+        final = step == "final"
+        record = {"step": 0 if final else step, "final": final,
+                  "prompts": {d: {"n": len(v), "sha1": f"{d}-{len(v)}"} for d, v in by_domain.items()},
+                  "reward": {"greedy": by_domain}}
+        (run / "evals" / ("final.json" if final else f"step_{step:06d}.json")).write_text(json.dumps(record))
+
+
+def make_e6_study(root, trace_student: list[int]):
+    """Experts 0.5 on each domain; the student matches arith_add (80 prompts swapped: gap 0) and has
+    `trace_student` on prog_trace. Only (d) and (e) are measured."""
+    root.mkdir(parents=True)
+    expert = correct(500)
+    students = {"arith_add": correct(500, 40, 40), "prog_trace": trace_student}
+    for name, domain in (("expert_add", "arith_add"), ("expert_trace", "prog_trace")):
+        write_stage(root, name, "grpo", [(0, {domain: 0.3, "mean": 0.3}), (1000, {domain: 0.5, "mean": 0.5})],
+                    {domain: 0.5, "mean": 0.5})
+        write_records(root / name, {"final": {domain: expert}})
+    final = {d: sum(v) / N for d, v in students.items()}
+    write_stage(root, "multi", "opd", mean_curve([0, 100], [0.3, 0.4]), {**final, "mean": sum(final.values()) / 2})
+    write_records(root / "multi", {"final": students})
+    stages = [("expert_add", "expert", "arith_add"), ("expert_trace", "expert", "prog_trace"),
+              ("multi", "multi_teacher_opd", "")]
+    study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
+                                                      "domain": d} for n, m, d in stages]}
+    (root / "study.yaml").write_text(yaml.safe_dump(study))
+    return root
+
+
+def checks(report, finding):
+    return next(f for f in report["findings"] if f["id"] == finding)["checks"]
+
+
+@pytest.mark.parametrize("trace_student, trace_verdict, overall", [
+    # 50 of the expert's right answers lost: gap -0.05 exactly, at the tolerance: the interval must straddle it.
+    (correct(500, 50), "inconclusive", "inconclusive"),
+    # 200 lost: gap -0.2, far below the tolerance whatever the resample.
+    (correct(500, 200), "not reproduced", "not reproduced"),
+    # 20 lost: gap -0.02 with 1000 prompts: within the tolerance in every resample that matters.
+    (correct(500, 20), "reproduced", "reproduced"),
+])
+def test_gap_intervals_and_three_way_verdict(tmp_path, trace_student, trace_verdict, overall):
+    report = write_report(make_e6_study(tmp_path / "study", trace_student), replicates=400)
+    d = checks(report, "d")
+    add, trace = d["multi arith_add"], d["multi prog_trace"]
+    # The paired resample: 40 prompts lost, 40 gained, SE of the gap sqrt(80 / N) / sqrt(N) = 0.0089.
+    assert add["value"] == pytest.approx(0.0) and add["verdict"] == "reproduced"
+    assert -0.03 < add["interval"][0] < -0.01 and 0.01 < add["interval"][1] < 0.03
+    lost = N - sum(trace_student) - 500
+    se = (lost / N) ** 0.5 / N ** 0.5 * (1 - lost / N) ** 0.5  # a gap of -lost/N from `lost` paired -1s
+    lo, hi = trace["interval"]
+    assert lo < trace["value"] < hi and (hi - lo) / 2 == pytest.approx(1.96 * se, rel=0.25)
+    assert trace["verdict"] == trace_verdict and verdicts(report)["d"] == overall
+    # FLOPs do not move with the prompts: (e) has no interval and a two-way verdict.
+    assert checks(report, "e")["multi"]["interval"] is None and verdicts(report)["e"] == "reproduced"
+    assert verdicts(report)["a"] == "not measured in this study"
+    md = (tmp_path / "study" / "report" / "report.md").read_text()
+    assert f"{trace_verdict}" in md and "percentile bootstrap" in md
+
+
+def test_curve_intervals_standard_errors_and_a_reproducible_report(tmp_path):
+    """E3 on curves with per-prompt results: GRPO climbs 0.2 -> 0.5 over 300 FLOPs, OPD reaches 0.6 by 30 FLOPs:
+    the ratio's interval is far above 1 (reproduced), every curve point has its standard error, and the same
+    directory gives a byte-identical report.json."""
+    root = tmp_path / "study"
+    root.mkdir()
+    grpo_acc, opd_acc = [200, 300, 400, 500], [200, 450, 600, 600]
+    for name, flops, acc in (("grpo", [0, 100, 200, 300], grpo_acc), ("opd_self", [0, 10, 20, 30], opd_acc)):
+        write_stage(root, name, "x", mean_curve(flops, [a / N for a in acc]), {"mean": acc[-1] / N},
+                    lengths=[10, 10, 10])
+        write_records(root / name, {**{10 * i: {"arith_add": correct(a)} for i, a in enumerate(acc)},
+                                    "final": {"arith_add": correct(acc[-1])}})
+    study = {"out": str(root), "seed": 0, "stages": [
+        {"name": "grpo", "config": "x.yaml", "method": "grpo"},
+        {"name": "opd_self", "config": "x.yaml", "method": "opd_self", "compare_with": "grpo"}]}
+    (root / "study.yaml").write_text(yaml.safe_dump(study))
+    report = write_report(root, window=1, replicates=300)
+    (c,) = checks(report, "c").values()
+    assert c["value"] == pytest.approx(300 / (10 + 10 / 3))  # OPD crosses 0.5 a third of the way from 10 to 20
+    lo, hi = c["interval"]
+    assert 1 < lo < c["value"] < hi and c["verdict"] == "reproduced"
+    seed = report["seeds"][0]
+    points = seed["curves"]["grpo"]["mean"]
+    assert [p[:2] for p in points] == [[0.0, 0.2], [100.0, 0.3], [200.0, 0.4], [300.0, 0.5]]
+    assert points[-1][2] == pytest.approx((0.25 / (N - 1)) ** 0.5)  # sqrt(sample variance / n) at p = 0.5
+    first = (root / "report" / "report.json").read_bytes()
+    write_report(root, window=1, replicates=300)
+    assert (root / "report" / "report.json").read_bytes() == first
+
+
+def make_length_point(root, length: float, opd_flops_to_target: float):
+    """A self-teacher sweep point: GRPO climbs 0.2 -> 0.5 over 300 FLOPs (crossing its final 0.5 at 300) with
+    responses of `length` tokens; OPD climbs linearly to 0.6 and crosses 0.5 at `opd_flops_to_target`."""
+    root.mkdir(parents=True)
+    x = opd_flops_to_target / 0.75  # OPD: 0.2, 0.4, 0.6 at 0, x/2, x: crosses 0.5 at 0.75 x
+    opd_acc = [200, 400, 600]
+    curves = (("grpo", [0, 100, 200, 300], [200, 300, 400, 500]), ("opd_self", [0, x / 2, x], opd_acc))
+    for name, flops, acc in curves:
+        write_stage(root, name, "x", mean_curve(flops, [a / N for a in acc]), {"arith_add": acc[-1] / N,
+                                                                            "mean": acc[-1] / N})
+        write_records(root / name, {**{10 * i: {"arith_add": correct(a)} for i, a in enumerate(acc)},
+                                    "final": {"arith_add": correct(acc[-1])}})
+    lines = (root / "grpo" / "metrics.jsonl").read_text().splitlines()
+    final = json.loads(lines[-1]) | {"final/arith_add/response_length": length}
+    (root / "grpo" / "metrics.jsonl").write_text("\n".join(lines[:-1] + [json.dumps(final)]) + "\n")
+    study = {"out": str(root), "seed": 0, "stages": [
+        {"name": "grpo", "config": "x.yaml", "method": "grpo"},
+        {"name": "opd_self", "config": "x.yaml", "method": "opd_self", "compare_with": "grpo"}]}
+    (root / "study.yaml").write_text(yaml.safe_dump(study))
+    return root
+
+
+def test_length_sweep_ratio_grows_with_length(tmp_path):
+    # OPD reaches GRPO's final accuracy at 30, 15 and 5 FLOPs as responses grow 20 -> 60 -> 150 tokens: the ratio
+    # grows 300/30 = 10 -> 300/5 = 60, x6, with an interval far above 1.
+    points = [make_length_point(tmp_path / f"v{k}", length, f)
+              for k, (length, f) in enumerate([(20.0, 30.0), (60.0, 15.0), (150.0, 5.0)])]
+    out = tmp_path / "sweep"
+    assert main([str(p) for p in points] + ["--length-sweep", "--out", str(out), "--window", "1",
+                                            "--replicates", "200"]) == 0
+    sweep = json.loads((out / "length_sweep.json").read_text())
+    assert [p["response_length"] for p in sweep["points"]] == [20.0, 60.0, 150.0]
+    assert [p["ratio"] for p in sweep["points"]] == pytest.approx([10.0, 20.0, 60.0])
+    assert sweep["growth"] == pytest.approx(6.0) and sweep["grows"] == "reproduced"
+    lo, hi = sweep["growth_interval"]
+    assert 1 < lo <= sweep["growth"] + 1e-9 and sweep["growth"] - 1e-9 <= hi
+    assert (out / "ratio_vs_length.png").stat().st_size > 10_000
+    assert "the ratio grows with response length" in (out / "length_sweep.md").read_text()

@@ -38,6 +38,15 @@ def test_same_seed_same_report(tmp_path, capsys):
     assert _numbers(tmp_path / "a") == _numbers(tmp_path / "b")
     report = json.loads(_numbers(tmp_path / "a"))
     assert {f["id"] for f in report["findings"]} >= {"a", "b", "c", "d", "e", "f"}
+    assert {f["verdict"] for f in report["findings"]} <= {"reproduced", "not reproduced", "inconclusive",
+                                                          "not measured in this study"}
+    # Each eval's per-prompt rewards (what the report resamples) average to the logged accuracy.
+    record = json.loads((tmp_path / "a" / "grpo" / "evals" / "final.json").read_text())
+    final = json.loads((tmp_path / "a" / "grpo" / "summary.json").read_text())["final"]
+    for domain, rewards in record["reward"]["greedy"].items():
+        assert record["prompts"][domain]["n"] == len(rewards) == 12
+        assert sum(rewards) / len(rewards) == pytest.approx(final[f"final/{domain}/accuracy_greedy"])
+    assert report["seeds"][0]["intervals"], "no bootstrap interval in a study with per-prompt results"
     for png in ("accuracy_mean.png", "response_length.png"):
         assert (tmp_path / "a" / "report" / png).stat().st_size > 10_000
     # A finished study is reused, not retrained: a second run leaves the stage summaries untouched.

@@ -7,7 +7,7 @@ import pytest
 
 from megaopd.config import load_config, to_dict
 from megaopd.launch.slurm import submission_order
-from megaopd.study import METHODS, StudyConfig, stage_config
+from megaopd.study import METHODS, StudyConfig, seed_studies, stage_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = sorted((ROOT / "configs" / "studies").rglob("*.yaml"))
@@ -58,3 +58,26 @@ def test_vars_substitute_recursively_and_sweep_from_the_command_line():
     assert cfg.model.path == "/o/models/llama-tiny" and cfg.data.train == ["/o/data/prog_trace/train.jsonl"]
     with pytest.raises(ValueError, match="cycle"):
         StudyConfig(vars={"a": "{b}", "b": "{a}"}).substitute("{a}")
+
+
+def test_seeds_run_in_their_own_directories():
+    study = load_config(ROOT / "configs/studies/two_domain.yaml", ["out=/o", "seeds=[0,1,2]"], cls=StudyConfig)
+    per_seed = seed_studies(study)
+    assert [(s.seed, s.out, s.seeds) for s in per_seed] == [(k, f"/o/seed_{k}", []) for k in range(3)]
+    cfg = stage_config(per_seed[2], per_seed[2].stages[2])
+    assert cfg.train.seed == 2 and cfg.run_dir == f"/o/seed_2/{per_seed[2].stages[2].name}"
+    assert cfg.model.path == "/o/seed_2/base/final"
+    single = load_config(ROOT / "configs/studies/two_domain.yaml", ["out=/o"], cls=StudyConfig)
+    assert [s.out for s in seed_studies(single)] == ["/o"]
+    with pytest.raises(ValueError, match="distinct"):
+        seed_studies(StudyConfig(seeds=[1, 1]))
+
+
+def test_shipped_external_teacher_costs_five_times_the_student_per_token():
+    from megaopd.embedded import build_model_config
+    from megaopd.flops import ModelShape
+
+    study = load_config(ROOT / "configs/studies/two_domain.yaml", ["out=/o"], cls=StudyConfig)
+    cost = {k: ModelShape.from_hf_config(build_model_config(study.vars[k], 259, 258, 256)).matmul_params
+            for k in ("student", "teacher")}
+    assert cost["teacher"] / cost["student"] >= 5

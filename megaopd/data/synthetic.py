@@ -10,6 +10,9 @@ per-token supervision is what OPD brings: with bare answers its advantage over G
 | prog_trace    | trace a tiny straight-line program     | statements           | x=3;y=3*2=6;x=6+1=7;answer:7 |
 | letter_count  | count one letter with a running tally  | string length        | a0b1b2c2;answer:2            |
 
+arith_add also has longer wordings of the same steps (``verbosity`` 1 and 2: about 60 and 150 tokens at 2 digits)
+for the response-length sweep: same problems, same answers, only the worked solution grows.
+
 Train and held-out problems are split by a hash of the problem's canonical key, so the two sets are disjoint by
 construction (and a test checks the written files).
 """
@@ -38,16 +41,32 @@ def _digits(n: int, width: int) -> list[int]:
     return [(n // 10**i) % 10 for i in range(width)]  # least significant first
 
 
-def make_add(rng: random.Random, digits: int) -> Problem:
+def make_add(rng: random.Random, digits: int, verbosity: int = 0) -> Problem:
+    """Column addition; `verbosity` (0-2) words the same steps at about 20, 60 and 150 tokens for 2 digits."""
     lo, hi = 10 ** (digits - 1), 10**digits - 1
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
     steps, carry = [], 0
-    for x, y in zip(_digits(a, digits), _digits(b, digits)):
+    for place, (x, y) in enumerate(zip(_digits(a, digits), _digits(b, digits))):
         total = x + y + carry
-        steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={total}")
+        steps.append(_add_step(place, x, y, carry, total, verbosity))
         carry = total // 10
     answer = str(a + b)
+    if verbosity == 2:
+        steps.append(f"no column is left, so {a} plus {b} is {answer}")
     return Problem(f"{a}+{b}", f"add {a}+{b}", ";".join(steps) + f";{ANSWER_PREFIX}{answer}", answer)
+
+
+PLACES = ("ones", "tens", "hundreds", "thousands", "ten-thousands", "hundred-thousands")
+
+
+def _add_step(place: int, x: int, y: int, carry: int, total: int, verbosity: int) -> str:
+    name = PLACES[place] if place < len(PLACES) else f"column {place + 1}"
+    if verbosity == 0:
+        return f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={total}"
+    if verbosity == 1:
+        return f"{name} {x}+{y}" + (f"+{carry}" if carry else "") + f"={total} write {total % 10} carry {total // 10}"
+    return (f"{name} digit: {x} plus {y}" + (f" plus carry {carry}" if carry else "") + f" is {total}, "
+            f"write {total % 10} and carry {total // 10}")
 
 
 def make_sub(rng: random.Random, digits: int) -> Problem:
@@ -107,14 +126,15 @@ def make_count(rng: random.Random, length: int) -> Problem:
 class Domain:
     name: str  # the rows' data_source and the multi-teacher routing key
     ability: str
-    make: Callable[[random.Random, int], Problem]
+    make: Callable[..., Problem]  # (rng, difficulty[, verbosity]) -> Problem
     default_difficulty: int
+    max_verbosity: int = 0  # the worked solution's wordings: same problems and answers, longer solutions
 
 
 DOMAINS: dict[str, Domain] = {
     d.name: d
     for d in (
-        Domain("arith_add", "arithmetic", make_add, 2),
+        Domain("arith_add", "arithmetic", make_add, 2, max_verbosity=2),
         Domain("arith_sub", "arithmetic", make_sub, 2),
         Domain("prog_trace", "code", make_trace, 3),
         Domain("letter_count", "string", make_count, 8),
@@ -127,10 +147,17 @@ def is_heldout(key: str, heldout_percent: int) -> bool:
 
 
 def make_split(domain: str, split: str, count: int, difficulty: int | None = None, seed: int = 0,
-               heldout_percent: int = 10) -> list[Row]:
-    """`count` rows of one split. Held-out rows are distinct problems; train rows may repeat a problem."""
+               heldout_percent: int = 10, verbosity: int = 0) -> list[Row]:
+    """`count` rows of one split. Held-out rows are distinct problems; train rows may repeat a problem.
+
+    `verbosity` changes only the worked solutions' wording (the length sweep): the problems, their split and
+    answers are those of verbosity 0."""
     spec = DOMAINS[domain]
     difficulty = difficulty or spec.default_difficulty
+    if not 0 <= verbosity <= spec.max_verbosity:
+        raise ValueError(f"{domain}: verbosity must be in 0..{spec.max_verbosity}, got {verbosity} "
+                         f"(only arith_add has longer worded solutions)")
+    extra = {"verbosity": verbosity} if verbosity else {}
     rng = random.Random(f"{domain}/{difficulty}/{split}/{seed}")
     want_heldout = split != "train"
     rows, seen, attempts = [], set(), 0
@@ -139,7 +166,7 @@ def make_split(domain: str, split: str, count: int, difficulty: int | None = Non
         if attempts > 200 * count:
             raise ValueError(f"{domain} at difficulty {difficulty} has too few distinct {split} problems for "
                              f"{count} rows; lower the count or raise the difficulty")
-        problem = spec.make(rng, difficulty)
+        problem = spec.make(rng, difficulty, **extra)
         if is_heldout(problem.key, heldout_percent) != want_heldout or (want_heldout and problem.key in seen):
             continue
         seen.add(problem.key)

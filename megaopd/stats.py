@@ -1,0 +1,106 @@
+"""Uncertainty for the study report: bootstrap intervals and three-way verdicts, as pure functions on numbers.
+
+The report resamples held-out prompts (and seeds, when there are several) and recomputes every number from each
+resample; this module holds the statistics around that: percentile intervals from the replicates, the standard
+error of an accuracy, the seed-level bootstrap of a mean, and the verdict of a claim "value OP threshold" given an
+interval (reproduced / not reproduced / inconclusive when the interval straddles the threshold).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+LEVEL = 0.95  # two-sided coverage of every interval
+REPLICATES = 1000  # bootstrap replicates per study directory
+OPS = (">", ">=", "<", "<=")
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
+NOT_MEASURED = "not measured in this study"
+
+
+def percentile_interval(values: Sequence[float | None], level: float = LEVEL) -> tuple[float, float] | None:
+    """Percentile interval from order statistics (values may be +-inf; None and nan count as undefined).
+
+    The lower end is the floor(a/2 * n)-th smallest defined value and the upper the ceil((1 - a/2) * n)-th, so
+    that infinite values (a target never reached) order correctly without interpolating. None if none is defined.
+    """
+    defined = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not defined:
+        return None
+    tail = (1 - level) / 2
+    lo = defined[min(len(defined) - 1, math.floor(tail * len(defined)))]
+    hi = defined[max(0, math.ceil((1 - tail) * len(defined)) - 1)]
+    return float(lo), float(hi)
+
+
+def defined_fraction(values: Sequence[float | None]) -> float:
+    """Share of replicates where the number exists (e.g. a ratio needs both curves to reach the target)."""
+    return sum(v is not None and not math.isnan(v) for v in values) / len(values) if values else 0.0
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and its standard error, sqrt(sample variance / n) (for 0/1 rewards: ~sqrt(p(1-p)/n)); se 0 if n < 2."""
+    x = np.asarray(values, dtype=float)
+    if x.size == 0:
+        raise ValueError("mean_and_se of no values")
+    se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
+    return float(x.mean()), se
+
+
+def resample(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n indices drawn with replacement from range(n): one bootstrap resample of n items."""
+    return rng.integers(0, n, size=n)
+
+
+def seed_bootstrap(per_seed: Sequence[Sequence[float | None]], rng: np.random.Generator,
+                   replicates: int = REPLICATES) -> list[float | None]:
+    """Replicates of the mean over seeds: draw the seeds with replacement, then one prompt-level replicate of each.
+
+    per_seed[s] holds seed s's replicates of the number (None where undefined); a draw with an undefined value
+    is undefined. This two-level bootstrap carries both the seed-to-seed spread and each seed's prompt noise.
+    """
+    arrays = [np.array([np.nan if v is None else v for v in values], dtype=float) for values in per_seed]
+    if not arrays or any(a.size == 0 for a in arrays):
+        raise ValueError("seed_bootstrap needs at least one replicate for every seed")
+    out: list[float | None] = []
+    for _ in range(replicates):
+        seeds = rng.integers(0, len(arrays), size=len(arrays))
+        draws = [arrays[s][rng.integers(0, arrays[s].size)] for s in seeds]
+        value = float(np.mean(draws))
+        out.append(None if math.isnan(value) else value)
+    return out
+
+
+def holds(value: float, op: str, threshold: float) -> bool:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    return {">": value > threshold, ">=": value >= threshold, "<": value < threshold,
+            "<=": value <= threshold}[op]
+
+
+def verdict(interval: tuple[float, float] | None, op: str, threshold: float, point: float | None = None) -> str:
+    """A claim "value OP threshold": reproduced when the whole interval satisfies it, not reproduced when none of
+    it does, inconclusive when it straddles the threshold. Without an interval, the point decides (two-way)."""
+    if interval is None:
+        if point is None:
+            return NOT_MEASURED
+        return REPRODUCED if holds(point, op, threshold) else NOT_REPRODUCED
+    lo, hi = interval
+    if holds(lo, op, threshold) and holds(hi, op, threshold):
+        return REPRODUCED
+    if not holds(lo, op, threshold) and not holds(hi, op, threshold):
+        return NOT_REPRODUCED
+    return INCONCLUSIVE
+
+
+def combine(verdicts: Sequence[str]) -> str:
+    """A finding made of several claims (pairs, domains) holds when all do: one clear failure decides it, else any
+    inconclusive claim leaves it inconclusive."""
+    measured = [v for v in verdicts if v != NOT_MEASURED]
+    if not measured:
+        return NOT_MEASURED
+    if NOT_REPRODUCED in measured:
+        return NOT_REPRODUCED
+    return INCONCLUSIVE if INCONCLUSIVE in measured else REPRODUCED
