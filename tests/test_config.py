@@ -73,8 +73,12 @@ def test_enumerated_values_load_and_a_far_miss_lists_the_choices():
 def test_every_shipped_config_loads():
     from pathlib import Path
 
+    from megaopd.launch.slurm import load_launch
+
     paths = sorted(Path(__file__).parents[1].glob("configs/**/*.yaml"))
     assert paths
     for path in paths:
-        if "studies" not in path.parts:
+        if path.name.startswith("launch"):  # a launch file (megaopd submit / rehearse --launch)
+            load_launch(path)
+        elif "studies" not in path.parts:
             load_config(path)

@@ -198,7 +198,11 @@ def pip_problems(args: list[str]) -> list[str]:
 
 def command_problems(text: str) -> list[str]:
     problems = []
-    for tokens in segments(text):
+    try:
+        parsed = segments(text)
+    except ValueError as e:  # e.g. an unbalanced quote: a reader pasting it gets a shell error
+        return [f"not a shell command line ({e})"]
+    for tokens in parsed:
         problems += path_problems(tokens)
         for i, token in enumerate(tokens):
             after = tokens[i + 1:]
