@@ -50,27 +50,11 @@ def sglang_rollout(model: Path, data: Path, work: Path) -> dict:
 
 def weight_sync(model: Path, work: Path, method: str) -> dict:
     """One perturbed update pushed to a fresh server by `method` and verified (version and logprob probe)."""
-    from megaopd.policy import HFPolicy
-    from megaopd.serving.engine import SGLangEngine
+    from gpu_sglang_sync import timed_sync  # bench/ is this script's directory
 
-    cfg = load_config(None, [f"run_dir={work / ('sync_' + method)}", f"model.path={model}", "model.device=cuda",
-                             "model.dtype=bfloat16", "rollout.engine=sglang", f"rollout.sglang.sync={method}",
-                             "rollout.sglang.probe_tolerance=5e-2",
-                             "rollout.sglang.server_args=[--mem-fraction-static, 0.3]"])
-    policy = HFPolicy(cfg.model)
-    engine = SGLangEngine(cfg, policy)
-    try:
-        with torch.no_grad():
-            for p in policy.model.parameters():
-                p.mul_(1.01)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.sync_weights(policy)  # raises StaleWeightsError unless the server serves the new weights
-        seconds = time.perf_counter() - start
-    finally:
-        engine.close()
-    billions = sum(p.numel() for p in policy.model.parameters()) / 1e9
-    return {"verified": engine.weight_version == 1, "seconds": seconds, "seconds_per_billion": seconds / billions}
+    seconds, version, billions = timed_sync(str(model), method, str(work / f"sync_{method}"), tolerance=5e-2,
+                                            mem_fraction=0.3)
+    return {"verified": version == 1, "seconds": seconds, "seconds_per_billion": seconds / billions}
 
 
 def train_run(model: Path, data: Path, work: Path, algorithm: str, steps: int = 20, teacher: Path | None = None,

@@ -24,6 +24,29 @@ from megaopd.policy import HFPolicy
 from megaopd.serving.engine import SGLangEngine
 
 
+def timed_sync(model: str, method: str, run_dir: str, dtype: str = "bfloat16", tolerance: float = 2e-2,
+               mem_fraction: float = 0.4) -> tuple[float, int, float]:
+    """Launch one server, perturb the policy (as an update would), sync by `method` and let the engine verify it.
+    Returns (seconds of sync + verification, the served weight version, billions of parameters)."""
+    cfg = load_config(None, [f"run_dir={run_dir}", f"model.path={model}", "model.device=cuda", f"model.dtype={dtype}",
+                             "rollout.engine=sglang", f"rollout.sglang.sync={method}",
+                             f"rollout.sglang.probe_tolerance={tolerance}",
+                             f"rollout.sglang.server_args=[--mem-fraction-static, {mem_fraction}]"])
+    policy = HFPolicy(cfg.model)
+    engine = SGLangEngine(cfg, policy)
+    try:
+        with torch.no_grad():
+            for p in policy.model.parameters():
+                p.mul_(1.01)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.sync_weights(policy)  # raises StaleWeightsError unless the server serves the new weights
+        seconds = time.perf_counter() - start
+    finally:
+        engine.close()
+    return seconds, engine.weight_version, sum(p.numel() for p in policy.model.parameters()) / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="HF model directory (bf16 or fp32)")
@@ -36,23 +59,8 @@ def main() -> None:
 
     for method in args.methods:
         with tempfile.TemporaryDirectory() as run_dir:
-            cfg = load_config(None, [f"run_dir={run_dir}", f"model.path={args.model}", "model.device=cuda",
-                                     f"model.dtype={args.dtype}", "rollout.engine=sglang", f"rollout.sglang.sync={method}",
-                                     f"rollout.sglang.probe_tolerance={args.tolerance}",
-                                     "rollout.sglang.server_args=[--mem-fraction-static, 0.4]"])
-            policy = HFPolicy(cfg.model, cfg.optim)
-            engine = SGLangEngine(cfg, policy)
-            try:
-                with torch.no_grad():
-                    for p in policy.model.parameters():
-                        p.mul_(1.01)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                engine.sync_weights(policy)  # raises StaleWeightsError unless the server serves the new weights
-                seconds = time.perf_counter() - start
-                print(f"{method:12s} sync + verify {seconds:7.2f} s  version {engine.weight_version}  OK", flush=True)
-            finally:
-                engine.close()
+            seconds, version, _ = timed_sync(args.model, method, run_dir, args.dtype, args.tolerance)
+            print(f"{method:12s} sync + verify {seconds:7.2f} s  version {version}  OK", flush=True)
 
 
 if __name__ == "__main__":
