@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 tests/megatron_shapes_worker.py STUDENT_DIR TEACHER_DIR OUT.json
 
 The vocabulary (151,936 for Qwen3) is padded to a multiple of 128 * tp = 256 (152,064) and split over the two
-ranks; the log-softmax and the full-vocabulary KL run on each rank's 76,032 columns. HF runs on rank 0 only (its
+ranks; the log-softmax and the top-K + tail KL run on each rank's 76,032 columns. HF runs on rank 0 only (its
 AdamW copy of a 0.19B-parameter model is the largest thing here); rank 0 writes what it measured.
 """
 
@@ -23,8 +23,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig  # noqa: E402
 from megaopd.megatron.policy import MegatronPolicy  # noqa: E402
-from megaopd.objectives import GRPO, OPD  # noqa: E402
+from megaopd.objectives import GRPO, OPD, tail_logprob  # noqa: E402
 from megaopd.policy import HFPolicy  # noqa: E402
+
+TOPK = 64  # teacher entries per position; the rest of the vocabulary is the tail bucket
 
 
 def main() -> None:
@@ -57,20 +59,24 @@ def main() -> None:
 
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
     steps = []
-    for step, objective in enumerate((GRPO(GRPOConfig(), group_size=3), OPD(OPDConfig(form="full_vocab")))):
+    # OPD as the megatron backend runs it at this vocabulary: the teacher's top-K plus the tail bucket, whose KL over
+    # the vocab-parallel student logits needs the all-reduces across both ranks' 76,032 columns.
+    for step, objective in enumerate((GRPO(GRPOConfig(), group_size=3), OPD(OPDConfig(form="topk", topk=TOPK)))):
         batch = w.make_batch(259, seed=10 + step)
         batch.old_logprobs = megatron.logprobs(batch, w.MBS)
         with torch.no_grad():
-            batch.teacher_full_logprobs = teacher(input_ids=batch.input_ids).logits[:, :-1].log_softmax(-1)
-        batch.teacher_logprobs = batch.teacher_full_logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) \
+            teacher_full = teacher(input_ids=batch.input_ids).logits[:, :-1].log_softmax(-1)
+        batch.teacher_topk_logprobs, batch.teacher_topk_ids = teacher_full.topk(TOPK, dim=-1)
+        batch.teacher_tail = tail_logprob(teacher_full, batch.teacher_topk_ids)
+        batch.teacher_logprobs = teacher_full.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) \
             * batch.response_mask
         if isinstance(objective, GRPO):
             batch.advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.9, -1.2])[:, None] * batch.response_mask
         else:
             objective.prepare(batch, [])
-        m = megatron.train_minibatch(batch, objective.token_loss, w.MBS, objective.full_vocab)
+        m = megatron.train_minibatch(batch, objective.token_loss, w.MBS, objective.vocab_term)
         if rank0:
-            h = hf.train_minibatch(batch, objective.token_loss, w.MBS, objective.full_vocab)
+            h = hf.train_minibatch(batch, objective.token_loss, w.MBS, objective.vocab_term)
             steps.append({"objective": type(objective).__name__, "loss_hf": h["loss"],
                           "loss": abs(m["loss"] - h["loss"]), "grad_norm_hf": h["grad_norm"],
                           "grad_norm": abs(m["grad_norm"] - h["grad_norm"])})

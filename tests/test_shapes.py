@@ -161,18 +161,9 @@ def test_megatron_tp2_matches_hf_at_full_vocab(megatron_tp2):
     assert [s["objective"] for s in result["steps"]] == ["GRPO", "OPD"]
     for step in result["steps"]:
         assert step["loss"] < TP_TOLERANCE * max(1.0, abs(step["loss_hf"])), step
-    grpo = result["steps"][0]
-    assert grpo["grad_norm"] < 1e-3 * grpo["grad_norm_hf"], grpo
+    for step in result["steps"]:  # GRPO, then top-K + tail OPD over the vocab-parallel logits
+        assert step["grad_norm"] < 1e-3 * step["grad_norm_hf"], step
     assert result["weights_after_steps"] < TP_TOLERANCE  # both steps moved the weights the same way
-
-
-@pytest.mark.xfail(strict=True, reason="found by this tier, not root-caused: after a full-vocabulary OPD step at "
-                   "TP=2 and V=151,936 Megatron reports a grad norm 1% off HF's (6.0e-4 of 5.8e-2) while the losses "
-                   "agree to 1e-7 (the weights after it agree to 2.4e-7, but with the GRPO step's Adam moments that cannot "
-                   "tell a 1% gradient difference); the tiny tier agrees to 1e-5")
-def test_megatron_tp2_full_vocab_grad_norm_matches_hf(megatron_tp2):
-    opd = megatron_tp2["steps"][1]
-    assert opd["grad_norm"] < 1e-3 * opd["grad_norm_hf"], opd
 
 
 @pytest.mark.sglang
