@@ -300,7 +300,8 @@ def test_two_domain_study_runs_on_four_nodes_through_megaopd_submit(cluster, tmp
 def test_preempted_multinode_stage_requeues_and_resumes_with_the_same_ledger(cluster, tmp_path):
     """Two identical megatron GRPO stages on 2 nodes each, side by side; one gets USR1 mid-stage (what
     `#SBATCH --signal=B:USR1@N` sends): it checkpoints, requeues, resumes and ends with its twin's ledger."""
-    same = ["data.train={add}", "train.steps=6", "rollout.samples_per_prompt=4"]
+    # Long enough that USR1, sent once step 2 is logged, lands mid-stage on an idle machine too (0.7 s a step)
+    same = ["data.train={add}", "train.steps=30", "rollout.samples_per_prompt=4"]
     ids = submit_study(cluster, tmp_path, [stage("steady", "grpo.yaml", *same),
                                            stage("preempted", "grpo.yaml", *same)], cpu_launch(nodes=2))
     metrics = tmp_path / "out" / "preempted" / "metrics.jsonl"
@@ -317,7 +318,7 @@ def test_preempted_multinode_stage_requeues_and_resumes_with_the_same_ledger(clu
     assert job_state(cluster, ids["steady"])["Restarts"] == "0"
     assert "requeueing job" in log and "resumed" in log
     assert [restart for _, restart, *_ in LAYOUT.findall(log)] == ["0", "1"]
-    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == 6
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == 30
     ledgers = {name: json.loads((tmp_path / "out" / name / "summary.json").read_text())["ledger"]["own"]
                for name in ("steady", "preempted")}
     assert ledgers["preempted"] == ledgers["steady"]
