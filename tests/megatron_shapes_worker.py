@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig  # noqa: E402
 from megaopd.megatron.policy import MegatronPolicy  # noqa: E402
-from megaopd.objectives import GRPO, OPD, tail_logprob  # noqa: E402
+from megaopd.objectives import GRPO, OPD  # noqa: E402
 from megaopd.policy import HFPolicy  # noqa: E402
 
 TOPK = 64  # teacher entries per position; the rest of the vocabulary is the tail bucket
@@ -64,12 +64,7 @@ def main() -> None:
     for step, objective in enumerate((GRPO(GRPOConfig(), group_size=3), OPD(OPDConfig(form="topk", topk=TOPK)))):
         batch = w.make_batch(259, seed=10 + step)
         batch.old_logprobs = megatron.logprobs(batch, w.MBS)
-        with torch.no_grad():
-            teacher_full = teacher(input_ids=batch.input_ids).logits[:, :-1].log_softmax(-1)
-        batch.teacher_topk_logprobs, batch.teacher_topk_ids = teacher_full.topk(TOPK, dim=-1)
-        batch.teacher_tail = tail_logprob(teacher_full, batch.teacher_topk_ids)
-        batch.teacher_logprobs = teacher_full.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) \
-            * batch.response_mask
+        w.set_teacher_targets(batch, teacher, TOPK)
         if isinstance(objective, GRPO):
             batch.advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.9, -1.2])[:, None] * batch.response_mask
         else:

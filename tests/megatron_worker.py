@@ -109,6 +109,15 @@ def negative_control(assets: Path, tp: int, pp: int) -> dict:
     return {"swapped_gate_up_logits": max_diff(policy.logits(batch, MBS)[real], ref[real])}
 
 
+def set_teacher_targets(batch, teacher, topk: int) -> None:
+    """The teacher's top-k logprobs, tail bucket and sampled-token logprobs on `batch`, from its full forward."""
+    with torch.no_grad():
+        teacher_full = teacher(input_ids=batch.input_ids).logits[:, :-1].log_softmax(-1)
+    batch.teacher_topk_logprobs, batch.teacher_topk_ids = teacher_full.topk(topk, dim=-1)
+    batch.teacher_tail = tail_logprob(teacher_full, batch.teacher_topk_ids)
+    batch.teacher_logprobs = teacher_full.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) * batch.response_mask
+
+
 def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
     """GRPO then OPD (top-16 + tail for Qwen3, sampled-token for Llama) on both backends from the same state."""
     results = {}
@@ -122,12 +131,7 @@ def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict
             old = hf.logprobs(batch, MBS)
             noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(step)) * 0.3
             batch.old_logprobs = (old + noise) * batch.response_mask  # ratios away from 1: clipping is exercised
-            with torch.no_grad():
-                teacher_full = teacher(input_ids=batch.input_ids).logits[:, :-1].log_softmax(-1)
-            batch.teacher_topk_logprobs, batch.teacher_topk_ids = teacher_full.topk(TOPK, dim=-1)
-            batch.teacher_tail = tail_logprob(teacher_full, batch.teacher_topk_ids)
-            batch.teacher_logprobs = teacher_full.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) \
-                * batch.response_mask
+            set_teacher_targets(batch, teacher, TOPK)
             if isinstance(objective, GRPO):
                 batch.advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.9, -1.2])[:, None] * batch.response_mask
             else:
