@@ -297,10 +297,6 @@ def test_two_domain_study_runs_on_four_nodes_through_megaopd_submit(cluster, tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # its jobs have 600 s; 173 s measured on a loaded machine
-@pytest.mark.xfail(strict=False, reason="open bug, seen in 2 of 3 runs on an idle machine: torchrun's agent treats the "
-                   "forwarded USR1 as a shutdown and signals each worker's process group, which kills the "
-                   "multiprocessing Manager that megatron's dist-checkpoint writer forks for the preemption save "
-                   "(EOFError in filesystem_async._get_write_results_queue); the requeued job then starts from step 0")
 def test_preempted_multinode_stage_requeues_and_resumes_with_the_same_ledger(cluster, tmp_path):
     """Two identical megatron GRPO stages on 2 nodes each, side by side; one gets USR1 mid-stage (what
     `#SBATCH --signal=B:USR1@N` sends): it checkpoints, requeues, resumes and ends with its twin's ledger."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -32,6 +31,7 @@ from megaopd.batch import TokenBatch
 from megaopd.config import ModelConfig, OptimConfig
 from megaopd.flops import ModelShape, train_flops
 from megaopd.megatron import bridge as hf_bridge
+from megaopd.megatron import checkpoint
 from megaopd.megatron.fp8 import fp8_overrides, use_te_spec
 from megaopd.megatron.mfu import step_perf
 from megaopd.megatron.parallel import init_model_parallel, student_layout, teacher_layout
@@ -363,10 +363,7 @@ class MegatronPolicy:
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Megatron's distributed checkpoint (model + optimizer), loadable at another TP/PP (collective)."""
-        from megatron.core import dist_checkpointing
-
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(self.sharded_state_dict(), str(directory))
+        checkpoint.save(self.sharded_state_dict(), directory)
         if dist.get_rank() == 0:
             torch.save({"steps": self.steps}, Path(directory) / "megaopd_policy.pt")
         dist.barrier()
@@ -396,9 +393,8 @@ class MegatronPolicy:
             raise ValueError("this MegatronPolicy has no checkpoint_dir (build_policy sets one per run)")
         directory = self.checkpoint_dir / f"step_{self.steps:07d}"
         self.save_checkpoint(directory)
-        if dist.get_rank() == 0 and self.keep > 0:
-            for old in sorted(self.checkpoint_dir.glob("step_*"))[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        if dist.get_rank() == 0:
+            checkpoint.keep_newest(self.checkpoint_dir, self.keep)
         return {"dist_checkpoint": str(directory), "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
