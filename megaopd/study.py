@@ -89,11 +89,15 @@ def seed_studies(study: StudyConfig) -> list[StudyConfig]:
     return [replace(study, seed=s, seeds=[], out=f"{study.out}/seed_{s}") for s in study.seeds]
 
 
+def stage_overrides(study: StudyConfig, stage: StageConfig) -> list[str]:
+    """The overrides a stage's config runs with, here and on Slurm: the study's seed, then the stage's own."""
+    return [f"train.seed={study.seed}"] + [study.substitute(o) for o in stage.overrides]
+
+
 def stage_config(study: StudyConfig, stage: StageConfig) -> RunConfig:
     if stage.method not in METHODS:
         raise ValueError(f"stage {stage.name!r}: method must be one of {METHODS}, got {stage.method!r}")
-    overrides = [study.substitute(o) for o in stage.overrides]
-    return load_config(stage.config, [f"train.seed={study.seed}"] + overrides + [f"run_dir={study.out}/{stage.name}"])
+    return load_config(stage.config, stage_overrides(study, stage) + [f"run_dir={study.out}/{stage.name}"])
 
 
 def build_assets(study: StudyConfig) -> None:

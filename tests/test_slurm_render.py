@@ -61,7 +61,8 @@ def test_gpu_study_plan_nodes_dependencies_and_signals(tmp_path):
     assert jobs["base"].after == ["assets"]
     assert jobs["grpo"].after == ["assets", "base"]
     assert jobs["opd_self"].after == ["assets", "base", "grpo"]
-    assert jobs["report"].after == ["base", "grpo", "opd_self"]
+    assert jobs["report"].after == ["assets", "base", "grpo", "opd_self"]
+    assert "train.seed=0" in train_args(jobs["grpo"].script)  # the study's seed, as `megaopd study` passes it
 
     # SFT: trainers only; GRPO: + 1 rollout node; OPD: + 1 rollout node + 1 teacher node.
     for name, nodes in (("base", 2), ("grpo", 3), ("opd_self", 4)):
@@ -277,7 +278,23 @@ def test_single_node_script_forwards_usr1_and_requeues(tmp_path):
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert "trainer got USR1" in calls and "scontrol requeue 42" in calls
     (train,) = [c for c in calls if c.startswith("srun")]
-    assert f"-m megaopd.cli train {study.stages[1].config} model.path={study.out}/base/final" in train
+    assert f"-m megaopd.cli train {study.stages[1].config} train.seed=0 model.path={study.out}/base/final" in train
+
+
+def test_seeds_submit_one_study_per_seed_and_one_report(tmp_path):
+    study = demo_study(tmp_path / "demo")
+    study.seeds = [3, 4]
+    jobs = {job.name: job for job in plan(study, LaunchConfig())}
+    per_seed = ["assets", "base", "grpo", "opd_self"]
+    assert list(jobs) == [f"seed_{s}.{n}" for s in (3, 4) for n in per_seed] + ["report"]
+    assert jobs["seed_4.grpo"].after == ["seed_4.assets", "seed_4.base"]
+    assert jobs["report"].after == list(jobs)[:-1]
+    for s in (3, 4):
+        script = jobs[f"seed_{s}.grpo"].script
+        assert f"train.seed={s}" in script and f"run_dir={study.out}/seed_{s}/grpo" in script
+        assert f"--output={study.out}/seed_{s}/slurm/logs/%x-%j.out" in sbatch_options(script)
+        assert f"{study.out}/seed_{s}/slurm/study.yaml" in jobs[f"seed_{s}.assets"].script
+    assert f"{study.out}/slurm/study.yaml" in jobs["report"].script  # the study with its seeds: all in one report
 
 
 def test_independent_stages_run_side_by_side(tmp_path):

@@ -14,19 +14,21 @@ import sys
 from pathlib import Path
 
 from megaopd.config import load_config
-from megaopd.study import StudyConfig, accuracy_flops_table, build_assets, stage_is_done
+from megaopd.study import StudyConfig, accuracy_flops_table, build_assets, seed_studies, stage_is_done
 
 
 def write_report(study: StudyConfig) -> str:
-    run_dirs = [Path(study.out) / s.name for s in study.stages]
-    missing = [d.name for d in run_dirs if not stage_is_done(d)]
+    """The accuracy-vs-FLOPs table of every stage (of every seed), and the study report over all seeds."""
+    outs = [Path(one.out) for one in seed_studies(study)]
+    run_dirs = [out / s.name for out in outs for s in study.stages]
+    missing = [str(d.relative_to(study.out)) for d in run_dirs if not stage_is_done(d)]
     if missing:  # afterok should make this impossible; say so rather than print a partial table
         raise SystemExit(f"megaopd: stages not finished: {', '.join(missing)}")
     from megaopd import report
 
     table = accuracy_flops_table(run_dirs)
     (Path(study.out) / "report.txt").write_text(table + "\n")
-    report.write_report([study.out])  # report.md, plots and report.json under {out}/report
+    report.write_report(outs, Path(study.out) / "report")  # report.md, plots and report.json
     return table
 
 

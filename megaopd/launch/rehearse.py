@@ -161,7 +161,8 @@ def rehearsal_study(study: StudyConfig, out: Path, steps: int, stages: list[str]
         rehearsal.append(dataclasses.replace(stage, overrides=[*stage.overrides, *extra, *small(steps)]))
     domains = sorted({domain for _, domain, _ in data.values()})
     assets = AssetsConfig(presets=sorted(set(models.values())), domains=domains, train_rows=20, heldout_rows=20)
-    return dataclasses.replace(study, out=str(out), assets=assets, stages=rehearsal)
+    # One seed: the layout and the scripts are the same for every seed.
+    return dataclasses.replace(study, out=str(out), assets=assets, stages=rehearsal, seeds=[])
 
 
 def write_standin_data(study: StudyConfig, out: Path, rows: int = 200) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from megaopd.config import ConfigError, RunConfig, from_dict, load_config, to_dict
 from megaopd.launch.server_tp import server_tp
-from megaopd.study import StageConfig, StudyConfig, stage_is_done
+from megaopd.study import StageConfig, StudyConfig, seed_studies, stage_is_done, stage_overrides
 
 # The templates live beside the package in a source checkout (also the layout inside the Docker images).
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
@@ -122,7 +122,22 @@ def absolute_study(study: StudyConfig) -> StudyConfig:
 
 
 def plan(study: StudyConfig, launch: LaunchConfig) -> list[Job]:
-    """The jobs to submit, in submission order; ``study`` must be absolute (see ``absolute_study``)."""
+    """The jobs to submit, in submission order; ``study`` must be absolute (see ``absolute_study``).
+
+    With ``seeds``, each seed's jobs run the study in {out}/seed_<s> (names prefixed ``seed_<s>.``) and one report
+    job covers them all, as ``megaopd study`` does in one process.
+    """
+    jobs = []
+    for one in seed_studies(study):
+        prefix = f"seed_{one.seed}." if study.seeds else ""
+        jobs += [Job(prefix + job.name, job.script, [prefix + name for name in job.after])
+                 for job in stage_jobs(one, launch)]
+    jobs.append(Job("report", render_job(study, "report", launch, "report"), [job.name for job in jobs]))
+    return jobs
+
+
+def stage_jobs(study: StudyConfig, launch: LaunchConfig) -> list[Job]:
+    """The assets job (when the study builds any) and every stage not finished yet, upstream stages first."""
     out = Path(study.out)
     deps = dependencies(study)
     stages = {s.name: s for s in study.stages}
@@ -134,7 +149,6 @@ def plan(study: StudyConfig, launch: LaunchConfig) -> list[Job]:
     for name in todo:
         after = (["assets"] if has_assets else []) + [d for d in deps[name] if d in todo]
         jobs.append(Job(name, render_stage(study, stages[name], for_stage(launch, name)), after))
-    jobs.append(Job("report", render_job(study, "report", launch, "report"), list(todo)))
     return jobs
 
 
@@ -152,7 +166,7 @@ def render_job(study: StudyConfig, name: str, launch: LaunchConfig, action: str)
 
 def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -> str:
     """The batch script of one stage; ``launch`` is already the stage's own (see ``for_stage``)."""
-    args = [study.substitute(o) for o in stage.overrides] + launch.overrides
+    args = stage_overrides(study, stage) + launch.overrides
     cfg = load_config(stage.config, args + [f"run_dir={study.out}/{stage.name}"])  # fails here, not in the queue
     rl = cfg.train.algorithm in ("grpo", "opd")
     rollout_nodes = launch.rollout_nodes if rl else 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megaopd.config import ConfigError, load_config, save_config
 from megaopd.launch.slurm import Job, absolute_study, load_launch, plan, study_file
-from megaopd.study import StudyConfig
+from megaopd.study import StudyConfig, seed_studies
 
 
 def sbatch_command(job: Job, script: Path, ids: dict[str, str]) -> list[str]:
@@ -30,8 +30,9 @@ def sbatch_command(job: Job, script: Path, ids: dict[str, str]) -> list[str]:
 def submit(study: StudyConfig, jobs: list[Job]) -> dict[str, str]:
     """Write the scripts under {out}/slurm/ and submit them in order; returns job name -> Slurm job id."""
     slurm_dir = Path(study.out) / "slurm"
-    (slurm_dir / "logs").mkdir(parents=True, exist_ok=True)  # sbatch does not create the --output directory
-    save_config(study, study_file(study))
+    for one in {study.out: study} | {s.out: s for s in seed_studies(study)}.values():  # each seed's jobs read its own
+        (Path(one.out) / "slurm" / "logs").mkdir(parents=True, exist_ok=True)  # sbatch does not create --output's
+        save_config(one, study_file(one))
     ids: dict[str, str] = {}
     for job in jobs:
         script = slurm_dir / f"{job.name}.sbatch"

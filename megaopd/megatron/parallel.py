@@ -24,12 +24,12 @@ def init_distributed() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
-        try:  # megatron-core calls CUDA directly; only the test suite redirects those calls to the CPU
+        try:  # megatron-core calls CUDA directly; only the CPU rehearsal entry point redirects those calls
             torch.cuda.current_device()
         except (AssertionError, RuntimeError):
             raise RuntimeError("model.backend=megatron needs CUDA GPUs (megatron-core calls CUDA directly); on CPU "
-                               "it runs only inside the test suite, which redirects those calls "
-                               "(tests/megatron_cpu.py). Use model.backend=hf on CPU.") from None
+                               "it runs only under the rehearsal entry point, which redirects those calls "
+                               "(torchrun ... -m megaopd.megatron.cpu_launch). Use model.backend=hf on CPU.") from None
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
