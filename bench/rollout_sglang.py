@@ -30,10 +30,7 @@ from megaopd.data.rows import load_rows  # noqa: E402
 from megaopd.policy import HFPolicy  # noqa: E402
 from megaopd.rollout import LocalEngine  # noqa: E402
 from megaopd.serving.engine import SGLangEngine  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                   "--skip-server-warmup", "--mem-fraction-static", "0.05"]
+from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env  # noqa: E402
 
 
 def tokens_per_second(engine, rows, n: int, max_new: int, seed: int) -> tuple[float, int]:
@@ -64,9 +61,8 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(None, [f"run_dir={run_dir}", f"model.path={model}", "rollout.engine=sglang",
                                  "rollout.sglang.max_total_tokens=16384"])
-        cfg.rollout.sglang.server_args = CPU_SERVER_ARGS
-        cfg.rollout.sglang.env = {"PYTHONPATH": str(REPO / "tests" / "sglang_cpu"),
-                                  "OMP_NUM_THREADS": str(a.threads)}
+        cfg.rollout.sglang.server_args = cpu_server_args(0.05)
+        cfg.rollout.sglang.env = cpu_server_env(a.threads)
         cfg.rollout.sglang.urls = [a.url] if a.url else []
         policy = HFPolicy(cfg.model)
         policy.model.eval()

@@ -48,6 +48,14 @@ def test_the_shipped_layout_passes_and_layout_mistakes_are_caught(tmp_path):
     problems = rehearse.layout_problems(cluster_study(f"vars.student={model}"), odd)
     assert any(p.startswith("stage expert_math") and "16 attention heads / 8 KV heads do not split over tp=3" in p
                for p in problems), problems
+    # Not readable here (the cluster's /models): the published shape that the directory is named after.
+    problems = rehearse.layout_problems(cluster_study(), odd)
+    assert any(p.startswith("stage expert_math") and "model.path=/models/Qwen3-1.7B: 16 attention heads / 8 KV "
+               "heads do not split over tp=3" in p for p in problems), problems
+    assert any("model.path=/models/Qwen3-8B: 32 attention heads / 8 KV heads" in p for p in problems), problems
+    assert rehearse.published_shape("/models/Qwen3-8B-Base") == rehearse.REAL_SHAPES["qwen3-8b"]
+    assert rehearse.published_shape("/models/Llama-3.1-8B-Instruct").layers == 32
+    assert rehearse.published_shape("/models/qwen3-8bx") is None and rehearse.published_shape("/models/m") is None
     unknown_key = load_launch(LAUNCH, ["overrides=[model.backend=megatron, model.megatron.tpp=2]"])
     (problem,) = rehearse.layout_problems(cluster_study(), unknown_key)
     assert problem.startswith("the study does not render") and "tpp" in problem

@@ -27,16 +27,11 @@ from megaopd.rollout import LocalEngine
 from megaopd.serving.engine import SGLangEngine, StaleWeightsError
 from megaopd.serving.pool import ServerPool
 from megaopd.serving.server import SGLangServer
+from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
 from megaopd.serving.teacher import SGLangTeacher
 from megaopd.trainer import Trainer
 
 pytestmark = pytest.mark.sglang
-STUBS = Path(__file__).parent / "sglang_cpu"  # import-only vllm stub SGLang's RoPE layer needs on plain CPU
-CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                   "--skip-server-warmup", "--mem-fraction-static", "0.5"]
-# --mem-fraction-static: SGLang compares free RAM before and after loading the weights with it, and other processes
-# on a shared CI machine move free RAM in between (0.05 failed to start 2 of 3 times so); --max-total-tokens (below)
-# still caps the KV cache.
 TOLERANCE = 1e-4  # fp32 on both sides; measured ~1e-6
 
 
@@ -55,8 +50,10 @@ def sglang_python() -> str:
 
 
 def server_config() -> SGLangConfig:
-    return SGLangConfig(python=sglang_python(), server_args=CPU_SERVER_ARGS, max_total_tokens=8192,
-                        env={"PYTHONPATH": str(STUBS), "OMP_NUM_THREADS": "1"}, startup_timeout_s=600,
+    return SGLangConfig(python=sglang_python(), max_total_tokens=8192, startup_timeout_s=600,
+                        # 0.5: SGLang compares free RAM before and after loading the weights with it, and other
+                        # processes on a shared CI machine move it in between (0.05 failed to start 2 of 3 times)
+                        server_args=cpu_server_args(0.5), env=cpu_server_env(),
                         request_timeout_s=120, retries=1)
 
 

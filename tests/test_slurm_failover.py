@@ -20,13 +20,11 @@ import yaml
 from megaopd.config import SGLangConfig
 from megaopd.serving.pool import ServerPool
 from megaopd.serving.server import ServerError, SGLangServer
+from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
 
 from test_slurm_multinode import cluster  # noqa: F401  (the 4-node CI cluster)
 
 ROOT = Path(__file__).resolve().parents[1]
-STUBS = ROOT / "tests" / "sglang_cpu"
-CPU_SERVER = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-              "--skip-server-warmup", "--mem-fraction-static", "0.8"]
 
 
 def test_pool_error_names_each_dead_server():
@@ -101,7 +99,7 @@ def test_killed_rollout_server_stops_the_stage_naming_it_and_a_resubmission_resu
     # One trainer node (Megatron on CPU) and one rollout node (an SGLang CPU server): a 2-node job.
     launch = [f"venv={sys.prefix}", f"workdir={ROOT}", "nodes=1", "gpus_per_node=1", "rollout_nodes=1",
               "trainer_module=megaopd.megatron.cpu_launch", f"sglang_python={sglang_python()}", "sglang_tp=1",
-              f"sglang_args={json.dumps(CPU_SERVER)}", f"sglang_env={{PYTHONPATH: {STUBS}, OMP_NUM_THREADS: '1'}}",
+              f"sglang_args={json.dumps(cpu_server_args())}", f"sglang_env={json.dumps(cpu_server_env())}",
               "overrides=[model.backend=megatron, model.device=cpu, model.dtype=float32]"]
     ids = submit(cluster, study, launch)
     metrics = out / "grpo" / "metrics.jsonl"

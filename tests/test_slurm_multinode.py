@@ -21,11 +21,11 @@ import yaml
 
 from megaopd.launch.local_cluster import NETNS_DIR, LocalCluster
 from megaopd.launch.slurm import LaunchConfig, render_stage
+from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
 from megaopd.study import StageConfig, StudyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "cluster_probe"  # the placement probe (trainer side) and a /health-only server
-SGLANG_STUBS = ROOT / "tests" / "sglang_cpu"  # the import-only vllm stub SGLang's RoPE layer needs on plain CPU
 # A few tiny steps per stage: these tests are about layouts, jobs and resumption, not learning.
 SMALL = ["eval.every=2", "eval.prompts_per_domain=4", "eval.final_prompts_per_domain=4", "checkpoint.every=2",
          "rollout.max_new_tokens=16", "train.prompts_per_step=4"]
@@ -207,12 +207,7 @@ def cpu_launch(**fields) -> dict:
     trainer node (one worker), SGLang CPU servers from their own environment."""
     return {"time": "00:20:00", "venv": sys.prefix, "workdir": str(ROOT), "gpus_per_node": 1,
             "trainer_module": "megaopd.megatron.cpu_launch", "sglang_tp": 1,
-            "sglang_args": ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                            "--skip-server-warmup",
-                            # Of the memory free at start-up; the KV cache stays within max_total_tokens anyway,
-                            # and a small fraction fails when other processes' memory moves during the load.
-                            "--mem-fraction-static", "0.8"],
-            "sglang_env": {"PYTHONPATH": str(SGLANG_STUBS), "OMP_NUM_THREADS": "1"},
+            "sglang_args": cpu_server_args(), "sglang_env": cpu_server_env(),
             "overrides": ["model.backend=megatron", "opd.form=sampled", "rollout.sglang.max_total_tokens=2048"],
             **fields}
 

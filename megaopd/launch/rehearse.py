@@ -37,17 +37,13 @@ from pathlib import Path
 from megaopd.config import ConfigError, load_config, save_config
 from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_split
+from megaopd.embedded import REAL_SHAPES, RealShape
 from megaopd.launch.local_cluster import LocalCluster
 from megaopd.launch.slurm import Job, LaunchConfig, absolute_study, for_stage, load_launch, plan
-from megaopd.study import AssetsConfig, StageConfig, StudyConfig
+from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
+from megaopd.study import AssetsConfig, StudyConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-# An import-only vllm stub that SGLang's RoPE layer needs on a plain CPU (shared/reference/sglang.md).
-SGLANG_CPU_STUBS = ROOT / "tests" / "sglang_cpu"
-# On CPU SGLang budgets weights + KV cache as a fraction of the whole machine's memory, counting what other
-# processes use: a small fraction fails on a busy machine. --max-total-tokens (the stage's) caps the KV cache.
-SGLANG_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                   "--skip-server-warmup", "--mem-fraction-static", "0.8"]
 # Launch fields that belong to the real site: replaced by the local cluster's, and reported as not rehearsed.
 SITE_FIELDS = ("partition", "account", "qos", "container_image", "container_mounts", "venv", "setup", "sbatch",
                "mem", "cpus_per_task", "sglang_python", "sglang_args", "sglang_env", "sglang_tp")
@@ -91,19 +87,30 @@ def layout_problems(study: StudyConfig, launch: LaunchConfig) -> list[str]:
 
 
 def shape_problems(model: str, tp: int, pp: int) -> list[str]:
-    """Heads and layers that do not split over TP and PP, from the model's config.json (none if unreadable)."""
+    """Heads and layers that do not split over TP and PP, from the model's config.json or, where that is not
+    readable here (the cluster's /models), the published shape its directory is named after (none if neither)."""
     try:
         config = json.loads((Path(model) / "config.json").read_text())
+        heads, layers = config.get("num_attention_heads", 0), config.get("num_hidden_layers", 0)
+        kv_heads = config.get("num_key_value_heads") or heads
     except (OSError, ValueError):
-        return []
-    heads, layers = config.get("num_attention_heads", 0), config.get("num_hidden_layers", 0)
-    kv_heads = config.get("num_key_value_heads") or heads
+        shape = published_shape(model)
+        if shape is None:
+            return []
+        heads, kv_heads, layers = shape.heads, shape.kv_heads, shape.layers
     out = []
     if heads % tp or kv_heads % tp:
         out.append(f"{heads} attention heads / {kv_heads} KV heads do not split over tp={tp}")
     if layers % pp:
         out.append(f"{layers} layers do not split over pp={pp}")
     return out
+
+
+def published_shape(model: str) -> RealShape | None:
+    """The REAL_SHAPES entry a model directory is named after: /models/Qwen3-8B or Qwen3-8B-Base -> qwen3-8b."""
+    name = Path(model).name.lower()
+    matches = [key for key in REAL_SHAPES if name == key or name.startswith(key + "-")]
+    return REAL_SHAPES[max(matches, key=len)] if matches else None
 
 
 # ---- 2. the rehearsal study and launch file ----
@@ -188,8 +195,8 @@ def rehearsal_launch(study: StudyConfig, launch: LaunchConfig, cap: int, sglang_
     local = dict(partition="", account="", qos="", container_image="", container_mounts=[], venv=sys.prefix,
                  workdir=str(ROOT), setup=[], sbatch=[], mem="", cpus_per_task=0, sglang_tp=1,
                  trainer_module="megaopd.megatron.cpu_launch", sglang_python=sglang_python,
-                 sglang_args=SGLANG_CPU_ARGS, server_start_timeout_s=900,
-                 sglang_env={"PYTHONPATH": str(SGLANG_CPU_STUBS), "OMP_NUM_THREADS": "1"})
+                 sglang_args=cpu_server_args(), server_start_timeout_s=900,
+                 sglang_env=cpu_server_env())
     base = dataclasses.replace(launch, **local, gpus_per_node=min(launch.gpus_per_node, cap),
                                overrides=[*launch.overrides, *ON_CPU], stages={})
     stages = {}
