@@ -1,22 +1,26 @@
-"""A study: a list of stages, each a normal run directory, run in order; a finished stage is reused and an
-interrupted one resumes from its last checkpoint.
+"""A study: a list of stages, each a normal run directory, run after the stages it names; a finished stage is
+reused and an interrupted one resumes from its last checkpoint.
 
     megaopd study configs/studies/self_teacher.yaml [seeds=[0,1,2]]
 
 Stage overrides may name ``{out}`` (the study directory) and any ``{var}`` of ``vars``; a stage's run directory
 is ``{out}/<name>`` and its trained model ``{out}/<name>/final``, which later stages use as their initial model or
-teacher.
+teacher. With ``workers: 2`` stages whose inputs are ready run side by side, one process each with ``threads``
+threads: a stage's numbers do not depend on where it ran (each seeds its own generators), only the wall time does.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import re
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from megaopd.config import RunConfig, load_config, save_config
+from megaopd.config import ConfigError, RunConfig, load_config, save_config
 from megaopd.embedded import make_embedded
 from megaopd.metrics import read_metrics
 from megaopd.trainer import FINAL_DIR, Trainer
@@ -63,6 +67,7 @@ class StudyConfig:
     # torch intra-op threads of the study process: results depend on the thread count (reduction order), so it is
     # a setting of the study, not of the environment (OMP_NUM_THREADS).
     threads: int = 1
+    workers: int = 1  # stages run side by side (processes of `threads` threads each) once their inputs exist
     # Named values substituted as {name} in stage overrides and asset presets (e.g. {student}: a sweep over student
     # size is `megaopd study STUDY.yaml vars.student=qwen3-small out=runs/student_small`).
     vars: dict[str, str] = field(default_factory=dict)
@@ -116,10 +121,41 @@ def stage_is_done(run_dir: Path) -> bool:
     return (run_dir / FINAL_DIR / "config.json").exists() and (run_dir / "summary.json").exists()
 
 
+def dependencies(study: StudyConfig) -> dict[str, list[str]]:
+    """Stage -> the stages whose run directories its overrides mention (``{out}/<stage>`` or ``{out}/<stage>/``)."""
+    names = {s.name for s in study.stages}
+    deps = {}
+    for stage in study.stages:
+        found = re.findall(r"\{out\}/([^/\s,\]\"']+)", " ".join(stage.overrides))
+        deps[stage.name] = sorted({n for n in found if n in names and n != stage.name},
+                                  key=[s.name for s in study.stages].index)
+    return deps
+
+
+def submission_order(study: StudyConfig) -> list[str]:
+    """The stages ordered so that every stage comes after the stages it depends on (else the study order)."""
+    deps, order, state = dependencies(study), [], {}
+
+    def visit(name: str, path: list[str]) -> None:
+        if state.get(name) == "done":
+            return
+        if state.get(name) == "visiting":
+            raise ConfigError(f"stage dependencies form a cycle: {' -> '.join(path + [name])}")
+        state[name] = "visiting"
+        for dep in deps[name]:
+            visit(dep, path + [name])
+        state[name] = "done"
+        order.append(name)
+
+    for stage in study.stages:
+        visit(stage.name, [])
+    return order
+
+
 def run_study(study: StudyConfig) -> list[Path]:
-    """Every stage of every seed in order; returns the run directories."""
-    if study.threads < 1:
-        raise ValueError(f"study threads must be >= 1, got {study.threads}")
+    """Every stage of every seed; returns the run directories in the study's order."""
+    if study.threads < 1 or study.workers < 1:
+        raise ValueError(f"study threads and workers must be >= 1, got {study.threads} and {study.workers}")
     torch.set_num_threads(study.threads)
     run_dirs = []
     for one in seed_studies(study):
@@ -129,16 +165,42 @@ def run_study(study: StudyConfig) -> list[Path]:
 
 def _run_one_seed(study: StudyConfig) -> list[Path]:
     build_assets(study)
-    run_dirs = []
-    for stage in study.stages:
-        cfg = stage_config(study, stage)
-        run_dir = Path(cfg.run_dir)
-        if stage_is_done(run_dir):
-            log.info("stage %s is done; reusing %s", stage.name, run_dir)
+    configs = {stage.name: stage_config(study, stage) for stage in study.stages}
+    todo = []
+    for name in submission_order(study):
+        if stage_is_done(Path(configs[name].run_dir)):
+            log.info("stage %s is done; reusing %s", name, configs[name].run_dir)
         else:
-            Trainer(cfg).fit()
-        run_dirs.append(run_dir)
-    return run_dirs
+            todo.append(name)
+    if study.workers == 1:
+        for name in todo:
+            Trainer(configs[name]).fit()
+    else:
+        _run_side_by_side(study, configs, todo)
+    return [Path(configs[stage.name].run_dir) for stage in study.stages]
+
+
+def _run_side_by_side(study: StudyConfig, configs: dict[str, RunConfig], todo: list[str]) -> None:
+    """Start each stage once the stages it names are done, at most `workers` at a time (in `todo`'s order)."""
+    needs = dependencies(study)
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared with this one
+    running = {}
+    with ProcessPoolExecutor(study.workers, mp_context=context, initializer=torch.set_num_threads,
+                             initargs=(study.threads,)) as pool:
+        while todo or running:
+            for name in [n for n in todo if not any(d in todo or d in running.values() for d in needs[n])]:
+                if len(running) < study.workers:
+                    running[pool.submit(_fit, configs[name])] = name
+                    todo.remove(name)
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                name = running.pop(future)
+                future.result()  # a failed stage stops the study here (the running ones finish first)
+                log.info("stage %s finished", name)
+
+
+def _fit(cfg: RunConfig) -> None:
+    Trainer(cfg).fit()
 
 
 def accuracy_flops_table(run_dirs: list[Path]) -> str:

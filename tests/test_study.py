@@ -1,4 +1,5 @@
-"""A reduced study end to end, twice: the same seed on the same machine gives the same report numbers."""
+"""A reduced study end to end, twice: the same seed on the same machine gives the same report numbers, and so
+does a third run whose stages run in worker processes (workers=2)."""
 
 import json
 from pathlib import Path
@@ -13,9 +14,9 @@ SMALL = ["train.steps=3", "train.prompts_per_step=4", "train.micro_batch_size=16
          "eval.every=1", "eval.prompts_per_domain=6", "eval.final_prompts_per_domain=12", "checkpoint.every=2"]
 
 
-def _write_study(tmp_path: Path, out: Path) -> Path:
+def _write_study(tmp_path: Path, out: Path, workers: int = 1) -> Path:
     study = yaml.safe_load((ROOT / "configs/studies/self_teacher.yaml").read_text())
-    study["out"] = str(out)
+    study["out"], study["workers"] = str(out), workers
     study["assets"].update(train_rows=120, heldout_rows=24)
     for stage in study["stages"]:
         stage["config"] = str(ROOT / stage["config"])
@@ -30,12 +31,16 @@ def _numbers(out: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_same_seed_same_report(tmp_path, capsys):
     for name in ("a", "b"):
         assert main(["study", str(_write_study(tmp_path, tmp_path / name))]) == 0
     printed = capsys.readouterr().out
     assert "(c)" in printed and "report:" in printed
     assert _numbers(tmp_path / "a") == _numbers(tmp_path / "b")
+    # Stages in spawned worker processes: the numbers do not depend on where a stage ran.
+    assert main(["study", str(_write_study(tmp_path, tmp_path / "c", workers=2))]) == 0
+    assert _numbers(tmp_path / "c") == _numbers(tmp_path / "a")
     report = json.loads(_numbers(tmp_path / "a"))
     assert {f["id"] for f in report["findings"]} >= {"a", "b", "c", "d", "e", "f"}
     assert {f["verdict"] for f in report["findings"]} <= {"reproduced", "not reproduced", "inconclusive",

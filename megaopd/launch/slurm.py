@@ -22,7 +22,8 @@ from pathlib import Path
 
 from megaopd.config import ConfigError, RunConfig, from_dict, load_config, to_dict
 from megaopd.launch.server_tp import server_tp
-from megaopd.study import StageConfig, StudyConfig, seed_studies, stage_is_done, stage_overrides
+from megaopd.study import (StageConfig, StudyConfig, dependencies, seed_studies, stage_is_done, stage_overrides,
+                           submission_order)
 
 # The templates live beside the package in a source checkout (also the layout inside the Docker images).
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
@@ -81,37 +82,6 @@ def for_stage(launch: LaunchConfig, stage: str) -> LaunchConfig:
     changes = launch.stages.get(stage, {})
     base = to_dict(launch) | {"stages": {}}
     return from_dict(LaunchConfig, base | changes, f"stages.{stage}.")
-
-
-def dependencies(study: StudyConfig) -> dict[str, list[str]]:
-    """Stage -> the stages whose run directories its overrides mention (``{out}/<stage>`` or ``{out}/<stage>/``)."""
-    names = {s.name for s in study.stages}
-    deps = {}
-    for stage in study.stages:
-        found = re.findall(r"\{out\}/([^/\s,\]\"']+)", " ".join(stage.overrides))
-        deps[stage.name] = sorted({n for n in found if n in names and n != stage.name},
-                                  key=[s.name for s in study.stages].index)
-    return deps
-
-
-def submission_order(study: StudyConfig) -> list[str]:
-    """The stages ordered so that every stage comes after the stages it depends on (else the study order)."""
-    deps, order, state = dependencies(study), [], {}
-
-    def visit(name: str, path: list[str]) -> None:
-        if state.get(name) == "done":
-            return
-        if state.get(name) == "visiting":
-            raise ConfigError(f"stage dependencies form a cycle: {' -> '.join(path + [name])}")
-        state[name] = "visiting"
-        for dep in deps[name]:
-            visit(dep, path + [name])
-        state[name] = "done"
-        order.append(name)
-
-    for stage in study.stages:
-        visit(stage.name, [])
-    return order
 
 
 def absolute_study(study: StudyConfig) -> StudyConfig:
