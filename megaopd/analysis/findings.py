@@ -56,7 +56,7 @@ def _pairs(r: dict, self_teacher: bool) -> list[dict]:
 def _to_grpo_final(c: dict) -> Check:
     t = c["targets"]["teacher"]
     return (f"{c['opd']} vs {c['grpo']}", flops_ratio(t["grpo_flops"], t["opd_flops"]),
-            f"FLOPs to {t['target']:.3f}: GRPO {reached(t['grpo_flops'], t['grpo_best_smoothed'])}, OPD "
+            f"FLOPs to {t['target']:.3f}: GRPO {t['grpo_flops']:.3e}, OPD "
             f"{reached(t['opd_flops'], t['opd_best_smoothed'])}; GRPO/OPD")
 
 
