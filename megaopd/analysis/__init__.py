@@ -6,7 +6,8 @@ numbers; ``megaopd/report.py`` renders them (markdown, plots, report.json).
 - ``findings``: the paper's findings as a table of rules, and their verdicts;
 - ``intervals``: bootstrap intervals over prompts and seeds (``analyse_seeds``).
 
-One package of four modules rather than one module: together they are ~600 lines (over the ~400 of one module), and each part has one purpose.
+One package of four modules rather than one module: together they are ~600 lines (over the ~400 of one module),
+and each part has one purpose.
 """
 
 from megaopd.analysis.curves import (LENGTH_RULE, LENGTH_WINDOW, TARGET_RULE, TOTALS, accuracy_at, analyse,
