@@ -20,7 +20,8 @@ import json
 import uuid
 from pathlib import Path
 
-COMPONENTS = ("rollout", "old_logprob", "reference", "teacher", "train")
+from megaopd.flops import COMPONENTS
+
 LEDGER_FILE = "megaopd_ledger.json"
 
 

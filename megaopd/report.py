@@ -9,515 +9,29 @@ analysed alone, then each headline number is shown as mean and min-max across th
 from the measured curves; nothing is asserted. Each number computed from held-out accuracy carries a bootstrap
 interval (INTERVAL_RULE; per-prompt results in ``<stage>/evals/``, statistics in ``megaopd/stats.py``), and each
 finding's verdict is reproduced, not reproduced or inconclusive by where that interval lies.
+
+This module renders (markdown, plots, report.json, the CLI); every number and verdict comes from
+``megaopd/analysis/``.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import yaml  # noqa: E402
 
-from megaopd.flops import ModelShape  # noqa: E402
-from megaopd.metrics import read_metrics  # noqa: E402
-from megaopd.stats import (LEVEL, NOT_MEASURED, REPLICATES, REPRODUCED, combine, mean_and_se,  # noqa: E402
-                           percentile_interval, resample, seed_bootstrap, verdict)
+from megaopd.analysis import (FINDING_RULES, INTERVAL_RULE, LENGTH_RULE, LENGTH_WINDOW, MATCH_TOLERANCE,  # noqa: E402
+                              SMALL_SHARE, TARGET_RULE, TOTALS, Stage, analyse_seeds, pointer, reached, study_dirs)
+from megaopd.flops import COMPONENTS  # noqa: E402
+from megaopd.stats import NOT_MEASURED, REPLICATES  # noqa: E402
 
-COMPONENTS = ("rollout", "old_logprob", "reference", "teacher", "train")
-TOTALS = ("stage", "with_teachers", "with_cold_start", "external")
-OPD_VS_GRPO = ("opd_external", "opd_external_grpo", "opd_self")
-MATCH_TOLERANCE = 0.05  # (d): a student "matches" its expert when at most this much below it (absolute accuracy)
-SMALL_SHARE = 0.10  # (e): distillation is "a small share" of specialist FLOPs at or below this
-TARGET_RULE = ("FLOPs-to-target: smooth the accuracy with a trailing moving average over `window` evals (fewer at "
-               "the start), find the first eval whose smoothed accuracy >= target, and interpolate linearly in "
-               "FLOPs between it and the previous eval (on the smoothed accuracy); the first eval itself if it "
-               "already reaches the target; not reached if no eval does.")
-FINDING_RULES = ("each finding is checked per pair (per domain for (d)) as a number against a threshold: (a) GRPO/OPD "
-                 "FLOPs to GRPO's final accuracy < 1 (OPD never reaching it: 0; if neither does: GRPO - OPD "
-                 "smoothed accuracy at the smaller of the two final FLOPs > 0); (b) OPD's last/first length ratio "
-                 "minus GRPO's > 0; (c) GRPO/OPD FLOPs to the checkpoint's final accuracy > 1 (OPD never: 0); (d) "
-                 "student - expert final accuracy >= -tolerance; (e) distillation / specialist FLOPs <= the "
-                 "small-share bound; (f) 1 - split/joint FLOPs > 0 (the merge never reaching the target: -inf; not "
-                 "measured if joint GRPO's own curve never does). A finding needs all its checks: one not "
-                 "reproduced decides it, else one inconclusive leaves it inconclusive.")
 TARGET_STYLES = (":", "-.", "--")
-BOOTSTRAP_SEED = 17  # the resamples are drawn from a fixed seed: the same runs give the same report
-NOT_REACHED_IS_INF = ("grpo_flops", "opd_flops", "merge_flops_to_target", "joint_flops_to_target", "split_flops")
-INTERVAL_RULE = (f"intervals: {int(100 * LEVEL)}% percentile bootstrap, `replicates` resamples (fixed seed). Each "
-                 "replicate resamples every domain's held-out prompts with replacement, once per prompt set, so "
-                 "that every eval and every stage on the same prompts sees the same resample (comparisons are "
-                 "paired), recomputes every accuracy from the per-prompt results (evals/*.json), then every "
-                 "smoothed curve, FLOPs-to-target, ratio, gap and saving; response lengths resample the training "
-                 "steps within the first and the last `length_window`. A target not reached counts as infinite "
-                 "FLOPs. With several seeds a replicate also draws the seeds with replacement (then one prompt "
-                 "replicate of each) and averages over them. FLOPs themselves carry no interval: the held-out "
-                 "sample does not move them. A verdict is reproduced when the whole interval satisfies the rule, "
-                 "not reproduced when none of it does, and inconclusive when it straddles the threshold.")
-LENGTH_WINDOW = 10  # training steps averaged at each end for the response length
-LENGTH_RULE = "mean rollout/response_length of the first (last) `length_window` training steps"
-
-
-def smooth(values: list[float], window: int = 3) -> list[float]:
-    """Trailing moving average; the first evals average over the fewer values there are."""
-    return [float(np.mean(values[max(0, i - window + 1):i + 1])) for i in range(len(values))]
-
-
-def flops_to_target(flops: list[float], accuracy: list[float], target: float, window: int = 3) -> float | None:
-    """FLOPs at which the smoothed accuracy first reaches `target` (TARGET_RULE); None when it never does."""
-    s = smooth(accuracy, window)
-    for i, value in enumerate(s):
-        if value >= target:
-            if i == 0:
-                return float(flops[0])
-            # s[i-1] < target <= s[i], so the slope is positive.
-            return float(flops[i - 1] + (target - s[i - 1]) / (s[i] - s[i - 1]) * (flops[i] - flops[i - 1]))
-    return None
-
-
-def accuracy_at(flops: list[float], accuracy: list[float], at: float, window: int = 3) -> float | None:
-    """Smoothed accuracy interpolated at `at` FLOPs (None outside the curve): for accuracy at matched FLOPs."""
-    if not flops or at < flops[0] or at > flops[-1]:
-        return None
-    return float(np.interp(at, flops, smooth(accuracy, window)))
-
-
-def split_vs_joint(expert_flops: list[float], merge_flops: list[float], merge_acc: list[float],
-                   joint_flops: list[float], joint_acc: list[float], target: float, window: int = 3) -> dict:
-    """E7: experts + the multi-teacher OPD FLOPs to reach `target` vs joint GRPO's FLOPs to reach it."""
-    merge = flops_to_target(merge_flops, merge_acc, target, window)
-    joint = flops_to_target(joint_flops, joint_acc, target, window)
-    experts = float(sum(expert_flops))
-    split = experts + merge if merge is not None else None
-    saving = 1 - split / joint if split is not None and joint else None
-    return {"target": target, "experts_flops": experts, "merge_flops_to_target": merge,
-            "merge_best_smoothed": max(smooth(merge_acc, window), default=None), "split_flops": split,
-            "joint_flops_to_target": joint, "joint_best_smoothed": max(smooth(joint_acc, window), default=None),
-            "saving": saving}
-
-
-@dataclass
-class Stage:
-    """One stage's run directory as the report needs it."""
-
-    name: str
-    method: str
-    compare_with: str = ""
-    domain: str = ""
-    algorithm: str = ""
-    lines: list[dict] = field(default_factory=list)
-    records: dict = field(default_factory=dict)  # eval step or "final" -> per-prompt results (megaopd/evaluate.py)
-    teacher_cost: dict[str, float] = field(default_factory=dict)  # OPD: domain -> teacher/student FLOPs per token
-    form: str = ""  # the objective as objectives.form_label names it, e.g. opd:topk(K=16,reverse)
-
-    @property
-    def final(self) -> dict:
-        return next((m for m in reversed(self.lines) if any(k.startswith("final/") for k in m)), {})
-
-    def final_acc(self, domain: str, metric: str) -> float | None:
-        return self.final.get(f"final/{domain}/accuracy_{metric}")
-
-    def total(self, kind: str = "stage") -> float | None:
-        return self.lines[-1].get(f"flops/total_{kind}") if self.lines else None
-
-    def curve(self, domain: str, metric: str, x: str = "stage") -> tuple[list[float], list[float]]:
-        """The periodic evals (a fixed held-out subset): the final eval, on all prompts, is not on the curve."""
-        key = f"eval/{domain}/accuracy_{metric}"
-        pts = [(m[f"flops/total_{x}"], m[key]) for m in self.lines if key in m]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    def curve_se(self, domain: str, metric: str) -> list[float | None]:
-        """Standard error of each curve point over its prompts (the mean: of the domains' mean); None without
-        per-prompt results."""
-        key = f"eval/{domain}/accuracy_{metric}"
-        return [_record_se(self.records.get(m["step"]), domain, metric) for m in self.lines if key in m]
-
-    def domains(self, metric: str) -> list[str]:
-        keys = {k for m in self.lines for k in m if k.startswith(("eval/", "final/")) and k.endswith(metric)}
-        return sorted({k.split("/")[1] for k in keys} - {"mean"})
-
-    def lengths(self) -> tuple[list[int], list[float], list[float]]:
-        pts = [(m["step"], m["flops/total_stage"], m["rollout/response_length"]) for m in self.lines
-               if "rollout/response_length" in m]
-        return [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
-
-    def length_first_last(self, window: int) -> tuple[float | None, float | None]:
-        """LENGTH_RULE: mean response length of the first and of the last `window` training steps."""
-        lengths = self.lengths()[2]
-        if not lengths:
-            return None, None
-        return float(np.mean(lengths[:window])), float(np.mean(lengths[-window:]))
-
-
-def _record_se(record: dict | None, domain: str, metric: str) -> float | None:
-    if record is None or metric not in record["reward"]:
-        return None
-    rewards = record["reward"][metric]
-    if domain != "mean":
-        return mean_and_se(rewards[domain])[1] if domain in rewards else None
-    return math.sqrt(sum(mean_and_se(v)[1] ** 2 for v in rewards.values())) / len(rewards)
-
-
-def study_dirs(paths: list[str | Path]) -> list[Path]:
-    """Study directories; one run with `seeds` (seed_<s>/ below it, no study.yaml of its own) counts as its seeds."""
-    out = []
-    for p in map(Path, paths):
-        seeds = sorted(p.glob("seed_*/study.yaml"), key=lambda y: int(y.parent.name.split("_")[1]))
-        out += [y.parent for y in seeds] if not (p / "study.yaml").exists() and seeds else [p]
-    return out
-
-
-def _records(run_dir: Path) -> dict:
-    out = {}
-    for path in sorted((run_dir / "evals").glob("*.json")):
-        rec = json.loads(path.read_text())
-        rec["reward"] = {mode: {d: np.asarray(v, dtype=float) for d, v in by.items()}
-                         for mode, by in rec["reward"].items()}
-        out["final" if rec["final"] else rec["step"]] = rec
-    return out
-
-
-def _teacher_cost(run_dir: Path) -> dict[str, float]:
-    """Teacher FLOPs per token over the student's (2 x matmul parameters each, megaopd/flops.py) for an OPD stage."""
-    path = run_dir / "config.yaml"
-    cfg = yaml.safe_load(path.read_text()) if path.exists() else {}
-    teachers = (cfg.get("opd") or {}).get("teachers") or {}
-    student = _matmul_params((cfg.get("model") or {}).get("path"))
-    if not teachers or student is None:
-        return {}
-    costs = {d: _matmul_params(t) for d, t in teachers.items()}
-    return {d: c / student for d, c in sorted(costs.items()) if c is not None}
-
-
-def _matmul_params(model_dir: str | None) -> int | None:
-    config = Path(model_dir or "") / "config.json"
-    if not model_dir or not config.exists():
-        return None
-    return ModelShape.from_hf_config(json.loads(config.read_text())).matmul_params
-
-
-def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
-    """study.yaml and every stage that has a run directory; a stage without `method` counts as `other`."""
-    study_dir = Path(study_dir)
-    study = yaml.safe_load((study_dir / "study.yaml").read_text()) or {}
-    stages = []
-    for s in study.get("stages") or []:
-        run_dir = study_dir / s["name"]
-        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-        stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
-                            summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),
-                            _teacher_cost(run_dir), summary.get("form", "")))
-    return study, [s for s in stages if s.lines]
-
-
-def resample_stage(stage: Stage, metric: str, draw, rng: np.random.Generator, length_window: int) -> Stage:
-    """One bootstrap replicate of a stage: every accuracy recomputed on resampled prompts, and the response lengths
-    of the first and last `length_window` training steps resampled among those steps.
-
-    `draw(domain, prompts)` gives the replicate's indices for a set of prompts (the same for every eval and stage
-    on those prompts, so that comparisons are paired); evals without per-prompt results keep their value."""
-    lines = []
-    for m in stage.lines:
-        final = any(k.startswith("final/") for k in m)
-        record = stage.records.get("final" if final else m["step"])
-        if record is not None and metric in record["reward"]:
-            prefix = "final" if final else "eval"
-            acc = {d: float(v[draw(d, record["prompts"][d])].mean()) for d, v in record["reward"][metric].items()}
-            m = {**m, **{f"{prefix}/{d}/accuracy_{metric}": a for d, a in acc.items()},
-                 f"{prefix}/mean/accuracy_{metric}": sum(acc.values()) / len(acc)}
-        lines.append(m)
-    steps = [i for i, m in enumerate(lines) if "rollout/response_length" in m]
-    for group in (steps[:length_window], steps[-length_window:]):
-        values = [lines[i]["rollout/response_length"] for i in group]
-        for i, j in zip(group, resample(rng, len(group))):
-            lines[i] = {**lines[i], "rollout/response_length": values[j]}
-    return replace(stage, lines=lines)
-
-
-def _reached(flops: float | None, best: float | None) -> str:
-    return f"{flops:.3e}" if flops is not None else f"not reached (best smoothed {best:.3f})"
-
-
-def compare_opd_grpo(opd: Stage, grpo: Stage, metric: str, fraction: float, window: int, x: str,
-                     length_window: int = LENGTH_WINDOW) -> dict:
-    """E1-E3: FLOPs each stage needs to reach the GRPO stage's final accuracy (and a fraction of its gain).
-
-    On the GRPO stage's own domain when it is an expert (the paper's E3 is math on math), else the mean; the
-    target is the last point of GRPO's smoothed curve, so that both curves and the target come from the same
-    held-out prompts.
-    """
-    domain = grpo.domain or "mean"
-    fo, ao = opd.curve(domain, metric, x)
-    fg, ag = grpo.curve(domain, metric, x)
-    teacher = smooth(ag, window)[-1] if ag else None
-    base = ag[0] if ag else None  # GRPO's step-0 eval: the accuracy both stages start from
-    out = {"opd": opd.name, "grpo": grpo.name, "method": opd.method, "domain": domain, "base": base,
-           "teacher": teacher, "teacher_cost_ratio": max(opd.teacher_cost.values(), default=None), "targets": {}}
-    if teacher is None or not ao or not ag:
-        return out
-    for name, target in (("teacher", teacher), ("fraction", base + fraction * (teacher - base))):
-        g, o = flops_to_target(fg, ag, target, window), flops_to_target(fo, ao, target, window)
-        out["targets"][name] = {"target": target, "grpo_flops": g, "opd_flops": o,
-                                "grpo_best_smoothed": max(smooth(ag, window)),
-                                "opd_best_smoothed": max(smooth(ao, window)),
-                                "ratio": g / o if g is not None and o else None}
-    at = min(fg[-1], fo[-1])
-    out["matched"] = {"flops": at, "grpo_acc": accuracy_at(fg, ag, at, window),
-                      "opd_acc": accuracy_at(fo, ao, at, window)}
-    out["length"] = {k: dict(zip(("first", "last"), s.length_first_last(length_window)))
-                     for k, s in (("opd", opd), ("grpo", grpo))}
-    return out
-
-
-def multi_teacher(mt: Stage, experts: list[Stage], metric: str) -> dict:
-    """E6: per-domain student vs expert final accuracy; distillation FLOPs over the experts' stage FLOPs."""
-    own = [e for e in experts if mt.final_acc(e.domain, metric) is not None]
-    domains = {e.domain: {"expert": e.name, "expert_acc": e.final_acc(e.domain, metric),
-                          "student_acc": mt.final_acc(e.domain, metric)} for e in own}
-    for d in domains.values():
-        d["gap"] = d["student_acc"] - d["expert_acc"] if d["expert_acc"] is not None else None
-    specialist = sum(e.total("stage") for e in own)
-    return {"stage": mt.name, "domains": domains, "distill_flops": mt.total("stage"), "specialist_flops": specialist,
-            "share": mt.total("stage") / specialist if specialist else None, "teacher_cost_ratio": mt.teacher_cost}
-
-
-def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str = "greedy",
-            target_fraction: float = 0.9, window: int = 3, x: str = "stage",
-            length_window: int = LENGTH_WINDOW) -> dict:
-    """Every number of one study directory (one seed), from `load_study`'s study.yaml and stages."""
-    by_name = {s.name: s for s in stages}
-    comparisons = [compare_opd_grpo(s, by_name[s.compare_with], metric, target_fraction, window, x, length_window)
-                   for s in stages if s.method in OPD_VS_GRPO and s.compare_with in by_name]
-    experts = [s for s in stages if s.method == "expert" and s.domain]
-    mts = [multi_teacher(s, experts, metric) for s in stages if s.method == "multi_teacher_opd"]
-    splits = []
-    for joint in (s for s in stages if s.method == "joint_grpo"):
-        # The multi-teacher stage over the same domains as joint GRPO (the 2-domain mix), else the first one.
-        mt = next((m for m in mts if sorted(m["domains"]) == joint.domains(metric)), mts[0] if mts else None)
-        merge_f, merge_a = by_name[mt["stage"]].curve("mean", metric, "stage") if mt else ([], [])
-        joint_f, joint_a = joint.curve("mean", metric, "stage")
-        if mt is None or not joint_a:
-            continue
-        target = smooth(joint_a, window)[-1]  # joint GRPO's final accuracy, on the same prompts as the curves
-        expert_flops = [by_name[d["expert"]].total("stage") for d in mt["domains"].values()]
-        splits.append({"joint": joint.name, "merge": mt["stage"],
-                       "experts": [d["expert"] for d in mt["domains"].values()],
-                       **split_vs_joint(expert_flops, merge_f, merge_a, joint_f, joint_a, target, window)})
-    table = {s.name: {"method": s.method, "algorithm": s.algorithm, "form": s.form, "steps": s.lines[-1]["step"],
-                      "final_mean_acc": s.final_acc("mean", metric),
-                      "totals": {k: s.total(k) for k in TOTALS},
-                      "components": {c: s.lines[-1].get(f"flops/{c}") for c in COMPONENTS},
-                      "length": dict(zip(("first", "last"), s.length_first_last(length_window)))} for s in stages}
-    result = {"study_dir": str(study_dir), "seed": study.get("seed"), "stages": table, "comparisons": comparisons,
-              "multi_teacher": mts, "split_vs_joint": splits}
-    result["findings"] = findings(result)
-    result["headline"] = headline(result)
-    return result
-
-
-def pointer(path: tuple) -> str:
-    """RFC 6901 JSON pointer of a number in the analysis (the key of its interval in report.json)."""
-    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
-
-
-def _numbers(obj, path: tuple = ()):
-    """(path, value) of every number (or None) in an analysis result."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _numbers(v, path + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _numbers(v, path + (i,))
-    elif obj is None or (isinstance(obj, (int, float)) and not isinstance(obj, bool)):
-        yield path, obj
-
-
-def _rng(*key) -> np.random.Generator:
-    """A generator per (seed dir, replicate, prompt set or stage): a number's resamples do not depend on which other
-    stages the study holds or in which order they are read."""
-    digest = hashlib.sha1(repr((BOOTSTRAP_SEED,) + key).encode()).digest()
-    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
-
-
-def bootstrap(study_dir: str | Path, study: dict, stages: list[Stage], metric: str = "greedy",
-              target_fraction: float = 0.9, window: int = 3, x: str = "stage", length_window: int = LENGTH_WINDOW,
-              replicates: int = REPLICATES, seed: int = 0) -> tuple[dict, dict[str, list]]:
-    """`analyse` on the measured curves, then on `replicates` resamples (INTERVAL_RULE); returns the result with
-    "intervals" (JSON pointer -> [lo, hi], plus the share of replicates where it is defined when not all) and the
-    findings' verdicts, and every number's replicates (for the seeds' bootstrap)."""
-    args = (metric, target_fraction, window, x, length_window)
-    result = analyse(study_dir, study, stages, *args)
-    draws = []
-    if any(s.records for s in stages):
-        for b in range(replicates):
-            indices: dict[tuple, np.ndarray] = {}
-
-            def draw(domain: str, prompts: dict) -> np.ndarray:  # one resample per prompt set: comparisons paired
-                key = (domain, prompts["sha1"], prompts["n"])
-                if key not in indices:
-                    indices[key] = resample(_rng(seed, b, *key), prompts["n"])
-                return indices[key]
-
-            replicate = [resample_stage(s, metric, draw, _rng(seed, b, s.name), length_window) for s in stages]
-            draws.append(dict(_numbers(analyse(study_dir, study, replicate, *args))))
-    intervals, reps = {}, {}
-    for path, point in _numbers(result):
-        values = [d.get(path) for d in draws]
-        if path[-1] in NOT_REACHED_IS_INF:
-            values = [math.inf if v is None else v for v in values]
-        reps[pointer(path)] = values
-        interval = percentile_interval(values)
-        if interval is None or (interval == (point, point) and None not in values):
-            continue  # no replicates, or a number the held-out sample does not move (FLOPs)
-        share = sum(v is not None for v in values) / len(values)
-        intervals[pointer(path)] = list(interval) + ([share] if share < 1 else [])
-    result["intervals"] = intervals
-    for i, f in enumerate(result["findings"]):
-        for label, check in f["checks"].items():
-            interval = intervals.get(pointer(("findings", i, "checks", label, "value")))
-            check["interval"] = interval[:2] if interval else None
-            check["verdict"] = verdict(check["interval"], check["op"], check["threshold"], check["value"])
-        f["verdict"] = combine([c["verdict"] for c in f["checks"].values()])
-    return result, reps
-
-
-def flops_ratio(grpo: float | None, opd: float | None) -> float | None:
-    """GRPO/OPD FLOPs to a target as a number a rule can compare: 0 when OPD never reaches it, inf when GRPO never
-    does (or OPD needs none); None when neither does."""
-    if grpo is None and opd is None:
-        return None
-    if opd is None:
-        return 0.0
-    return math.inf if grpo is None or opd == 0 else grpo / opd
-
-
-def _check(value: float | None, op: str, threshold: float, detail: str) -> dict:
-    """One measured claim "value OP threshold" (a pair, a domain): its verdict comes with its interval later."""
-    return {"value": value, "op": op, "threshold": threshold, "detail": detail}
-
-
-def findings(r: dict) -> list[dict]:
-    """The checks of each finding of the paper, keyed by pair / domain, computed from this seed's numbers."""
-    ext = [c for c in r["comparisons"] if c["method"] != "opd_self" and "teacher" in c["targets"]]
-    own = [c for c in r["comparisons"] if c["method"] == "opd_self" and "teacher" in c["targets"]]
-    a, b, c_, d, e, f = {}, {}, {}, {}, {}, {}
-    for c in ext:
-        t, m, pair = c["targets"]["teacher"], c["matched"], f"{c['opd']} vs {c['grpo']}"
-        if t["grpo_flops"] is not None or t["opd_flops"] is not None:
-            # GRPO/OPD < 1 (fewer GRPO FLOPs to the target, or OPD never reaching it: 0) means OPD loses per FLOP.
-            a[pair] = _check(flops_ratio(t["grpo_flops"], t["opd_flops"]), "<", 1.0,
-                             f"FLOPs to {t['target']:.3f}: GRPO {_reached(t['grpo_flops'], t['grpo_best_smoothed'])}"
-                             f", OPD {_reached(t['opd_flops'], t['opd_best_smoothed'])}; GRPO/OPD")
-        elif m["grpo_acc"] is not None and m["opd_acc"] is not None:  # neither reached: accuracy at matched FLOPs
-            a[pair + " (matched FLOPs)"] = _check(m["grpo_acc"] - m["opd_acc"], ">", 0.0,
-                                                  f"at {m['flops']:.3e} FLOPs GRPO {m['grpo_acc']:.3f}, OPD "
-                                                  f"{m['opd_acc']:.3f}; GRPO - OPD")
-        lo, lg = c["length"]["opd"], c["length"]["grpo"]
-        if None not in (lo["first"], lg["first"]):
-            go, gg = lo["last"] / lo["first"], lg["last"] / lg["first"]
-            b[pair] = _check(go - gg, ">", 0.0, f"OPD length x{go:.2f} ({lo['first']:.1f} -> {lo['last']:.1f}) vs "
-                                                f"GRPO x{gg:.2f} ({lg['first']:.1f} -> {lg['last']:.1f}); difference")
-    for c in own:
-        t = c["targets"]["teacher"]
-        if t["opd_flops"] == 0:  # the base already meets the teacher's accuracy: nothing to compare
-            continue
-        c_[f"{c['opd']} vs {c['grpo']}"] = _check(
-            flops_ratio(t["grpo_flops"], t["opd_flops"]), ">", 1.0,
-            f"FLOPs to {t['target']:.3f}: GRPO {_reached(t['grpo_flops'], t['grpo_best_smoothed'])}, OPD "
-            f"{_reached(t['opd_flops'], t['opd_best_smoothed'])}; GRPO/OPD")
-    for m in r["multi_teacher"]:
-        for k, v in m["domains"].items():
-            if v["gap"] is not None:
-                d[f"{m['stage']} {k}"] = _check(v["gap"], ">=", -MATCH_TOLERANCE,
-                                                f"student {v['student_acc']:.3f} vs expert {v['expert']} "
-                                                f"{v['expert_acc']:.3f}; gap")
-        if m["share"] is not None:
-            e[m["stage"]] = _check(m["share"], "<=", SMALL_SHARE, f"{m['distill_flops']:.3e} / "
-                                                                  f"{m['specialist_flops']:.3e}; share")
-    for s in r["split_vs_joint"]:
-        if s["split_flops"] is not None and s["saving"] is None:
-            continue  # joint GRPO never reaches its own final accuracy: (f) is undefined
-        # The merge never reaching the target contradicts (f): saving -inf.
-        f[f"{s['merge']} + experts vs {s['joint']}"] = _check(
-            s["saving"] if s["saving"] is not None else -math.inf, ">", 0.0,
-            f"to {s['target']:.3f}: split " + (f"{s['split_flops']:.3e}" if s["split_flops"] is not None
-                                              else f"not reached (merge best smoothed {s['merge_best_smoothed']:.3f})")
-            + f", joint {_reached(s['joint_flops_to_target'], s['joint_best_smoothed'])}; saving")
-    claims = {
-        "a": ("external-teacher OPD loses to GRPO per FLOP (E1/E2)", a),
-        "b": ("external-teacher OPD inflates response length more than GRPO (last/first)", b),
-        "c": ("self-GRPO-teacher OPD reaches the checkpoint's accuracy with fewer FLOPs than GRPO (E3)", c_),
-        "d": (f"the multi-teacher student matches each expert (within {MATCH_TOLERANCE} absolute) (E6)", d),
-        "e": ("distillation is a small share of the specialists' FLOPs (E6)", e),
-        "f": ("split-then-merge uses fewer total FLOPs than joint GRPO to reach its accuracy (E7)", f),
-    }
-    return [{"id": k, "claim": claim, "checks": checks} for k, (claim, checks) in claims.items()]
-
-
-def headline(r: dict) -> dict[str, float]:
-    """The ratios worth a mean and a spread across seeds, by name."""
-    out = {}
-    for c in r["comparisons"]:
-        for t, v in c["targets"].items():
-            if v["ratio"] is not None:
-                out[f"FLOPs ratio GRPO/OPD, {c['opd']} vs {c['grpo']} ({t} target)"] = v["ratio"]
-    for m in r["multi_teacher"]:
-        if m["share"] is not None:
-            out[f"distillation share of specialist FLOPs, {m['stage']}"] = m["share"]
-    for s in r["split_vs_joint"]:
-        if s["saving"] is not None:
-            out[f"split-then-merge saving vs {s['joint']}"] = s["saving"]
-    return out
-
-
-def aggregate(seeds: list[dict], reps: list[dict[str, list]]) -> tuple[dict, list[dict]]:
-    """Headline numbers (mean, min-max, interval) and one verdict per finding over the seeds (INTERVAL_RULE):
-    each check's mean over the seeds with its two-level bootstrap interval, and how many seeds reproduce it."""
-    rng = np.random.default_rng([BOOTSTRAP_SEED, len(seeds)])
-
-    numbers = [dict(_numbers(s)) for s in seeds]
-
-    def pooled(path: tuple) -> tuple[float | None, list[float] | None]:
-        have = [(k, n[path]) for k, n in enumerate(numbers) if n.get(path) is not None]
-        if not have:
-            return None, None
-        if len(seeds) == 1:
-            interval = seeds[0]["intervals"].get(pointer(path))
-            return have[0][1], interval[:2] if interval else None
-        per_seed = [reps[k].get(pointer(path)) or [v] for k, v in have]
-        interval = percentile_interval(seed_bootstrap(per_seed, rng))
-        return float(np.mean([v for _, v in have])), list(interval) if interval else None
-
-    spread = {}
-    for name in sorted({k for s in seeds for k in s["headline"]}):
-        values = [s["headline"][name] for s in seeds if name in s["headline"]]
-        mean, interval = pooled(("headline", name))
-        spread[name] = {"mean": float(np.mean(values)), "min": min(values), "max": max(values), "n": len(values),
-                        "interval": interval}
-    overall = []
-    for i, f in enumerate(seeds[0]["findings"]):
-        labels = list(dict.fromkeys(label for s in seeds for label in s["findings"][i]["checks"]))
-        checks = {}
-        for label in labels:
-            first = next(s["findings"][i]["checks"][label] for s in seeds if label in s["findings"][i]["checks"])
-            value, interval = pooled(("findings", i, "checks", label, "value"))
-            checks[label] = {"value": value, "op": first["op"], "threshold": first["threshold"], "interval": interval,
-                             "verdict": verdict(interval, first["op"], first["threshold"], value),
-                             "detail": first["detail"] if len(seeds) == 1 else "mean over seeds"}
-        measured = [s["findings"][i]["verdict"] for s in seeds if s["findings"][i]["verdict"] != NOT_MEASURED]
-        overall.append({"id": f["id"], "claim": f["claim"], "verdict": combine([c["verdict"] for c in checks.values()]),
-                        "checks": checks, "seeds_reproduced": f"{measured.count(REPRODUCED)} of {len(measured)}",
-                        "n_seeds": len(seeds)})
-    return spread, overall
-
 
 def _plot_accuracy(seeds: list[tuple[dict, list[Stage]]], domain: str, metric: str, x: str, path: Path,
                    targets: dict[str, float]) -> None:
@@ -616,8 +130,8 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
             path = ("comparisons", i, "targets", name)
             md.append(f"| {c['opd']} ({c['method']}) | {c['grpo']} | {_f(c['teacher_cost_ratio'], '.2f')}x | {label} "
                       f"| {t['target']:.3f}{_ci(r, path + ('target',), '.3f')} | "
-                      f"{_reached(t['grpo_flops'], t['grpo_best_smoothed'])}{_ci(r, path + ('grpo_flops',))} | "
-                      f"{_reached(t['opd_flops'], t['opd_best_smoothed'])}{_ci(r, path + ('opd_flops',))} | "
+                      f"{reached(t['grpo_flops'], t['grpo_best_smoothed'])}{_ci(r, path + ('grpo_flops',))} | "
+                      f"{reached(t['opd_flops'], t['opd_best_smoothed'])}{_ci(r, path + ('opd_flops',))} | "
                       f"{_f(t['ratio'], '.2f')}{_ci(r, path + ('ratio',), '.2f')} |")
     for i, c in enumerate(r["comparisons"]):
         if "matched" in c:
@@ -641,9 +155,9 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
         path = ("split_vs_joint", i)
         md.append(f"- target {s['target']:.3f}{_ci(r, path + ('target',), '.3f')} ({s['joint']} final mean accuracy, "
                   f"last smoothed eval); experts {s['experts_flops']:.3e} + {s['merge']} "
-                  f"{_reached(s['merge_flops_to_target'], s['merge_best_smoothed'])} = split "
+                  f"{reached(s['merge_flops_to_target'], s['merge_best_smoothed'])} = split "
                   f"{_f(s['split_flops'])}{_ci(r, path + ('split_flops',))}; joint "
-                  f"{_reached(s['joint_flops_to_target'], s['joint_best_smoothed'])}"
+                  f"{reached(s['joint_flops_to_target'], s['joint_best_smoothed'])}"
                   f"{_ci(r, path + ('joint_flops_to_target',))}; saving 1 - split/joint = {_pct(s['saving'])}"
                   f"{_ci(r, path + ('saving',), '.1f', 100)} (paper: 42.0%)")
     if not r["split_vs_joint"]:
@@ -661,12 +175,6 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
     return md
 
 
-def _curves(stages: list[Stage], metric: str, x: str) -> dict:
-    """Every curve point with its standard error: stage -> domain -> [[FLOPs, accuracy, se or None], ...]."""
-    return {s.name: {d: [list(p) for p in zip(*s.curve(d, metric, x), s.curve_se(d, metric))]
-                     for d in ["mean"] + s.domains(metric)} for s in stages}
-
-
 def json_safe(obj):
     """report.json is strict JSON: infinite numbers (a target never reached) become the strings "inf" / "-inf"."""
     if isinstance(obj, dict):
@@ -676,18 +184,6 @@ def json_safe(obj):
     if isinstance(obj, float) and math.isinf(obj):
         return "inf" if obj > 0 else "-inf"
     return obj
-
-
-def analyse_seeds(dirs: list[Path], metric: str = "greedy", target_fraction: float = 0.9, window: int = 3,
-                  x: str = "stage", length_window: int = LENGTH_WINDOW, replicates: int = REPLICATES):
-    """Load and bootstrap every seed's directory, then pool them: (loaded, seeds, replicates, spread, findings)."""
-    loaded = [load_study(d) for d in dirs]
-    analysed = [bootstrap(d, *ld, metric, target_fraction, window, x, length_window, replicates, seed=k)
-                for k, (d, ld) in enumerate(zip(dirs, loaded))]
-    seeds, reps = [a[0] for a in analysed], [a[1] for a in analysed]
-    for r, (_, stages) in zip(seeds, loaded):
-        r["curves"] = _curves(stages, metric, x)
-    return (loaded, seeds, reps, *aggregate(seeds, reps))
 
 
 def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None, target_fraction: float = 0.9,

@@ -8,7 +8,8 @@ import json
 import pytest
 import yaml
 
-from megaopd.report import flops_to_target, main, smooth, split_vs_joint, write_report
+from megaopd.analysis import flops_to_target, smooth, split_vs_joint
+from megaopd.report import main, write_report
 
 
 # ---- the pure functions ----

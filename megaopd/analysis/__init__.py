@@ -1,0 +1,23 @@
+"""The study analysis behind ``megaopd report``: every number and verdict, as functions on loaded run data and on
+numbers; ``megaopd/report.py`` renders them (markdown, plots, report.json).
+
+- ``runs``: a study directory's runs (``Stage``) and their bootstrap resample;
+- ``curves``: FLOPs-to-target on smoothed curves and the E1-E7 numbers of one seed (``analyse``);
+- ``findings``: the paper's findings as a table of rules, and their verdicts;
+- ``intervals``: bootstrap intervals over prompts and seeds (``analyse_seeds``).
+
+One package of four modules rather than one module: together they are ~600 lines (over the ~400 of one module),
+and each part has one purpose.
+"""
+
+from megaopd.analysis.curves import (LENGTH_RULE, LENGTH_WINDOW, TARGET_RULE, TOTALS, accuracy_at, analyse,
+                                     flops_to_target, smooth, split_vs_joint)
+from megaopd.analysis.findings import (FINDING_RULES, FINDINGS, MATCH_TOLERANCE, SMALL_SHARE, Finding, findings,
+                                       judge, reached)
+from megaopd.analysis.intervals import BOOTSTRAP_SEED, INTERVAL_RULE, aggregate, analyse_seeds, bootstrap, pointer
+from megaopd.analysis.runs import Stage, load_study, study_dirs
+
+__all__ = ["BOOTSTRAP_SEED", "FINDINGS", "FINDING_RULES", "INTERVAL_RULE", "LENGTH_RULE", "LENGTH_WINDOW",
+           "MATCH_TOLERANCE", "SMALL_SHARE", "TARGET_RULE", "TOTALS", "Finding", "Stage", "accuracy_at", "aggregate",
+           "analyse", "analyse_seeds", "bootstrap", "findings", "flops_to_target", "judge", "load_study", "pointer",
+           "reached", "smooth", "split_vs_joint", "study_dirs"]

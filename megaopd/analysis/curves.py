@@ -1,0 +1,160 @@
+"""From measured curves to the paper's numbers for one study directory (one seed): FLOPs-to-target on smoothed
+accuracy curves, the E1-E3 OPD vs GRPO comparisons, E6 (multi-teacher student vs experts) and E7 (split-then-merge
+vs joint GRPO), the FLOPs ledger per stage, and the headline ratios (``analyse``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from megaopd.analysis.findings import findings
+from megaopd.analysis.runs import Stage
+from megaopd.flops import COMPONENTS
+
+TOTALS = ("stage", "with_teachers", "with_cold_start", "external")
+OPD_VS_GRPO = ("opd_external", "opd_external_grpo", "opd_self")
+TARGET_RULE = ("FLOPs-to-target: smooth the accuracy with a trailing moving average over `window` evals (fewer at "
+               "the start), find the first eval whose smoothed accuracy >= target, and interpolate linearly in "
+               "FLOPs between it and the previous eval (on the smoothed accuracy); the first eval itself if it "
+               "already reaches the target; not reached if no eval does.")
+LENGTH_WINDOW = 10  # training steps averaged at each end for the response length
+LENGTH_RULE = "mean rollout/response_length of the first (last) `length_window` training steps"
+
+
+def smooth(values: list[float], window: int = 3) -> list[float]:
+    """Trailing moving average; the first evals average over the fewer values there are."""
+    return [float(np.mean(values[max(0, i - window + 1):i + 1])) for i in range(len(values))]
+
+
+def flops_to_target(flops: list[float], accuracy: list[float], target: float, window: int = 3) -> float | None:
+    """FLOPs at which the smoothed accuracy first reaches `target` (TARGET_RULE); None when it never does."""
+    s = smooth(accuracy, window)
+    for i, value in enumerate(s):
+        if value >= target:
+            if i == 0:
+                return float(flops[0])
+            # s[i-1] < target <= s[i], so the slope is positive.
+            return float(flops[i - 1] + (target - s[i - 1]) / (s[i] - s[i - 1]) * (flops[i] - flops[i - 1]))
+    return None
+
+
+def accuracy_at(flops: list[float], accuracy: list[float], at: float, window: int = 3) -> float | None:
+    """Smoothed accuracy interpolated at `at` FLOPs (None outside the curve): for accuracy at matched FLOPs."""
+    if not flops or at < flops[0] or at > flops[-1]:
+        return None
+    return float(np.interp(at, flops, smooth(accuracy, window)))
+
+
+def split_vs_joint(expert_flops: list[float], merge_flops: list[float], merge_acc: list[float],
+                   joint_flops: list[float], joint_acc: list[float], target: float, window: int = 3) -> dict:
+    """E7: experts + the multi-teacher OPD FLOPs to reach `target` vs joint GRPO's FLOPs to reach it."""
+    merge = flops_to_target(merge_flops, merge_acc, target, window)
+    joint = flops_to_target(joint_flops, joint_acc, target, window)
+    experts = float(sum(expert_flops))
+    split = experts + merge if merge is not None else None
+    saving = 1 - split / joint if split is not None and joint else None
+    return {"target": target, "experts_flops": experts, "merge_flops_to_target": merge,
+            "merge_best_smoothed": max(smooth(merge_acc, window), default=None), "split_flops": split,
+            "joint_flops_to_target": joint, "joint_best_smoothed": max(smooth(joint_acc, window), default=None),
+            "saving": saving}
+
+
+def compare_opd_grpo(opd: Stage, grpo: Stage, metric: str, fraction: float, window: int, x: str,
+                     length_window: int = LENGTH_WINDOW) -> dict:
+    """E1-E3: FLOPs each stage needs to reach the GRPO stage's final accuracy (and a fraction of its gain).
+
+    On the GRPO stage's own domain when it is an expert (the paper's E3 is math on math), else the mean; the
+    target is the last point of GRPO's smoothed curve, so that both curves and the target come from the same
+    held-out prompts (and GRPO always reaches it: its FLOPs to it are never None).
+    """
+    domain = grpo.domain or "mean"
+    fo, ao = opd.curve(domain, metric, x)
+    fg, ag = grpo.curve(domain, metric, x)
+    teacher = smooth(ag, window)[-1] if ag else None
+    base = ag[0] if ag else None  # GRPO's step-0 eval: the accuracy both stages start from
+    out = {"opd": opd.name, "grpo": grpo.name, "method": opd.method, "domain": domain, "base": base,
+           "teacher": teacher, "teacher_cost_ratio": max(opd.teacher_cost.values(), default=None), "targets": {}}
+    if not ao or not ag:
+        return out
+    for name, target in (("teacher", teacher), ("fraction", base + fraction * (teacher - base))):
+        g, o = flops_to_target(fg, ag, target, window), flops_to_target(fo, ao, target, window)
+        out["targets"][name] = {"target": target, "grpo_flops": g, "opd_flops": o,
+                                "grpo_best_smoothed": max(smooth(ag, window)),
+                                "opd_best_smoothed": max(smooth(ao, window)),
+                                "ratio": g / o if g is not None and o else None}
+    at = min(fg[-1], fo[-1])
+    out["matched"] = {"flops": at, "grpo_acc": accuracy_at(fg, ag, at, window),
+                      "opd_acc": accuracy_at(fo, ao, at, window)}
+    out["length"] = {k: dict(zip(("first", "last"), s.length_first_last(length_window)))
+                     for k, s in (("opd", opd), ("grpo", grpo))}
+    return out
+
+
+def multi_teacher(mt: Stage, experts: list[Stage], metric: str) -> dict:
+    """E6: per-domain student vs expert final accuracy; distillation FLOPs over the experts' stage FLOPs."""
+    own = [e for e in experts if mt.final_acc(e.domain, metric) is not None]
+    domains = {e.domain: {"expert": e.name, "expert_acc": e.final_acc(e.domain, metric),
+                          "student_acc": mt.final_acc(e.domain, metric)} for e in own}
+    for d in domains.values():
+        d["gap"] = d["student_acc"] - d["expert_acc"] if d["expert_acc"] is not None else None
+    specialist = sum(e.total("stage") for e in own)
+    return {"stage": mt.name, "domains": domains, "distill_flops": mt.total("stage"), "specialist_flops": specialist,
+            "share": mt.total("stage") / specialist if specialist else None, "teacher_cost_ratio": mt.teacher_cost}
+
+
+def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str = "greedy",
+            target_fraction: float = 0.9, window: int = 3, x: str = "stage",
+            length_window: int = LENGTH_WINDOW) -> dict:
+    """Every number of one study directory (one seed), from `load_study`'s study.yaml and stages."""
+    by_name = {s.name: s for s in stages}
+    comparisons = [compare_opd_grpo(s, by_name[s.compare_with], metric, target_fraction, window, x, length_window)
+                   for s in stages if s.method in OPD_VS_GRPO and s.compare_with in by_name]
+    experts = [s for s in stages if s.method == "expert" and s.domain]
+    mts = [multi_teacher(s, experts, metric) for s in stages if s.method == "multi_teacher_opd"]
+    splits = []
+    for joint in (s for s in stages if s.method == "joint_grpo"):
+        # The multi-teacher stage over the same domains as joint GRPO (the 2-domain mix), else the first one.
+        mt = next((m for m in mts if sorted(m["domains"]) == joint.domains(metric)), mts[0] if mts else None)
+        joint_f, joint_a = joint.curve("mean", metric, "stage")
+        if mt is None or not joint_a:
+            continue
+        merge_f, merge_a = by_name[mt["stage"]].curve("mean", metric, "stage")
+        target = smooth(joint_a, window)[-1]  # joint GRPO's final accuracy, on the same prompts as the curves
+        expert_flops = [by_name[d["expert"]].total("stage") for d in mt["domains"].values()]
+        splits.append({"joint": joint.name, "merge": mt["stage"],
+                       "experts": [d["expert"] for d in mt["domains"].values()],
+                       **split_vs_joint(expert_flops, merge_f, merge_a, joint_f, joint_a, target, window)})
+    table = {s.name: {"method": s.method, "algorithm": s.algorithm, "form": s.form, "steps": s.lines[-1]["step"],
+                      "final_mean_acc": s.final_acc("mean", metric),
+                      "totals": {k: s.total(k) for k in TOTALS},
+                      "components": {c: s.lines[-1].get(f"flops/{c}") for c in COMPONENTS},
+                      "length": dict(zip(("first", "last"), s.length_first_last(length_window)))} for s in stages}
+    result = {"study_dir": str(study_dir), "seed": study.get("seed"), "stages": table, "comparisons": comparisons,
+              "multi_teacher": mts, "split_vs_joint": splits}
+    result["findings"] = findings(result)
+    result["headline"] = headline(result)
+    return result
+
+
+def headline(r: dict) -> dict[str, float]:
+    """The ratios worth a mean and a spread across seeds, by name."""
+    out = {}
+    for c in r["comparisons"]:
+        for t, v in c["targets"].items():
+            if v["ratio"] is not None:
+                out[f"FLOPs ratio GRPO/OPD, {c['opd']} vs {c['grpo']} ({t} target)"] = v["ratio"]
+    for m in r["multi_teacher"]:
+        if m["share"] is not None:
+            out[f"distillation share of specialist FLOPs, {m['stage']}"] = m["share"]
+    for s in r["split_vs_joint"]:
+        if s["saving"] is not None:
+            out[f"split-then-merge saving vs {s['joint']}"] = s["saving"]
+    return out
+
+
+def curve_points(stages: list[Stage], metric: str, x: str) -> dict:
+    """Every curve point with its standard error: stage -> domain -> [[FLOPs, accuracy, se or None], ...]."""
+    return {s.name: {d: [list(p) for p in zip(*s.curve(d, metric, x), s.curve_se(d, metric))]
+                     for d in ["mean"] + s.domains(metric)} for s in stages}

@@ -1,0 +1,158 @@
+"""A study directory's runs as the analysis reads them: one ``Stage`` per run directory, and its bootstrap resample.
+
+A study directory holds ``study.yaml`` and one run directory per stage (``megaopd/study.py``): ``metrics.jsonl``
+(curves, FLOPs, response lengths), ``summary.json``, ``config.yaml`` and ``evals/*.json`` (per-prompt results,
+``megaopd/evaluate.py``). Several study directories of the same layout are the seeds of one study.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from megaopd.flops import ModelShape
+from megaopd.metrics import read_metrics
+from megaopd.stats import mean_and_se, resample
+
+
+@dataclass
+class Stage:
+    """One stage's run directory as the report needs it (only stages with metrics lines are loaded)."""
+
+    name: str
+    method: str
+    compare_with: str = ""
+    domain: str = ""
+    algorithm: str = ""
+    lines: list[dict] = field(default_factory=list)
+    records: dict = field(default_factory=dict)  # eval step or "final" -> per-prompt results (megaopd/evaluate.py)
+    teacher_cost: dict[str, float] = field(default_factory=dict)  # OPD: domain -> teacher/student FLOPs per token
+    form: str = ""  # the objective as objectives.form_label names it, e.g. opd:topk(K=16,reverse)
+
+    @property
+    def final(self) -> dict:
+        return next((m for m in reversed(self.lines) if any(k.startswith("final/") for k in m)), {})
+
+    def final_acc(self, domain: str, metric: str) -> float | None:
+        return self.final.get(f"final/{domain}/accuracy_{metric}")
+
+    def total(self, kind: str = "stage") -> float | None:
+        return self.lines[-1].get(f"flops/total_{kind}")
+
+    def curve(self, domain: str, metric: str, x: str = "stage") -> tuple[list[float], list[float]]:
+        """The periodic evals (a fixed held-out subset): the final eval, on all prompts, is not on the curve."""
+        key = f"eval/{domain}/accuracy_{metric}"
+        pts = [(m[f"flops/total_{x}"], m[key]) for m in self.lines if key in m]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    def curve_se(self, domain: str, metric: str) -> list[float | None]:
+        """Standard error of each curve point over its prompts (the mean: of the domains' mean); None without
+        per-prompt results."""
+        key = f"eval/{domain}/accuracy_{metric}"
+        return [_record_se(self.records.get(m["step"]), domain, metric) for m in self.lines if key in m]
+
+    def domains(self, metric: str) -> list[str]:
+        keys = {k for m in self.lines for k in m if k.startswith(("eval/", "final/")) and k.endswith(metric)}
+        return sorted({k.split("/")[1] for k in keys} - {"mean"})
+
+    def lengths(self) -> tuple[list[int], list[float], list[float]]:
+        pts = [(m["step"], m["flops/total_stage"], m["rollout/response_length"]) for m in self.lines
+               if "rollout/response_length" in m]
+        return [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
+
+    def length_first_last(self, window: int) -> tuple[float | None, float | None]:
+        """LENGTH_RULE: mean response length of the first and of the last `window` training steps."""
+        lengths = self.lengths()[2]
+        if not lengths:
+            return None, None
+        return float(np.mean(lengths[:window])), float(np.mean(lengths[-window:]))
+
+
+def _record_se(record: dict | None, domain: str, metric: str) -> float | None:
+    if record is None or metric not in record["reward"]:
+        return None
+    rewards = record["reward"][metric]
+    if domain != "mean":
+        return mean_and_se(rewards[domain])[1] if domain in rewards else None
+    return math.sqrt(sum(mean_and_se(v)[1] ** 2 for v in rewards.values())) / len(rewards)
+
+
+def study_dirs(paths: list[str | Path]) -> list[Path]:
+    """Study directories; one run with `seeds` (seed_<s>/ below it, no study.yaml of its own) counts as its seeds."""
+    out = []
+    for p in map(Path, paths):
+        seeds = sorted(p.glob("seed_*/study.yaml"), key=lambda y: int(y.parent.name.split("_")[1]))
+        out += [y.parent for y in seeds] if not (p / "study.yaml").exists() and seeds else [p]
+    return out
+
+
+def _records(run_dir: Path) -> dict:
+    out = {}
+    for path in sorted((run_dir / "evals").glob("*.json")):
+        rec = json.loads(path.read_text())
+        rec["reward"] = {mode: {d: np.asarray(v, dtype=float) for d, v in by.items()}
+                         for mode, by in rec["reward"].items()}
+        out["final" if rec["final"] else rec["step"]] = rec
+    return out
+
+
+def _teacher_cost(run_dir: Path) -> dict[str, float]:
+    """Teacher FLOPs per token over the student's (2 x matmul parameters each, megaopd/flops.py) for an OPD stage."""
+    path = run_dir / "config.yaml"
+    cfg = yaml.safe_load(path.read_text()) if path.exists() else {}
+    teachers = (cfg.get("opd") or {}).get("teachers") or {}
+    student = _matmul_params((cfg.get("model") or {}).get("path"))
+    if not teachers or student is None:
+        return {}
+    costs = {d: _matmul_params(t) for d, t in teachers.items()}
+    return {d: c / student for d, c in sorted(costs.items()) if c is not None}
+
+
+def _matmul_params(model_dir: str | None) -> int | None:
+    config = Path(model_dir or "") / "config.json"
+    if not model_dir or not config.exists():
+        return None
+    return ModelShape.from_hf_config(json.loads(config.read_text())).matmul_params
+
+
+def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
+    """study.yaml and every stage that has a run directory; a stage without `method` counts as `other`."""
+    study_dir = Path(study_dir)
+    study = yaml.safe_load((study_dir / "study.yaml").read_text()) or {}
+    stages = []
+    for s in study.get("stages") or []:
+        run_dir = study_dir / s["name"]
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
+                            summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),
+                            _teacher_cost(run_dir), summary.get("form", "")))
+    return study, [s for s in stages if s.lines]
+
+
+def resample_stage(stage: Stage, metric: str, draw, rng: np.random.Generator, length_window: int) -> Stage:
+    """One bootstrap replicate of a stage: every accuracy recomputed on resampled prompts, and the response lengths
+    of the first and last `length_window` training steps resampled among those steps.
+
+    `draw(domain, prompts)` gives the replicate's indices for a set of prompts (the same for every eval and stage
+    on those prompts, so that comparisons are paired); evals without per-prompt results keep their value."""
+    lines = []
+    for m in stage.lines:
+        final = any(k.startswith("final/") for k in m)
+        record = stage.records.get("final" if final else m["step"])
+        if record is not None and metric in record["reward"]:
+            prefix = "final" if final else "eval"
+            acc = {d: float(v[draw(d, record["prompts"][d])].mean()) for d, v in record["reward"][metric].items()}
+            m = {**m, **{f"{prefix}/{d}/accuracy_{metric}": a for d, a in acc.items()},
+                 f"{prefix}/mean/accuracy_{metric}": sum(acc.values()) / len(acc)}
+        lines.append(m)
+    steps = [i for i, m in enumerate(lines) if "rollout/response_length" in m]
+    for group in (steps[:length_window], steps[-length_window:]):
+        values = [lines[i]["rollout/response_length"] for i in group]
+        for i, j in zip(group, resample(rng, len(group))):
+            lines[i] = {**lines[i], "rollout/response_length": values[j]}
+    return replace(stage, lines=lines)
