@@ -37,7 +37,10 @@ class Finding:
 
 
 def reached(flops: float | None, best: float | None) -> str:
-    return f"{flops:.3e}" if flops is not None else f"not reached (best smoothed {best:.3f})"
+    """FLOPs to a target, or why there are none (a stage with no periodic mean eval has no best either)."""
+    if flops is not None:
+        return f"{flops:.3e}"
+    return f"not reached (best smoothed {best:.3f})" if best is not None else "not reached (no periodic mean eval)"
 
 
 def flops_ratio(grpo: float, opd: float | None) -> float:
@@ -105,8 +108,7 @@ def split_saving(r: dict) -> Iterator[Check]:
     for s in r["split_vs_joint"]:
         if s["saving"] is None and s["split_flops"] is not None:
             continue
-        split = (f"{s['split_flops']:.3e}" if s["split_flops"] is not None
-                 else f"not reached (merge best smoothed {s['merge_best_smoothed']:.3f})")
+        split = reached(s["split_flops"], s["merge_best_smoothed"])
         yield (f"{s['merge']} + experts vs {s['joint']}", -math.inf if s["saving"] is None else s["saving"],
                f"to {s['target']:.3f}: split {split}, joint "
                f"{reached(s['joint_flops_to_target'], s['joint_best_smoothed'])}; saving")
