@@ -23,7 +23,8 @@ import torch
 from megaopd.batch import Sample
 from megaopd.decode import FusedDecoder
 from megaopd.data.rows import Row
-from megaopd.policy import HFPolicy, chat_prompt_ids_batch
+from megaopd.chat import chat_prompt_ids_batch
+from megaopd.policy import HFPolicy
 
 
 class RolloutEngine(Protocol):

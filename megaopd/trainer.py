@@ -37,7 +37,8 @@ from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger
 from megaopd.objectives import GRPO, OPD, TIS_LEVELS, GRPOWithOPD, form_label, truncated_is_weights
 from megaopd.plan import check_run
-from megaopd.policy import HFPolicy, chat_prompt_ids
+from megaopd.chat import chat_prompt_ids
+from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine
 from megaopd.teachers import TeacherRouter, local_teachers
 
