@@ -22,12 +22,9 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from megaopd.batch import Sample, TokenBatch
 
-# Dense (no sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors' data sheets (SXM parts).
-BF16_PEAK = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "B200": 2250e12,
-             "GB200": 2500e12, "L40S": 362e12}
-
 
 def per_domain_means(samples: list[Sample], value: Callable[[Sample], float]) -> dict[str, float]:
+    """Mean of `value` over the samples of each domain, domains sorted by name."""
     sums: dict[str, list[float]] = defaultdict(list)
     for s in samples:
         sums[s.row.domain].append(value(s))
@@ -59,6 +56,11 @@ def rollout_metrics(samples: list[Sample], batch: TokenBatch, routes: dict, tis_
         metrics[f"train/teacher/{route}/reverse_kl_k1"] = float(k1 / mask.sum().clamp(min=1))
         metrics[f"train/teacher/{route}/token_share"] = float(mask.sum()) / total_tokens
     return metrics
+
+
+# Dense (no sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors' data sheets (SXM parts).
+BF16_PEAK = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "B200": 2250e12,
+             "GB200": 2500e12, "L40S": 362e12}
 
 
 def device_clock() -> float:
