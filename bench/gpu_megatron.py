@@ -48,8 +48,8 @@ def run(path: Path, fp8: str, args) -> dict:
     from megaopd.batch import TokenBatch
     from megaopd.config import MegatronConfig, ModelConfig, OptimConfig
     from megaopd.flops import train_flops
-    from megaopd.megatron.mfu import step_perf
     from megaopd.megatron.policy import MegatronPolicy
+    from megaopd.metrics import step_perf
 
     cfg = ModelConfig(path=str(path), backend="megatron", dtype="bfloat16", device="cuda",
                       megatron=MegatronConfig(fp8=fp8))

@@ -18,6 +18,7 @@ import torch
 from megaopd.batch import Sample
 from megaopd.config import EvalConfig
 from megaopd.data.rows import Row
+from megaopd.metrics import per_domain_means
 from megaopd.verifiers import score
 
 
@@ -31,13 +32,6 @@ def score_samples(tokenizer, samples: list[Sample]) -> float:
     for s in samples:
         s.reward = score(s.row, response_text(tokenizer, s))
     return time.perf_counter() - start
-
-
-def per_domain_means(samples: list[Sample], value) -> dict[str, float]:
-    sums: dict[str, list[float]] = defaultdict(list)
-    for s in samples:
-        sums[s.row.domain].append(value(s))
-    return {domain: sum(v) / len(v) for domain, v in sorted(sums.items())}
 
 
 class Evaluator:

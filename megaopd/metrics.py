@@ -1,13 +1,97 @@
-"""Metrics: one ``metrics.jsonl`` line per logged step and the same scalars in TensorBoard.
+"""The scalars a run logs: computed from a step's samples and timings, then written as one ``metrics.jsonl`` line
+per logged step and the same scalars in TensorBoard.
 
 Scalar names are grouped by prefix: ``train/``, ``rollout/``, ``eval/``, ``flops/``, ``perf/``. On resume, lines
 and events after the checkpoint's step are dropped, so a resumed run's logs equal an uninterrupted run's.
+
+MFU (model FLOP utilisation) is achieved model FLOP/s (``megaopd.flops`` conventions: matmuls only, 3x forward for a
+training pass, real tokens) over the devices' dense peak. It is always quoted against the bf16 dense peak, also for
+FP8 steps (the usual convention: FP8 then shows as MFU above what bf16 could reach, not as a different
+denominator). Unknown devices get TFLOP/s but no MFU. torch is imported only where a device is asked, so the report
+reads metrics without it.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from megaopd.batch import Sample, TokenBatch
+
+
+def per_domain_means(samples: list[Sample], value: Callable[[Sample], float]) -> dict[str, float]:
+    """Mean of `value` over the samples of each domain, domains sorted by name."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    for s in samples:
+        sums[s.row.domain].append(value(s))
+    return {domain: sum(v) / len(v) for domain, v in sorted(sums.items())}
+
+
+def rollout_metrics(samples: list[Sample], batch: TokenBatch, routes: dict, tis_cap: float) -> dict[str, float]:
+    """One RL step's ``rollout/`` scalars, and per teacher route its KL and token share (``train/teacher/``)."""
+    metrics = {
+        "rollout/reward": sum(s.reward for s in samples) / len(samples),
+        "rollout/response_length": sum(len(s.response_ids) for s in samples) / len(samples),
+        "rollout/truncated_share": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "rollout/weight_version": max(s.weight_version for s in samples),  # which weights sampled this step
+    }
+    # Train/rollout mismatch: |trainer - engine| logprob of the sampled tokens (0 when not recomputed).
+    gap = (batch.old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask
+    metrics["rollout/logprob_gap"] = float(gap.sum() / batch.response_mask.sum().clamp(min=1))
+    metrics["rollout/logprob_gap_max"] = float(gap.max())
+    if batch.is_weights is not None:
+        weights = batch.is_weights[batch.response_mask.bool()]
+        metrics["rollout/tis_weight_mean"] = float(weights.mean())
+        metrics["rollout/tis_truncated_share"] = float((weights >= tis_cap).float().mean())
+    for domain, reward in per_domain_means(samples, lambda s: s.reward).items():
+        metrics[f"rollout/{domain}/reward"] = reward
+    total_tokens = float(batch.response_mask.sum().clamp(min=1))
+    for route, indices in routes.items():
+        mask = batch.response_mask[indices]
+        k1 = ((batch.old_logprobs[indices] - batch.teacher_logprobs[indices]) * mask).sum()
+        metrics[f"train/teacher/{route}/reverse_kl_k1"] = float(k1 / mask.sum().clamp(min=1))
+        metrics[f"train/teacher/{route}/token_share"] = float(mask.sum()) / total_tokens
+    return metrics
+
+
+# Dense (no sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors' data sheets (SXM parts).
+BF16_PEAK = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "B200": 2250e12,
+             "GB200": 2500e12, "L40S": 362e12}
+
+
+def device_clock() -> float:
+    """``time.perf_counter`` once the GPU's queued work is done, so that an interval times that work."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def device_peak_flops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().upper()
+    for key in sorted(BF16_PEAK, key=len, reverse=True):  # "GB200" before "B200"
+        if key in name:
+            return BF16_PEAK[key]
+    return None
+
+
+def step_perf(model_flops: int, seconds: float, devices: int) -> dict[str, float]:
+    """TFLOP/s per device and, where the device's peak is known, MFU."""
+    per_device = model_flops / max(seconds, 1e-9) / devices
+    out = {"tflops_per_device": per_device / 1e12}
+    peak = device_peak_flops()
+    if peak:
+        out["mfu"] = per_device / peak
+    return out
 
 
 class MetricsLogger:

@@ -28,18 +28,6 @@ from megaopd.objectives import TAIL_FLOOR, tail_logprob
 TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, TokenBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt tokens through the tokenizer's own chat template, ending with the assistant header."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def chat_prompt_ids_batch(tokenizer, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
-    """``chat_prompt_ids`` of many conversations: one batched template call, one batched tokenizer call."""
-    texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
 def sampling_logprobs(logits: torch.Tensor, top_p: float = 1.0) -> torch.Tensor:
     """Log-softmax of (temperature-scaled) logits, cut to the top-p nucleus when top_p < 1 and renormalised: the
     distribution a sampler with these settings draws from. Tokens outside the nucleus get ``TAIL_FLOOR``, not -inf,

@@ -16,14 +16,15 @@ through ``megaopd.decode.FusedDecoder`` for the families it knows, else through 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from megaopd.batch import Sample
+from megaopd.chat import chat_prompt_ids_batch
 from megaopd.decode import FusedDecoder
 from megaopd.data.rows import Row
-from megaopd.policy import HFPolicy, chat_prompt_ids_batch
+from megaopd.policy import HFPolicy
 
 
 class RolloutEngine(Protocol):
@@ -94,12 +95,27 @@ class LocalEngine:
 
     @torch.inference_mode()
     def _generate_chunk(self, rows, first_group, n, temperature, top_p, max_new_tokens, generator):
-        from transformers import DynamicCache
-
-        model, device, tokenizer = self.policy.model, self.policy.device, self.policy.tokenizer
+        model = self.policy.model
         was_training = model.training
         model.eval()
-        prompts = chat_prompt_ids_batch(tokenizer, [row.prompt for row in rows])
+        try:
+            prompts = chat_prompt_ids_batch(self.policy.tokenizer, [row.prompt for row in rows])
+            logits, decode = self._prefill(prompts, n, max_new_tokens)
+            tokens, logprobs, done = self._decode_loop(logits, decode, temperature, top_p, max_new_tokens, generator)
+        finally:
+            model.train(was_training)
+        return self._samples(rows, prompts, first_group, n, tokens, logprobs, done)
+
+    def _prefill(self, prompts: list[list[int]], n: int,
+                 max_new_tokens: int) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+        """Run each prompt once and share its KV cache across its group of `n` samples.
+
+        Returns the next-token logits of every sample, [len(prompts) * n, V], and ``decode(token, t)``, which feeds
+        the t-th sampled token of every sample through the cache and returns the logits after it.
+        """
+        from transformers import DynamicCache
+
+        model, device = self.policy.model, self.policy.device
         width = max(map(len, prompts))
         capacity = width + max_new_tokens
         # Left-pad so every prompt ends at the same column; positions count real tokens only.
@@ -134,27 +150,34 @@ class LocalEngine:
             def decode(token: torch.Tensor, t: int) -> torch.Tensor:
                 return model(input_ids=token[:, None], attention_mask=padding_mask[:, : width + t + 1],
                              position_ids=(first_pos + t)[:, None], cache=cache, use_cache=True).logits[:, -1]
+        return logits, decode
 
+    def _decode_loop(self, logits: torch.Tensor, decode: Callable[[torch.Tensor, int], torch.Tensor],
+                     temperature: float, top_p: float, max_new_tokens: int,
+                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample up to `max_new_tokens` per row, until every row has sampled EOS: (tokens, logprobs, done), on CPU."""
+        batch = logits.shape[0]
         tokens = torch.zeros((batch, max_new_tokens), dtype=torch.long)
         logprobs = torch.zeros((batch, max_new_tokens))
         done = torch.zeros(batch, dtype=torch.bool)
-        try:
-            for t in range(max_new_tokens):
-                token, logprob = sample_tokens(logits, temperature, top_p, generator)
-                token_cpu = token.cpu()
-                tokens[:, t], logprobs[:, t] = token_cpu, logprob.cpu()
-                done |= token_cpu == self.policy.eos_id
-                if t == max_new_tokens - 1 or bool(done.all()):
-                    break  # the last sampled token is never fed back
-                logits = decode(token, t)
-        finally:
-            model.train(was_training)
+        for t in range(max_new_tokens):
+            token, logprob = sample_tokens(logits, temperature, top_p, generator)
+            token_cpu = token.cpu()
+            tokens[:, t], logprobs[:, t] = token_cpu, logprob.cpu()
+            done |= token_cpu == self.policy.eos_id
+            if t == max_new_tokens - 1 or bool(done.all()):
+                break  # the last sampled token is never fed back
+            logits = decode(token, t)
+        return tokens, logprobs, done
 
-        # A response ends at its first EOS (the rows that finished early kept sampling until all had), else at the limit.
+    def _samples(self, rows: list[Row], prompts: list[list[int]], first_group: int, n: int, tokens: torch.Tensor,
+                 logprobs: torch.Tensor, done: torch.Tensor) -> list[Sample]:
+        """One Sample per row of the decode loop: `n` consecutive rows per prompt, each cut at its end."""
+        # A response ends at its first EOS (rows that finished early kept sampling until all had), else at the limit.
         is_eos = tokens == self.policy.eos_id
-        lengths = torch.where(done, is_eos.int().argmax(-1) + 1, max_new_tokens).tolist()
+        lengths = torch.where(done, is_eos.int().argmax(-1) + 1, tokens.shape[1]).tolist()
         samples = []
-        for i in range(batch):
+        for i in range(tokens.shape[0]):
             length = lengths[i]
             samples.append(Sample(
                 row=rows[i // n], group=first_group + i // n, prompt_ids=prompts[i // n],

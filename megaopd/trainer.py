@@ -27,17 +27,18 @@ from tqdm import tqdm
 from megaopd import flops, verifiers
 from megaopd.backend import Policy
 from megaopd.batch import Sample, collate
+from megaopd.chat import chat_prompt_ids
 from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state
 from megaopd.config import RunConfig, save_config
 from megaopd.data.rows import load_rows
 from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
-from megaopd.evaluate import Evaluator, per_domain_means, score_samples
+from megaopd.evaluate import Evaluator, score_samples
 from megaopd.ledger import Ledger
-from megaopd.metrics import MetricsLogger
+from megaopd.metrics import MetricsLogger, rollout_metrics
 from megaopd.objectives import GRPO, OPD, TIS_LEVELS, GRPOWithOPD, form_label, truncated_is_weights
 from megaopd.plan import check_run
-from megaopd.policy import HFPolicy, chat_prompt_ids
+from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine
 from megaopd.teachers import TeacherRouter, local_teachers
 
@@ -198,7 +199,7 @@ class Trainer:
         self.engine.sync_weights(policy)
 
         self._book_rl_flops(rows, samples, routes)
-        metrics |= self._rollout_metrics(samples, batch, routes)
+        metrics |= rollout_metrics(samples, batch, routes, cfg.train.tis_cap)
         metrics["rollout/verifier_errors"] = verifier_errors
         metrics |= {"perf/rollout_seconds": t_rollout - t0, "perf/verifier_seconds": verifier_seconds,
                     "perf/step_seconds": time.perf_counter() - t0}
@@ -220,31 +221,6 @@ class Trainer:
                                                     n, teacher_passes=passes, **common)["teacher"]
         for component, value in parts.items():
             self.ledger.add(component, value)
-
-    def _rollout_metrics(self, samples: list[Sample], batch, routes) -> dict[str, float]:
-        metrics = {
-            "rollout/reward": sum(s.reward for s in samples) / len(samples),
-            "rollout/response_length": sum(len(s.response_ids) for s in samples) / len(samples),
-            "rollout/truncated_share": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            "rollout/weight_version": max(s.weight_version for s in samples),  # which weights sampled this step
-        }
-        # Train/rollout mismatch: |trainer - engine| logprob of the sampled tokens (0 when not recomputed).
-        gap = (batch.old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask
-        metrics["rollout/logprob_gap"] = float(gap.sum() / batch.response_mask.sum().clamp(min=1))
-        metrics["rollout/logprob_gap_max"] = float(gap.max())
-        if batch.is_weights is not None:
-            weights = batch.is_weights[batch.response_mask.bool()]
-            metrics["rollout/tis_weight_mean"] = float(weights.mean())
-            metrics["rollout/tis_truncated_share"] = float((weights >= self.cfg.train.tis_cap).float().mean())
-        for domain, reward in per_domain_means(samples, lambda s: s.reward).items():
-            metrics[f"rollout/{domain}/reward"] = reward
-        total_tokens = float(batch.response_mask.sum().clamp(min=1))
-        for route, indices in routes.items():
-            mask = batch.response_mask[indices]
-            k1 = ((batch.old_logprobs[indices] - batch.teacher_logprobs[indices]) * mask).sum()
-            metrics[f"train/teacher/{route}/reverse_kl_k1"] = float(k1 / mask.sum().clamp(min=1))
-            metrics[f"train/teacher/{route}/token_share"] = float(mask.sum()) / total_tokens
-        return metrics
 
     # ---- one SFT step (cold start): teacher-forced NLL on worked solutions, a share of them corrupted ----
     def sft_step(self, step: int) -> dict[str, float]:

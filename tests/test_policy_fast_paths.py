@@ -200,7 +200,7 @@ def test_local_engine_decoding_matches_hf_dynamic_cache_decoding(assets, monkeyp
             assert s.response_ids == out_tokens[:n] and (n == 10 or out_tokens[n - 1] == policy.eos_id)
             assert torch.allclose(torch.tensor(s.rollout_logprobs), torch.tensor(out_lp[:n]), atol=1e-5)
     # The chunk's batched tokenisation is chat_prompt_ids of each row.
-    from megaopd.policy import chat_prompt_ids
+    from megaopd.chat import chat_prompt_ids
 
     assert [s.prompt_ids for s in samples[::2]] == [chat_prompt_ids(policy.tokenizer, r.prompt) for r in rows]
 

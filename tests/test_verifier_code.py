@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
+from megaopd.data.answers import parse_tests
 from megaopd.data.sources import load_humaneval
-from megaopd.verifiers.code import extract_code, parse_tests, return_matches, score_code, score_many, stdout_matches
+from megaopd.verifiers.code import extract_code, return_matches, score_code, score_many, stdout_matches
 
 ADD = {"inputs": ["1 2\n", "3 4\n", "10 -5\n"], "outputs": ["3\n", "7", "5\n"]}
 ADD_OK = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"

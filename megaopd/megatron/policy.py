@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from functools import partial
 from pathlib import Path
 
@@ -33,9 +32,10 @@ from megaopd.flops import ModelShape, train_flops
 from megaopd.megatron import bridge as hf_bridge
 from megaopd.megatron import checkpoint
 from megaopd.megatron.fp8 import fp8_overrides, use_te_spec
-from megaopd.megatron.mfu import step_perf
 from megaopd.megatron.parallel import init_model_parallel, student_layout, teacher_layout
+from megaopd.megatron.rollout_copy import RolloutCopy
 from megaopd.megatron.vocab import VocabShard
+from megaopd.metrics import device_clock, step_perf
 from megaopd.objectives import coarse_kl, tail_logprob
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,8 @@ class MegatronPolicy:
         self.optimizer = None
         self.optim = optim
         self.steps = 0
-        self._hf_copy, self._hf_version, self._version = None, -1, 0
+        self._version = 0  # bumped by every weight change; the rollout copy refreshes when it moves
+        self._rollout_copy = RolloutCopy(self.bridge, self.dtype, self.device)
         self.checkpoint_dir, self.keep = (Path(checkpoint_dir) if checkpoint_dir else None), keep
         if optim is None:
             self.module.eval().requires_grad_(False)
@@ -174,7 +175,7 @@ class MegatronPolicy:
                         vocab_term=None) -> dict[str, float]:
         """One optimizer step on `batch` with the token-mean of `loss_fn` over all its response tokens."""
         assert self.optimizer is not None, "this policy was built frozen (no optimizer)"
-        t0 = self._clock()
+        t0 = device_clock()
         micro, width = self._local_micro_batches(batch, micro_batch_size)
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
@@ -192,14 +193,8 @@ class MegatronPolicy:
         metrics = {**{k: v / total for k, v in sums.items()}, "grad_norm": float(grad_norm), "lr": self._lr(self.steps)}
         if torch.cuda.is_available():  # MFU of this update: real tokens only, padding is not model work
             model_flops = sum(train_flops(self.shape, int(n)) for n in batch.attention_mask.sum(1))
-            metrics |= step_perf(model_flops, self._clock() - t0, dist.get_world_size())
+            metrics |= step_perf(model_flops, device_clock() - t0, dist.get_world_size())
         return metrics
-
-    @staticmethod
-    def _clock() -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
     def _lr(self, step: int) -> float:
         warmup = max(self.optim.warmup_steps, 0)  # the HF backend's linear warmup, step for step
@@ -337,20 +332,8 @@ class MegatronPolicy:
 
     @property
     def model(self):
-        """An HF copy of the current weights, refreshed after each update, for the local rollout engine.
-
-        Every rank holds one and samples the same rollouts from the same seed; at scale rollouts come from SGLang
-        servers synced from ``export_hf_state`` instead, and this copy is never built.
-        """
-        if self._hf_version != self._version:
-            state = self.export_hf_state()
-            if self._hf_copy is None:
-                self._hf_copy = hf_bridge.hf_model_from_state(self.bridge, state, self.dtype).to(self.device)
-            else:
-                self._hf_copy.load_state_dict(state, strict=False)
-            self._hf_copy.eval().requires_grad_(False)
-            self._hf_version = self._version
-        return self._hf_copy
+        """An HF copy of the current weights for the local rollout engine (``rollout_copy``; collective when stale)."""
+        return self._rollout_copy.current(self._version, self.export_hf_state)
 
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
         # fully_reshardable: the optimizer state is saved per parameter, so a checkpoint loads at any TP/PP/DP.

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from megaopd.batch import Sample, collate
+from megaopd.chat import chat_prompt_ids, chat_prompt_ids_batch
 from megaopd.config import RunConfig
 from megaopd.data.rows import Row
-from megaopd.policy import chat_prompt_ids, chat_prompt_ids_batch
 from megaopd.serving import weight_sync
 from megaopd.serving.leader import on_leader
 from megaopd.serving.pool import ServerPool, split_evenly

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Sequence
 
+from megaopd.data.answers import parse_tests
 from megaopd.verifiers import guarded, register, wire
 from megaopd.verifiers.humaneval import call_server, parse_replies, run_checker, run_split, split_check
 from megaopd.verifiers.sandbox import Limits, default_workers, run_python
@@ -73,30 +74,6 @@ def extract_code(response: str) -> str | None:
     if not blocks and _CODE_HINT.search(response):
         return response
     return None
-
-
-def parse_tests(ground_truth: Any) -> dict:
-    """The ground truth as a dict of one of the documented layouts; ValueError saying what is wrong otherwise."""
-    spec = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
-    if not isinstance(spec, dict):
-        raise ValueError(f"code tests must be an object, got {type(spec).__name__}")
-    if "test" in spec:
-        if not spec.get("entry_point"):
-            raise ValueError("HumanEval-style tests need 'entry_point' beside 'test'")
-        return spec
-    inputs, outputs = spec.get("inputs"), spec.get("outputs")
-    if not isinstance(inputs, list) or not isinstance(outputs, list):
-        raise ValueError("code tests need lists 'inputs' and 'outputs' (or 'test' + 'entry_point')")
-    if len(inputs) != len(outputs):
-        raise ValueError(f"code tests have {len(inputs)} inputs but {len(outputs)} outputs")
-    if not inputs:
-        raise ValueError("code tests are empty")
-    if spec.get("fn_name"):
-        if not all(isinstance(args, list) for args in inputs):
-            raise ValueError("functional tests need each input to be a list of arguments")
-    elif not all(isinstance(x, str) for x in inputs + outputs):
-        raise ValueError("stdin/stdout tests need string inputs and outputs")
-    return spec
 
 
 # ----------------------------------------------------------------------------------------------- comparison

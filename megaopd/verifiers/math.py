@@ -22,6 +22,7 @@ from fractions import Fraction
 from tokenize import TokenError  # sympy's parse_expr raises it for unbalanced input
 from typing import Any
 
+from megaopd.data.answers import last_boxed
 from megaopd.verifiers import register
 from megaopd.verifiers.killable import CallTimeout, KillablePool
 
@@ -37,32 +38,12 @@ _pool = KillablePool("megaopd.verifiers.math:slow_equal", size=2)
 
 # ----------------------------------------------------------------------------------------------- extraction
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 # Possessive whitespace (*+) and same-line ^[ \t]: these run on model output in the trainer's process, where a
 # backtracking \s* took minutes on a response of blank lines.
 _GSM8K = re.compile(r"####\s*+([^\n]+)")
 _FINAL = re.compile(r"(?:final answer|the answer)\s*+(?:is|:)?\s*+[:=]?\s*+(.+)|^[ \t]*+\**answer\**\s*+[:=]\s*+(.+)",
                     re.IGNORECASE | re.MULTILINE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox, or \\boxed 5), with nested braces balanced."""
-    matches = list(_BOXED.finditer(text))
-    if not matches:
-        return None
-    start = matches[-1].end()
-    if start >= len(text):
-        return None
-    if text[start] != "{":  # "\boxed 5"
-        token = re.match(r"[^\s$]+", text[start:])
-        return token.group(0) if token else None
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start + 1:i]
-    return None  # unbalanced: the response was cut off inside the box
 
 
 def extract_answer(text: str) -> str | None:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from megaopd.data.answers import LETTERS
 from megaopd.verifiers import register
-
-LETTERS = "ABCDEFGHIJ"
 
 _PATTERNS = (
     re.compile(r"\\boxed\{\s*\(?([A-J])\)?\s*(?:[:.)][^}]*)?\}"),
@@ -34,13 +33,6 @@ def extract_choice(text: str, num_choices: int = len(LETTERS)) -> str | None:
         if found:
             return found[-1] if found[-1] in allowed else None
     return None
-
-
-def answer_letter(index: int) -> str:
-    """The letter of a 0-based option index."""
-    if not 0 <= index < len(LETTERS):
-        raise ValueError(f"option index {index} is out of range 0..{len(LETTERS) - 1}")
-    return LETTERS[index]
 
 
 @register("science", "multiple_choice", "gpqa", "Idavidrein/gpqa", "sciq", "allenai/sciq", "mmlu", "cais/mmlu",
