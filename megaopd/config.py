@@ -134,7 +134,7 @@ class OPDConfig:
 
 @dataclass
 class SFTConfig:
-    batch_size: int = 64
+    # The rows of one SFT step are train.prompts_per_step (sft.batch_size is refused: REMOVED_KEYS).
     # Cold start: stop once held-out accuracy of every domain reaches `stop_at_accuracy` (checked at each eval)
     # so that the base student is weak but not hopeless. 0 disables the early stop.
     stop_at_accuracy: float = 0.0
@@ -210,7 +210,13 @@ class ConfigError(ValueError):
     pass
 
 
+# Keys that once parsed but did nothing: a config that sets one is refused with what to set instead.
+REMOVED_KEYS = {"sft.batch_size": "the rows of one SFT step are train.prompts_per_step"}
+
+
 def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
+    if where + key in REMOVED_KEYS:
+        return ConfigError(f"config key {where + key!r} is not used: {REMOVED_KEYS[where + key]}")
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"; did you mean {where + close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
     return ConfigError(f"unknown config key {where + key!r}{hint}")
