@@ -152,7 +152,9 @@ class TrainConfig:
     minibatches: int = 1  # optimizer steps per pass: the step's rollouts split into this many minibatches
     recompute_old_logprobs: bool = True  # recompute with the trainer instead of trusting rollout logprobs
     # Truncated importance sampling against the train/rollout mismatch (e.g. SGLang kernels vs the trainer's):
-    # policy-gradient terms weighted by min(p_trainer / p_rollout, tis_cap), per token or per sequence.
+    # policy-gradient terms weighted by min(p_trainer / p_rollout, tis_cap), per token or per sequence. The KL
+    # forms of OPD (full_vocab, topk) have no such term: with algorithm=opd tis is refused, with grpo_opd it
+    # weights the GRPO term only.
     tis: Literal["none", "token", "sequence"] = "none"  # none | token | sequence
     tis_cap: float = 2.0
     seed: int = 0

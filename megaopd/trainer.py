@@ -125,6 +125,11 @@ class Trainer:
             raise ValueError(f"train.algorithm must be sft, grpo, opd or grpo_opd, got {algorithm!r}")
         if cfg.train.tis not in TIS_LEVELS:
             raise ValueError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}")
+        if cfg.train.tis != "none" and algorithm == "opd" and cfg.opd.form != "sampled":
+            raise ValueError(f"train.tis={cfg.train.tis} weights the sampled tokens' policy-gradient terms, and "
+                             f"opd.form={cfg.opd.form} has none: its loss is the KL over the vocabulary at each "
+                             "response position, so the weights would be dropped. Set train.tis=none, or "
+                             "opd.form=sampled (with train.algorithm=grpo_opd they weight the GRPO term)")
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
