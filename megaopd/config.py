@@ -51,6 +51,8 @@ class ModelConfig:
     # HF backend: keep only each layer's input for backward and recompute the layer (one more forward per train
     # pass, not billed: the ledger counts model FLOPs); what fits 4k-token responses at micro-batch 8 on one GPU.
     activation_checkpointing: bool = False
+    # hf: where the model lives. megatron places each rank's model itself (cuda:LOCAL_RANK, or the CPU in
+    # rehearsals): this must name that place (cuda / cpu), or the run stops at start-up.
     device: str = "cpu"
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
