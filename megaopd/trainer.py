@@ -118,6 +118,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def merge_updates(updates: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """One step's training metrics from its optimizer updates (minibatches x epochs), each given as (what
+    ``train_minibatch`` returned, the minibatch's response tokens). Losses and per-token metrics are token-means of
+    each minibatch: weighted by its tokens they give the step's token-mean. The gradient norm is the mean over the
+    updates, with their max beside it; the learning rate is the last update's."""
+    weights = [max(tokens, 1.0) for _, tokens in updates]  # train_minibatch divides by at least one token too
+    merged = {key: sum(u[key] * w for (u, _), w in zip(updates, weights)) / sum(weights)
+              for key in updates[0][0] if key not in ("grad_norm", "lr")}
+    norms = [u["grad_norm"] for u, _ in updates]
+    return merged | {"grad_norm": sum(norms) / len(norms), "grad_norm_max": max(norms), "lr": updates[-1][0]["lr"]}
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig):
         algorithm = cfg.train.algorithm
@@ -195,11 +207,13 @@ class Trainer:
         metrics = {f"train/{k}": v for k, v in self.objective.prepare(batch, samples).items()}
 
         minibatch = math.ceil(batch.size / cfg.train.minibatches)
+        updates = []
         for _ in range(cfg.train.epochs):
             for start in range(0, batch.size, minibatch):
-                update = policy.train_minibatch(batch.select(slice(start, start + minibatch)),
-                                                self.objective.token_loss, mbs, self.objective.vocab_term)
-        metrics |= {f"train/{k}": v for k, v in update.items()}
+                part = batch.select(slice(start, start + minibatch))
+                updates.append((policy.train_minibatch(part, self.objective.token_loss, mbs, self.objective.vocab_term),
+                                float(part.response_mask.sum())))
+        metrics |= {f"train/{k}": v for k, v in merge_updates(updates).items()}
         self.engine.sync_weights(policy)
 
         self._book_rl_flops(rows, samples, routes)
