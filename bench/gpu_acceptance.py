@@ -67,7 +67,7 @@ def train_run(model: Path, data: Path, work: Path, algorithm: str, steps: int = 
                  "model.master_dtype=float32", f"train.algorithm={algorithm}", f"train.steps={steps}",
                  "train.prompts_per_step=16", "train.micro_batch_size=16", "rollout.max_new_tokens=32",
                  f"rollout.samples_per_prompt={8 if algorithm == 'grpo' else 1}", f"optim.lr={lr}",
-                 f"data.train=[{train}]", f"data.eval=[{heldout}]", "sft.batch_size=64",
+                 f"data.train=[{train}]", f"data.eval=[{heldout}]",
                  "eval.every=1000", "eval.prompts_per_domain=16", "eval.final_prompts_per_domain=16",
                  "checkpoint.every=1000"]
     if algorithm == "opd":

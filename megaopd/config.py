@@ -51,6 +51,8 @@ class ModelConfig:
     # HF backend: keep only each layer's input for backward and recompute the layer (one more forward per train
     # pass, not billed: the ledger counts model FLOPs); what fits 4k-token responses at micro-batch 8 on one GPU.
     activation_checkpointing: bool = False
+    # hf: where the model lives. megatron places each rank's model itself (cuda:LOCAL_RANK, or the CPU in
+    # rehearsals): this must name that place (cuda / cpu), or the run stops at start-up.
     device: str = "cpu"
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
@@ -134,7 +136,7 @@ class OPDConfig:
 
 @dataclass
 class SFTConfig:
-    batch_size: int = 64
+    # The rows of one SFT step are train.prompts_per_step (sft.batch_size is refused: REMOVED_KEYS).
     # Cold start: stop once held-out accuracy of every domain reaches `stop_at_accuracy` (checked at each eval)
     # so that the base student is weak but not hopeless. 0 disables the early stop.
     stop_at_accuracy: float = 0.0
@@ -152,7 +154,9 @@ class TrainConfig:
     minibatches: int = 1  # optimizer steps per pass: the step's rollouts split into this many minibatches
     recompute_old_logprobs: bool = True  # recompute with the trainer instead of trusting rollout logprobs
     # Truncated importance sampling against the train/rollout mismatch (e.g. SGLang kernels vs the trainer's):
-    # policy-gradient terms weighted by min(p_trainer / p_rollout, tis_cap), per token or per sequence.
+    # policy-gradient terms weighted by min(p_trainer / p_rollout, tis_cap), per token or per sequence. The KL
+    # forms of OPD (full_vocab, topk) have no such term: with algorithm=opd tis is refused, with grpo_opd it
+    # weights the GRPO term only.
     tis: Literal["none", "token", "sequence"] = "none"  # none | token | sequence
     tis_cap: float = 2.0
     seed: int = 0
@@ -210,7 +214,13 @@ class ConfigError(ValueError):
     pass
 
 
+# Keys that once parsed but did nothing: a config that sets one is refused with what to set instead.
+REMOVED_KEYS = {"sft.batch_size": "the rows of one SFT step are train.prompts_per_step"}
+
+
 def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
+    if where + key in REMOVED_KEYS:
+        return ConfigError(f"config key {where + key!r} is not used: {REMOVED_KEYS[where + key]}")
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"; did you mean {where + close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
     return ConfigError(f"unknown config key {where + key!r}{hint}")

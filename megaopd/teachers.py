@@ -15,6 +15,7 @@ All of them are scored under the rollout's temperature (and top-p on local teach
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from typing import Callable
 
@@ -25,6 +26,7 @@ from megaopd.config import ModelConfig
 from megaopd.flops import ModelShape
 from megaopd.policy import HFPolicy
 
+log = logging.getLogger(__name__)
 ANY_DOMAIN = "*"
 
 
@@ -46,9 +48,14 @@ class TeacherRouter:
             if path in loaded:
                 continue
             loaded[path] = load(route, path)
-            if loaded[path].tokenizer.get_vocab() != student_tokenizer.get_vocab():
-                raise ValueError(f"teacher {path} has a different tokenizer from the student: per-token "
-                                 "supervision needs the same vocabulary and chat template")
+            teacher_tokenizer = loaded[path].tokenizer
+            if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
+                raise ValueError(f"teacher {path} has a different vocabulary from the student's: per-token "
+                                 "supervision compares both models' logprobs of the same token ids")
+            # The teacher scores the prompt as the student's chat template renders it; its own template is unused.
+            if getattr(teacher_tokenizer, "chat_template", None) != getattr(student_tokenizer, "chat_template", None):
+                log.warning("teacher %s has another chat template than the student: it scores prompts in the "
+                            "student's format", path)
         self.teachers = {domain: loaded[path] for domain, path in self.paths.items()}
         self.routes = sorted(self.teachers)  # TokenBatch.teacher_route indexes this list
 

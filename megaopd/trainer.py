@@ -119,6 +119,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def merge_updates(updates: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """One step's training metrics from its optimizer updates (minibatches x epochs), each given as (what
+    ``train_minibatch`` returned, the minibatch's response tokens). Losses and per-token metrics are token-means of
+    each minibatch: weighted by its tokens they give the step's token-mean. The gradient norm is the mean over the
+    updates, with their max beside it; the learning rate is the last update's."""
+    weights = [max(tokens, 1.0) for _, tokens in updates]  # train_minibatch divides by at least one token too
+    merged = {key: sum(u[key] * w for (u, _), w in zip(updates, weights)) / sum(weights)
+              for key in updates[0][0] if key not in ("grad_norm", "lr")}
+    norms = [u["grad_norm"] for u, _ in updates]
+    return merged | {"grad_norm": sum(norms) / len(norms), "grad_norm_max": max(norms), "lr": updates[-1][0]["lr"]}
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig):
         algorithm = cfg.train.algorithm
@@ -126,6 +138,11 @@ class Trainer:
             raise ValueError(f"train.algorithm must be sft, grpo, opd or grpo_opd, got {algorithm!r}")
         if cfg.train.tis not in TIS_LEVELS:
             raise ValueError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}")
+        if cfg.train.tis != "none" and algorithm == "opd" and cfg.opd.form != "sampled":
+            raise ValueError(f"train.tis={cfg.train.tis} weights the sampled tokens' policy-gradient terms, and "
+                             f"opd.form={cfg.opd.form} has none: its loss is the KL over the vocabulary at each "
+                             "response position, so the weights would be dropped. Set train.tis=none, or "
+                             "opd.form=sampled (with train.algorithm=grpo_opd they weight the GRPO term)")
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -191,11 +208,13 @@ class Trainer:
         metrics = {f"train/{k}": v for k, v in self.objective.prepare(batch, samples).items()}
 
         minibatch = math.ceil(batch.size / cfg.train.minibatches)
+        updates = []
         for _ in range(cfg.train.epochs):
             for start in range(0, batch.size, minibatch):
-                update = policy.train_minibatch(batch.select(slice(start, start + minibatch)),
-                                                self.objective.token_loss, mbs, self.objective.vocab_term)
-        metrics |= {f"train/{k}": v for k, v in update.items()}
+                part = batch.select(slice(start, start + minibatch))
+                updates.append((policy.train_minibatch(part, self.objective.token_loss, mbs, self.objective.vocab_term),
+                                float(part.response_mask.sum())))
+        metrics |= {f"train/{k}": v for k, v in merge_updates(updates).items()}
         self.engine.sync_weights(policy)
 
         self._book_rl_flops(rows, samples, routes)

@@ -15,6 +15,16 @@ def test_unknown_key_names_key_and_closest(tmp_path):
         load_config(None, ["trian.steps=3"])
 
 
+def test_a_key_that_did_nothing_is_refused_with_what_to_set(tmp_path):
+    """sft.batch_size was parsed and never read (the SFT step takes train.prompts_per_step rows)."""
+    with pytest.raises(ConfigError, match=r"'sft\.batch_size' is not used: .*train\.prompts_per_step"):
+        load_config(None, ["sft.batch_size=32"])
+    path = tmp_path / "c.yaml"
+    path.write_text("sft:\n  batch_size: 32\n")
+    with pytest.raises(ConfigError, match=r"'sft\.batch_size' is not used"):
+        load_config(path)
+
+
 def test_types_are_checked_and_coerced():
     cfg = load_config(None, ["optim.lr=1e-4", "train.steps=7", "optim.betas=[0.9, 0.95]"])
     assert cfg.optim.lr == pytest.approx(1e-4) and isinstance(cfg.optim.lr, float)

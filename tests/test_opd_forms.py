@@ -209,3 +209,31 @@ def test_full_vocab_kl_is_a_sum_over_vocabulary_slices():
     for direction in ("reverse", "forward"):
         parts = full_vocab_kl(s[:, :4], t[:, :4], direction) + full_vocab_kl(s[:, 4:], t[:, 4:], direction)
         assert torch.allclose(parts, full_vocab_kl(s, t, direction), atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["full_vocab", "topk"])
+def test_truncated_is_with_a_kl_form_is_refused_before_any_model_loads(assets, tmp_path, form):
+    """train.tis weights sampled-token terms; opd's KL forms have none, so the weights would silently be dropped."""
+    from conftest import run_config
+    from megaopd.trainer import Trainer
+
+    cfg = run_config(assets, tmp_path / "run", "opd", **{"train.tis": "token", "opd.form": form, "opd.topk": 4,
+                                                        "opd.teachers.*": "/nonexistent"})
+    with pytest.raises(ValueError, match=f"train.tis=token .* opd.form={form} has none"):
+        Trainer(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_truncated_is_weights_the_grpo_term_of_grpo_opd_and_not_its_kl():
+    """Under grpo_opd with a KL form: loss = w * GRPO surrogate + coef * KL, the KL unweighted."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    logp, old, vocab = -torch.rand(2, 5), -torch.rand(2, 5), torch.rand(2, 5)
+    mb = SimpleNamespace(old_logprobs=old, advantages=torch.randn(2, 5), ref_logprobs=None, is_weights=None)
+    objective = GRPOWithOPD(GRPOConfig(), OPDConfig(form="topk", topk=4, coef=0.5), 2)
+    unweighted, _ = objective.token_loss(logp, vocab, mb)
+    mb.is_weights = torch.rand(2, 5) + 0.5
+    weighted, _ = objective.token_loss(logp, vocab, mb)
+    assert torch.allclose(weighted - 0.5 * vocab, (unweighted - 0.5 * vocab) * mb.is_weights)
+    assert not torch.allclose(weighted, unweighted * mb.is_weights)

@@ -357,6 +357,24 @@ def test_submit_dry_run_prints_commands_and_scripts(tmp_path, capsys):
     assert not slurm_dir.exists()  # a dry run writes nothing
 
 
+def test_submit_and_rehearse_read_the_same_study_arguments(tmp_path, monkeypatch):
+    """One parser helper (slurm.add_study_arguments): the same command line gives both the same study and launch."""
+    from megaopd.launch import rehearse
+
+    seen = {}
+    monkeypatch.setattr(submit, "plan", lambda study, launch: seen.setdefault("submit", (study, launch)) and [])
+    monkeypatch.setattr(rehearse, "rehearse", lambda study, launch, args: seen.setdefault("rehearse", (study, launch))
+                        and 0)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    argv = [str(ROOT / "configs/studies/self_teacher.yaml"), f"out={tmp_path / 'demo'}", "--set", "nodes=3",
+            "--set", "partition=gpu"]
+    assert submit.main([*argv, "--dry-run"]) == 0 and rehearse.main([*argv, "--steps", "1"]) == 0
+    study, launch = seen["submit"]
+    assert seen["rehearse"] == (study, launch)
+    assert study.out == str(tmp_path / "demo") and (launch.nodes, launch.partition) == (3, "gpu")
+    assert Path(study.stages[0].config).is_absolute()
+
+
 def lint_tool(name: str) -> str:
     tool = shutil.which(name, path=f"{BIN}:{os.environ['PATH']}")
     if tool is None:

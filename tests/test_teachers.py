@@ -59,5 +59,18 @@ def test_teacher_with_another_tokenizer_is_refused(assets, tmp_path):
     models = assets / "models"
     other = AutoTokenizer.from_pretrained(models / "qwen3-tiny")
     other.add_tokens(["<extra>"])
-    with pytest.raises(ValueError, match="different tokenizer"):
+    with pytest.raises(ValueError, match="teacher .* has a different vocabulary from the student's"):
         TeacherRouter({"*": str(models / "qwen3-tiny")}, local_teachers(ModelConfig()), other)
+
+
+def test_teacher_with_another_chat_template_is_used_with_a_warning(assets, caplog):
+    """Only the vocabulary must match: prompts reach the teacher as the student's chat template renders them."""
+    from transformers import AutoTokenizer
+
+    models = assets / "models"
+    student = AutoTokenizer.from_pretrained(models / "qwen3-tiny")
+    student.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with caplog.at_level("WARNING", logger="megaopd.teachers"):
+        router = TeacherRouter({"*": str(models / "qwen3-tiny-seed1")}, local_teachers(ModelConfig()), student)
+    assert router.route("arith_add") == "*"
+    assert "another chat template than the student" in caplog.text

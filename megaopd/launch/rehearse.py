@@ -39,7 +39,8 @@ from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_split
 from megaopd.embedded import REAL_SHAPES, RealShape
 from megaopd.launch.local_cluster import LocalCluster
-from megaopd.launch.slurm import Job, LaunchConfig, absolute_study, for_stage, load_launch, plan
+from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_arguments, for_stage, plan,
+                                  study_and_launch)
 from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
 from megaopd.study import AssetsConfig, StudyConfig
 
@@ -343,10 +344,7 @@ def rehearse(study: StudyConfig, launch: LaunchConfig, args: argparse.Namespace)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megaopd rehearse", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="the study YAML (as for megaopd submit)")
-    parser.add_argument("overrides", nargs="*", help="study overrides, key.sub=value")
-    parser.add_argument("--launch", help="launch YAML, as for megaopd submit")
-    parser.add_argument("--set", dest="launch_overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_study_arguments(parser)  # as for megaopd submit
     parser.add_argument("--stages", nargs="*", help="only these stages (their upstream stages must be listed too)")
     parser.add_argument("--steps", type=int, default=2, help="training steps per stage")
     parser.add_argument("--gpus-per-node", type=int, default=2, help="stand-in GPUs per node, at most")
@@ -364,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
               f"  megaopd submit {args.config} --launch {args.launch or 'L.yaml'} --dry-run", file=sys.stderr)
         return 2
     try:
-        study = absolute_study(load_config(args.config, args.overrides, cls=StudyConfig))
-        launch = load_launch(args.launch, args.launch_overrides)
+        study, launch = study_and_launch(args)
     except ConfigError as e:
         print(f"megaopd: config error: {e}", file=sys.stderr)
         return 2

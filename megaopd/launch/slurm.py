@@ -14,6 +14,7 @@ has any), and after them a ``report`` job writes ``{out}/report.txt`` (accuracy 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import shlex
@@ -75,6 +76,21 @@ class Job:
 
 def load_launch(path: str | Path | None, overrides: list[str] = ()) -> LaunchConfig:
     return load_config(path, overrides, cls=LaunchConfig)
+
+
+def add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments `megaopd submit` and `megaopd rehearse` share: STUDY [key=value ...] [--launch L] [--set K=V]."""
+    parser.add_argument("config", help="the study YAML")
+    parser.add_argument("overrides", nargs="*", help="study overrides, key.sub=value")
+    parser.add_argument("--launch", help="launch YAML (partition, nodes, GPUs, container or venv, ...)")
+    parser.add_argument("--set", dest="launch_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="launch override, e.g. --set partition=gpu (repeatable)")
+
+
+def study_and_launch(args: argparse.Namespace) -> tuple[StudyConfig, LaunchConfig]:
+    """The study (its paths made absolute) and the launch config that ``add_study_arguments`` parsed."""
+    study = absolute_study(load_config(args.config, args.overrides, cls=StudyConfig))
+    return study, load_launch(args.launch, args.launch_overrides)
 
 
 def for_stage(launch: LaunchConfig, stage: str) -> LaunchConfig:

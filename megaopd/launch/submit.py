@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megaopd.config import ConfigError, load_config, save_config
-from megaopd.launch.slurm import Job, absolute_study, load_launch, plan, study_file
+from megaopd.config import ConfigError, save_config
+from megaopd.launch.slurm import Job, add_study_arguments, plan, study_and_launch, study_file
 from megaopd.study import StudyConfig, seed_studies
 
 
@@ -48,16 +48,12 @@ def submit(study: StudyConfig, jobs: list[Job]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megaopd submit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="the study YAML")
-    parser.add_argument("overrides", nargs="*", help="study overrides, key.sub=value")
-    parser.add_argument("--launch", help="launch YAML (partition, nodes, GPUs, container or venv, ...)")
-    parser.add_argument("--set", dest="launch_overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="launch override, e.g. --set partition=gpu (repeatable)")
+    add_study_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch commands and scripts only")
     args = parser.parse_args(argv)
     try:
-        study = absolute_study(load_config(args.config, args.overrides, cls=StudyConfig))
-        jobs = plan(study, load_launch(args.launch, args.launch_overrides))
+        study, launch = study_and_launch(args)
+        jobs = plan(study, launch)
     except ConfigError as e:
         print(f"megaopd: config error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,25 @@ def init_distributed() -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
+def model_device(requested: str) -> torch.device:
+    """Where megatron puts this rank's model: cuda:LOCAL_RANK on GPUs (``init_distributed``), else the CPU.
+
+    ``model.device`` does not move a megatron model; it must name that place (``cuda`` or ``cuda:<LOCAL_RANK>``
+    on GPUs, ``cpu`` without), or the run stops here instead of quietly training somewhere else.
+    """
+    actual = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        asked = torch.device(requested)
+    except RuntimeError:
+        raise ValueError(f"model.device={requested!r} is not a torch device; megatron runs this rank on "
+                         f"{actual}") from None
+    if asked.type != actual.type or asked.index not in (None, actual.index):
+        local = f" (LOCAL_RANK {os.environ.get('LOCAL_RANK', 0)})" if actual.type == "cuda" else ""
+        raise ValueError(f"model.device={requested} but megatron places this rank's model on {actual}{local}: "
+                         f"set model.device={actual.type}, and choose GPUs with CUDA_VISIBLE_DEVICES / torchrun")
+    return actual
+
+
 def init_model_parallel(tp: int, pp: int, seed: int = 0) -> None:
     """megatron's global parallel state for the student; a second call must ask for the same layout."""
     from megatron.core import parallel_state as mpu

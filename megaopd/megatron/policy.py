@@ -32,7 +32,7 @@ from megaopd.flops import ModelShape, train_flops
 from megaopd.megatron import bridge as hf_bridge
 from megaopd.megatron import checkpoint
 from megaopd.megatron.fp8 import fp8_overrides, use_te_spec
-from megaopd.megatron.parallel import init_model_parallel, student_layout, teacher_layout
+from megaopd.megatron.parallel import init_model_parallel, model_device, student_layout, teacher_layout
 from megaopd.megatron.rollout_copy import RolloutCopy
 from megaopd.megatron.vocab import VocabShard
 from megaopd.metrics import device_clock, step_perf
@@ -71,7 +71,7 @@ class MegatronPolicy:
         if optim is not None and tp != mcfg.tp:
             raise ValueError("only frozen models (teachers) may use a TP other than model.megatron.tp")
         self.layout = student_layout() if tp == mcfg.tp else teacher_layout(tp)
-        self.path, self.device = cfg.path, torch.device(cfg.device)
+        self.path, self.device = cfg.path, model_device(cfg.device)  # refuses a device megatron does not use
         self.dtype = getattr(torch, cfg.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
         use_te = use_te_spec(mcfg)

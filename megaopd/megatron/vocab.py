@@ -11,7 +11,9 @@ gradients. So the loss each rank back-propagates is its *share* of the total:
 * the top-k KL reads the K tokens' logprobs and the tail mass through the same all-reduces, so it is the same on
   every rank too: ``loss / tp`` as well.
 
-The padded rows of the vocabulary (Megatron pads it to a multiple of 128 * tp) get -inf, so they carry no mass.
+The vocabulary is padded to a multiple of ``model.megatron.vocab_multiple * tp`` (128 * tp by default, as Megatron-LM
+does). The padded columns, at the end of the last ranks' slices, are cut off before the softmax (``VocabShard`` keeps
+only the real columns of its slice), so they carry no mass and no padded logit is ever read.
 """
 
 from __future__ import annotations
