@@ -243,8 +243,7 @@ def test_several_updates_per_batch(assets, tmp_path):
     """Two epochs of two minibatches: four optimizer steps per batch (the ledger: the hand count above)."""
     import torch
 
-    summary = train(run_config(assets, tmp_path / "run", "grpo",
-                               **{"train.epochs": 2, "train.minibatches": 2, "train.steps": 2}))
+    train(run_config(assets, tmp_path / "run", "grpo", **{"train.epochs": 2, "train.minibatches": 2, "train.steps": 2}))
     state = torch.load(tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt", weights_only=False)
     assert all(int(p["step"]) == 8 for p in state["policy"]["optimizer"]["state"].values())
 
