@@ -1,4 +1,4 @@
-"""The ``megaopd`` command.
+"""The ``megaopd`` command: one subcommand per thing a researcher does, each delegating to the module that does it.
 
     megaopd make-embedded --out runs/embedded           # tiny models + synthetic data, built locally
     megaopd train CONFIG [key.sub=value ...]            # one run: sft | grpo | opd, chosen by the config
