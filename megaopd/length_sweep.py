@@ -36,7 +36,7 @@ def sweep_point(path: str | Path, target_fraction: float, metric: str, window: i
     dirs = study_dirs([path])
     loaded, seeds, reps, _, _ = analyse_seeds(dirs, metric, target_fraction, window, "stage", length_window,
                                               replicates)
-    ratios, lengths, per_seed = [], [], []
+    ratios, lengths, per_seed, step_costs = [], [], [], []
     for (_, stages), r, rep in zip(loaded, seeds, reps):
         c = next((c for c in r["comparisons"] if c["method"] == "opd_self"), None)
         if c is None or "teacher" not in c["targets"]:  # a point still running (or not a length_sweep.yaml study)
@@ -45,7 +45,8 @@ def sweep_point(path: str | Path, target_fraction: float, metric: str, window: i
         k, label = next(k for k, f in enumerate(r["findings"]) if f["id"] == "c"), f"{c['opd']} vs {c['grpo']}"
         check = r["findings"][k]["checks"].get(label, {"value": None})
         ratios.append(check["value"])
-        grpo = next(s for s in stages if s.name == c["grpo"])
+        grpo, opd = (next(s for s in stages if s.name == c[role]) for role in ("grpo", "opd"))
+        step_costs.append(_per_step(grpo) / _per_step(opd))
         lengths.append(grpo.final.get(f"final/{c['domain'] if c['domain'] != 'mean' else grpo.domains(metric)[0]}"
                                       "/response_length"))
         per_seed.append(rep.get(pointer(("findings", k, "checks", label, "value"))) or [check["value"]])
@@ -54,7 +55,13 @@ def sweep_point(path: str | Path, target_fraction: float, metric: str, window: i
     defined = [v for v in ratios if v is not None]
     return {"dir": str(path), "seeds": len(dirs), "response_length": float(np.mean([v for v in lengths if v])),
             "ratio": float(np.mean(defined)) if defined else None, "seed_ratios": ratios,
+            "step_cost_ratio": float(np.mean(step_costs)),
             "interval": list(percentile_interval(reps) or [None, None]), "_replicates": reps}
+
+
+def _per_step(stage) -> float:
+    """A stage's FLOPs per training step (counted, not estimated: no interval)."""
+    return stage.total() / max(stage.final.get("step", 0), 1)
 
 
 def write_length_sweep(paths: list[str | Path], out: str | Path, target_fraction: float = 0.9,
@@ -74,12 +81,14 @@ def write_length_sweep(paths: list[str | Path], out: str | Path, target_fraction
         growth = long["ratio"] / short["ratio"] if short["ratio"] and long["ratio"] is not None else None
         interval = percentile_interval(quotients)
         call = verdict(interval, ">", 1.0, growth)
+        cost_growth = long["step_cost_ratio"] / short["step_cost_ratio"]
         conclusion = (f"GRPO/OPD FLOP ratio at {long['response_length']:.0f} vs {short['response_length']:.0f} "
                       f"tokens: x{_num(growth)} [{_num(interval[0] if interval else None)}, "
                       f"{_num(interval[1] if interval else None)}]: "
                       + {"reproduced": "the ratio grows with response length",
                          "not reproduced": "the ratio does not grow with response length",
-                         "inconclusive": "inconclusive (the interval straddles 1)"}.get(call, call))
+                         "inconclusive": "inconclusive (the interval straddles 1)"}.get(call, call)
+                      + f"; per training step GRPO/OPD costs x{cost_growth:.3g} as much at the longer length")
     for p in points:
         del p["_replicates"]
     result = json_safe({"points": points, "incomplete": incomplete, "growth": growth,
@@ -91,11 +100,13 @@ def write_length_sweep(paths: list[str | Path], out: str | Path, target_fraction
     md = ["# Response-length sweep: GRPO/OPD FLOPs to the self-GRPO checkpoint's accuracy (E3)", "",
           f"- ratio: GRPO FLOPs / OPD FLOPs to the GRPO checkpoint's final smoothed accuracy ({TARGET_RULE})",
           "- response length: the GRPO checkpoint's mean greedy response length on the final eval (tokens)",
+          "- per step: GRPO's over OPD's FLOPs per training step (counted, so no interval): the ratio's cost side; "
+          "the rest is how many steps each needs to reach the target",
           f"- {INTERVAL_RULE} replicates = {replicates}.", "",
-          "| directory | seeds | response length | GRPO/OPD | interval |", "|---" * 5 + "|"]
+          "| directory | seeds | response length | GRPO/OPD | interval | GRPO/OPD per step |", "|---" * 6 + "|"]
     md += [f"| `{p['dir']}` | {p['seeds']} | {p['response_length']:.1f} | {_num(p['ratio'])} | "
-           f"[{_num(p['interval'][0])}, {_num(p['interval'][1])}] |" for p in points]
-    md += [f"| `{p['dir']}` | not finished: {p['incomplete']} | | | |" for p in incomplete]
+           f"[{_num(p['interval'][0])}, {_num(p['interval'][1])}] | {_num(p['step_cost_ratio'])} |" for p in points]
+    md += [f"| `{p['dir']}` | not finished: {p['incomplete']} | | | | |" for p in incomplete]
     md += ["", f"**{conclusion}**", "", "![ratio_vs_length.png](ratio_vs_length.png)"]
     (out / "length_sweep.md").write_text("\n".join(md) + "\n")
     return result
@@ -107,34 +118,44 @@ def _num(v: float | None) -> str:
 
 def _plot(points: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    shown = [p for p in points if p["ratio"] and None not in p["interval"]]
-    if not shown:  # nothing to draw on log axes: a figure that says why, with the numbers
-        lines = [f"{p['response_length']:.0f} tokens: GRPO/OPD {_num(p['ratio'])} [{_num(p['interval'][0])}, "
-                 f"{_num(p['interval'][1])}]" for p in points]
-        ax.text(0.5, 0.5, "\n".join(lines or ["no finished sweep point"]) + "\n(a ratio of 0: OPD never reaches "
-                "GRPO's final accuracy; off a log axis)", ha="center", va="center", transform=ax.transAxes)
+    if not points:
+        ax.text(0.5, 0.5, "no finished sweep point", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return
-    x = [p["response_length"] for p in shown]
-    y = [p["ratio"] for p in shown]
-    # Bars from the interval; an end at 0 or inf (a target never reached in some resamples) is clipped to the axes.
-    lo = [max(p["ratio"] - p["interval"][0], 0.0) if not math.isinf(p["interval"][0]) else 0.0 for p in shown]
-    hi = [p["interval"][1] - p["ratio"] if not math.isinf(p["interval"][1]) else 10 * p["ratio"] for p in shown]
-    ax.errorbar(x, y, yerr=[lo, hi], fmt="o-", capsize=4, color="C0", label="GRPO/OPD FLOPs (95% bootstrap)")
-    for p in shown:
-        ax.annotate(f"{p['ratio']:.1f}x", (p["response_length"], p["ratio"]), textcoords="offset points",
-                    xytext=(6, 6), fontsize=9)
+    shown = [p for p in points if p["ratio"] and None not in p["interval"]]
+    never = [p for p in points if p not in shown]  # a ratio of 0 (OPD never reached the target): off a log axis
+    positive = [v for p in points for v in (p["ratio"], *p["interval"], p["step_cost_ratio"])
+                if v and not math.isinf(v)]
+    floor = min(positive) / 3
+    if shown:
+        x, y = [p["response_length"] for p in shown], [p["ratio"] for p in shown]
+        # An interval end at 0 or inf (a target never reached in some resamples) is clipped to the axes.
+        lo = [p["ratio"] - max(p["interval"][0], floor) for p in shown]
+        hi = [p["interval"][1] - p["ratio"] if not math.isinf(p["interval"][1]) else 10 * p["ratio"] for p in shown]
+        ax.errorbar(x, y, yerr=[lo, hi], fmt="o", capsize=4, color="C0",
+                    label="GRPO/OPD FLOPs to the checkpoint's accuracy (95% bootstrap)")
+        for p in shown:
+            ax.annotate(f"{p['ratio']:.1f}x", (p["response_length"], p["ratio"]), textcoords="offset points",
+                        xytext=(6, 6), fontsize=9)
+    for k, p in enumerate(never):
+        top = p["interval"][1] if p["interval"][1] and not math.isinf(p["interval"][1]) else floor
+        ax.vlines(p["response_length"], floor, top, color="C0", lw=1)
+        ax.plot(p["response_length"], floor, "v", color="C0", ms=8,
+                label=None if k else "OPD never reached it (ratio 0; line: interval's upper end)")
+    ax.plot([p["response_length"] for p in points], [p["step_cost_ratio"] for p in points], "s--", color="C1",
+            label="GRPO/OPD FLOPs per training step (counted)")
     ax.axhline(1.0, color="grey", lw=1, ls=":", label="equal FLOPs")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_ylim(bottom=min(floor / 1.5, 0.8))  # the equal-FLOPs line stays in view
     ax.set_xlabel("mean response length of the GRPO checkpoint (tokens, log scale)")
-    ax.set_ylabel("GRPO / OPD FLOPs to the checkpoint's accuracy")
-    ax.margins(x=0.15, y=0.15)
+    ax.set_ylabel("GRPO / OPD FLOPs")
+    ax.margins(x=0.15)
     ax.set_title("E3 (self-GRPO teacher): FLOP ratio vs response length (log-log)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

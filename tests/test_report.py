@@ -357,8 +357,11 @@ def test_length_sweep_ratio_grows_with_length(tmp_path):
     sweep = json.loads((out / "length_sweep.json").read_text())
     assert [p["response_length"] for p in sweep["points"]] == [20.0, 60.0, 150.0]
     assert [p["ratio"] for p in sweep["points"]] == pytest.approx([10.0, 20.0, 60.0])
+    # Per training step: GRPO 300 FLOPs / 30 steps over OPD's 4/3 x its target / 20 steps.
+    assert [p["step_cost_ratio"] for p in sweep["points"]] == pytest.approx([5.0, 10.0, 30.0])
     assert sweep["growth"] == pytest.approx(6.0) and sweep["grows"] == "reproduced"
     lo, hi = sweep["growth_interval"]
     assert 1 < lo <= sweep["growth"] + 1e-9 and sweep["growth"] - 1e-9 <= hi
     assert (out / "ratio_vs_length.png").stat().st_size > 10_000
     assert "the ratio grows with response length" in (out / "length_sweep.md").read_text()
+    assert "per training step GRPO/OPD costs x6 as much" in sweep["conclusion"]
