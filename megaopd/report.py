@@ -230,6 +230,10 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
           f"- {INTERVAL_RULE} replicates = {replicates}; intervals are printed in brackets after their number.",
           f"- findings: {FINDING_RULES} Tolerance {MATCH_TOLERANCE}; small share <= {SMALL_SHARE}.", "",
           "## Findings of the paper, checked against this study", ""]
+    if len(seeds) == 1:
+        md += ["One seed: these intervals resample the held-out prompts only. Training noise (another seed, or another "
+               "machine's floating point) is not in them and can move a verdict; run the study with "
+               "`seeds=[0, 1, 2]` (its report bootstraps over the seeds too) for verdicts that hold across runs.", ""]
     for f in overall:
         md.append(f"- ({f['id']}) {f['claim']}: **{f['verdict']}**"
                   + (f" (reproduced in {f['seeds_reproduced']} seeds)"
