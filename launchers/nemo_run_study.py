@@ -25,10 +25,10 @@ from pathlib import Path
 
 import nemo_run as run
 
-from megaopd.config import load_config, save_config
-from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, dependencies, for_stage, load_launch, plan,
-                                  study_file, submission_order)
-from megaopd.study import StudyConfig, stage_is_done
+from megaopd.config import ConfigError, load_config, save_config
+from megaopd.launch.slurm import (Job, LaunchConfig, add_study_arguments, dependencies, for_stage, plan,
+                                  study_and_launch, study_file, submission_order)
+from megaopd.study import StudyConfig, stage_is_done, stage_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 # nemo-run names the job and its log itself (it reads the log back from its own job directory).
@@ -46,6 +46,9 @@ def local_executor(launch: LaunchConfig, torchrun: bool = False) -> run.LocalExe
 def add_local(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig, stages: list[str] | None = None,
               python: str = sys.executable) -> None:
     """Add the study's tasks to ``exp`` (inside its ``with`` block); ``study`` must be absolute."""
+    if study.seeds:
+        raise ConfigError(f"the local executor runs one seed, the study has seeds={study.seeds}: run "
+                          "`megaopd study` for several seeds here, or --executor slurm")
     out = Path(study.out)
     study_path = out / "nemo_run" / "study.yaml"
     study_path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +63,7 @@ def add_local(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig, sta
             executor=local_executor(launch), name="assets")
     for name in todo:
         stage, stage_launch = by_name[name], for_stage(launch, name)
-        args = [study.substitute(o) for o in stage.overrides] + stage_launch.overrides
+        args = stage_overrides(study, stage) + stage_launch.overrides  # the study's seed first, as everywhere
         train_args = [stage.config, *args, f"run_dir={out / name}"]
         # The megatron backend runs the trainer on every torchrun rank (the launch setting trainer_module,
         # megaopd.megatron.launch by default), even on one GPU.
@@ -128,24 +131,20 @@ def add_slurm(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="the study YAML")
-    parser.add_argument("overrides", nargs="*", help="study overrides, key.sub=value")
+    add_study_arguments(parser)  # as for `megaopd submit`
     parser.add_argument("--executor", choices=["local", "slurm"], default="local")
-    parser.add_argument("--launch", help="launch YAML, as for `megaopd submit` (Slurm executor)")
-    parser.add_argument("--set", dest="launch_overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="launch override, as for `megaopd submit` (repeatable)")
     parser.add_argument("--stages", nargs="*", help="only these stages (default: all)")
     args = parser.parse_args(argv)
-    study = absolute_study(load_config(args.config, args.overrides, cls=StudyConfig))
-    launch = load_launch(args.launch, args.launch_overrides)
     local = args.executor == "local"
-    with run.Experiment(f"megaopd-{Path(study.out).name}") as exp:
-        if local:
-            add_local(exp, study, launch, args.stages)
-        else:
-            add_slurm(exp, study, launch, args.stages)
-        # Slurm: queue every task with afterok dependencies and return; local: run level by level, waiting.
-        exp.run(detach=not local)
+    try:
+        study, launch = study_and_launch(args)
+        with run.Experiment(f"megaopd-{Path(study.out).name}") as exp:
+            (add_local if local else add_slurm)(exp, study, launch, args.stages)
+            # Slurm: queue every task with afterok dependencies and return; local: run level by level, waiting.
+            exp.run(detach=not local)
+    except ConfigError as e:
+        print(f"megaopd: config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

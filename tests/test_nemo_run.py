@@ -5,6 +5,7 @@ srun/scontrol of test_slurm_render). NEMORUN_HOME is kept inside the test's dire
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megaopd.config import load_config
+from megaopd.config import ConfigError, load_config
 from megaopd.launch.slurm import LaunchConfig, absolute_study, load_launch, plan
 from megaopd.study import StudyConfig
 
@@ -46,7 +47,7 @@ def nemo_home(tmp_path, monkeypatch):
 
 def test_local_executor_runs_a_stage(tmp_path, nemo_home):
     study = absolute_study(load_config(ROOT / "configs/studies/self_teacher.yaml", [
-        f"out={tmp_path / 'out'}", "assets.train_rows=200", "assets.heldout_rows=40"], cls=StudyConfig))
+        f"out={tmp_path / 'out'}", "assets.train_rows=200", "assets.heldout_rows=40", "seed=7"], cls=StudyConfig))
     study.stages = [s for s in study.stages if s.name in ("base", "grpo")]
     for s in study.stages:
         s.config = str(ROOT / s.config)
@@ -63,6 +64,10 @@ def test_local_executor_runs_a_stage(tmp_path, nemo_home):
     assert summary["algorithm"] == "sft" and summary["steps"] == 2
     assert not (tmp_path / "out" / "grpo").exists()
     assert list((nemo_home / "experiments" / "t").iterdir())  # nemo-run kept its logs there
+    # The stage runs with the study's seed, as under `megaopd study` and `megaopd submit`.
+    assert yaml.safe_load((tmp_path / "out" / "base" / "config.yaml").read_text())["train"]["seed"] == 7
+    with pytest.raises(ConfigError, match="the local executor runs one seed"), run.Experiment("t2") as exp:
+        module.add_local(exp, dataclasses.replace(study, seeds=[0, 1]), LaunchConfig())
 
 
 def run_logged(tmp_path: Path, script: Path, env: dict[str, str]) -> tuple[int, list[str]]:

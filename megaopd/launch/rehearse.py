@@ -42,7 +42,7 @@ from megaopd.launch.local_cluster import LocalCluster
 from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_arguments, for_stage, plan,
                                   study_and_launch)
 from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
-from megaopd.study import AssetsConfig, StudyConfig
+from megaopd.study import AssetsConfig, StudyConfig, stage_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 # Launch fields that belong to the real site: replaced by the local cluster's, and reported as not rehearsed.
@@ -71,7 +71,7 @@ def layout_problems(study: StudyConfig, launch: LaunchConfig) -> list[str]:
     problems = []
     for stage in study.stages:
         sl = for_stage(launch, stage.name)
-        cfg = load_config(stage.config, [study.substitute(o) for o in stage.overrides] + sl.overrides)
+        cfg = load_config(stage.config, stage_overrides(study, stage) + sl.overrides)
         if cfg.model.backend != "megatron":
             continue
         tp, pp = cfg.model.megatron.tp, cfg.model.megatron.pp
@@ -123,7 +123,7 @@ def stand_ins(study: StudyConfig) -> tuple[dict[str, str], dict[str, tuple[str, 
     dirs: list[str] = []
     domains: dict[str, str] = {}  # data directory -> synthetic domain
     for stage in study.stages:
-        cfg = load_config(stage.config, [study.substitute(o) for o in stage.overrides])
+        cfg = load_config(stage.config, stage_overrides(study, stage))
         paths = [cfg.model.path] + (list(cfg.opd.teachers.values()) if cfg.train.algorithm == "opd" else [])
         for path in paths:
             if not path.startswith(study.out + "/") and path not in models:
@@ -155,7 +155,7 @@ def rehearsal_study(study: StudyConfig, out: Path, steps: int, stages: list[str]
     for stage in study.stages:
         if stages is not None and stage.name not in stages:
             continue
-        cfg = load_config(stage.config, [study.substitute(o) for o in stage.overrides])
+        cfg = load_config(stage.config, stage_overrides(study, stage))
         extra = []
         if cfg.model.path in models:
             extra.append(f"model.path={{out}}/models/{models[cfg.model.path]}")
@@ -203,7 +203,7 @@ def rehearsal_launch(study: StudyConfig, launch: LaunchConfig, cap: int, sglang_
     stages = {}
     for stage in study.stages:
         sl = for_stage(launch, stage.name)
-        cfg = load_config(stage.config, [study.substitute(o) for o in stage.overrides] + sl.overrides)
+        cfg = load_config(stage.config, stage_overrides(study, stage) + sl.overrides)
         own = {k: v for k, v in launch.stages.get(stage.name, {}).items() if k not in SITE_FIELDS}
         gpus = sl.gpus_per_node
         if cfg.model.backend == "megatron" or sl.nodes > 1 or gpus > 1:

@@ -30,7 +30,7 @@ def sbatch_command(job: Job, script: Path, ids: dict[str, str]) -> list[str]:
 def submit(study: StudyConfig, jobs: list[Job]) -> dict[str, str]:
     """Write the scripts under {out}/slurm/ and submit them in order; returns job name -> Slurm job id."""
     slurm_dir = Path(study.out) / "slurm"
-    for one in [study, *seed_studies(study)]:  # the report job reads the study, each seed's jobs their own
+    for one in [study, *(seed_studies(study) if study.seeds else [])]:  # the report job's, then each seed's jobs'
         (Path(one.out) / "slurm" / "logs").mkdir(parents=True, exist_ok=True)  # sbatch does not create --output's
         save_config(one, study_file(one))
     ids: dict[str, str] = {}
