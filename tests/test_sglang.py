@@ -143,13 +143,17 @@ def test_a_stale_server_is_detected(fresh, assets, tmp_path):
         engine.generate(rows(assets, 1), 1, max_new_tokens=4, generator=torch.Generator().manual_seed(0))
 
 
-def test_teacher_scoring_equals_the_local_teacher(fresh, assets, tmp_path):
+def served_teacher_and_local_samples(fresh, assets, tmp_path, seed: int):
+    """The model as a local policy, its samples (2 per prompt) collated, and the same model as an SGLang teacher."""
     cfg = attached(assets, tmp_path, fresh)
     local = HFPolicy(cfg.model)
-    local_samples = LocalEngine(local).generate(rows(assets), 2, max_new_tokens=12,
-                                                generator=torch.Generator().manual_seed(1))
-    batch = collate(local_samples, local.pad_id)
-    teacher = SGLangTeacher(cfg.model.path, [fresh.url], cfg, "teacher")
+    samples = LocalEngine(local).generate(rows(assets), 2, max_new_tokens=12,
+                                          generator=torch.Generator().manual_seed(seed))
+    return local, samples, collate(samples, local.pad_id), SGLangTeacher(cfg.model.path, [fresh.url], cfg, "teacher")
+
+
+def test_teacher_scoring_equals_the_local_teacher(fresh, assets, tmp_path):
+    local, _, batch, teacher = served_teacher_and_local_samples(fresh, assets, tmp_path, seed=1)
     gap = (teacher.logprobs(batch) - local.logprobs(batch)).abs().max()
     assert gap < TOLERANCE, f"SGLang teacher vs local teacher logprobs differ by {gap:.2e}"
     assert not hasattr(teacher, "full_rows")  # a server gives at most a top-k: the full form is refused
@@ -159,12 +163,7 @@ def test_topk_teacher_scores_response_rows_only_and_equals_the_local_topk(fresh,
     """logprob_start_len = prompt length - 1: the server answers for exactly the R response tokens, and its top-K
     (ids and logprobs) is the local teacher's. Ties between near-equal logits may order ids differently, so each id
     the server names is checked against the local log-softmax, and the sorted values against the local top-K."""
-    cfg = attached(assets, tmp_path, fresh)
-    local = HFPolicy(cfg.model)
-    samples = LocalEngine(local).generate(rows(assets), 2, max_new_tokens=12,
-                                          generator=torch.Generator().manual_seed(2))
-    batch = collate(samples, local.pad_id)
-    teacher = SGLangTeacher(cfg.model.path, [fresh.url], cfg, "teacher")
+    local, samples, batch, teacher = served_teacher_and_local_samples(fresh, assets, tmp_path, seed=2)
     starts = [len(s.prompt_ids) for s in samples]
     scored = teacher.pool.prefill_logprobs([s.prompt_ids + s.response_ids for s in samples], starts, 8)
     assert [len(a["logprobs"]) for a in scored] == [len(s.response_ids) for s in samples]
