@@ -22,6 +22,8 @@ setup: $(PY)
 setup-sglang:
 	bash .ci/sglang_env.sh $(SGLANG_VENV)
 
+# The embedded study needs none of the extras (they are for tests, clusters and real data): a quicker setup.
+demo: EXTRAS = dev
 demo: setup
 	$(PY) -m megaopd.cli study configs/studies/two_domain.yaml
 

@@ -48,7 +48,7 @@ def add_local(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig, sta
     """Add the study's tasks to ``exp`` (inside its ``with`` block); ``study`` must be absolute."""
     if study.seeds:
         raise ConfigError(f"the local executor runs one seed, the study has seeds={study.seeds}: run "
-                          "`megaopd study` for several seeds here, or --executor slurm")
+                          "`megaopd study` for several seeds here, --executor slurm, or seeds=[] for one")
     out = Path(study.out)
     study_path = out / "nemo_run" / "study.yaml"
     study_path.parent.mkdir(parents=True, exist_ok=True)

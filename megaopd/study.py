@@ -7,6 +7,7 @@ Stage overrides may name ``{out}`` (the study directory) and any ``{var}`` of ``
 is ``{out}/<name>`` and its trained model ``{out}/<name>/final``, which later stages use as their initial model or
 teacher. With ``workers: 2`` stages whose inputs are ready run side by side, one process each with ``threads``
 threads: a stage's numbers do not depend on where it ran (each seeds its own generators), only the wall time does.
+With ``seeds`` every seed's stages share that pool, and a ``shared`` stage runs once for all of them.
 """
 
 from __future__ import annotations
@@ -56,13 +57,17 @@ class StageConfig:
     # For opd_self / opd_external*: the GRPO stage it is compared with; for expert: the domain it owns.
     compare_with: str = ""
     domain: str = ""
+    # With seeds: one run for all of them, in the first seed's directory, which the other seeds' {out}/<name> links
+    # to. For the study's inputs (the external teacher "trained elsewhere"), not for what the seeds measure.
+    shared: bool = False
 
 
 @dataclass
 class StudyConfig:
     out: str = "runs/study"
     seed: int = 0  # every stage's train.seed; run the study again with another seed and out to measure the spread
-    # Several seeds in one command: each runs the whole study in {out}/seed_<s> (assets identical), one report.
+    # Several seeds in one command: each runs the study in {out}/seed_<s> (assets identical; a `shared` stage
+    # once), their stages side by side in one pool of `workers`, and one report over them.
     seeds: list[int] = field(default_factory=list)
     # torch intra-op threads of the study process: results depend on the thread count (reduction order), so it is
     # a setting of the study, not of the environment (OMP_NUM_THREADS).
@@ -152,51 +157,75 @@ def submission_order(study: StudyConfig) -> list[str]:
     return order
 
 
+def link_shared_stages(study: StudyConfig) -> None:
+    """With seeds, every later seed's {out}/<name> of a shared stage links to the first seed's run directory."""
+    shared = [stage.name for stage in study.stages if stage.shared]
+    if not study.seeds or not shared:
+        return
+    for name, deps in dependencies(study).items():
+        if name in shared and set(deps) - set(shared):
+            raise ConfigError(f"stage {name!r} is shared by all seeds, so it cannot start from the per-seed stage(s) "
+                              f"{sorted(set(deps) - set(shared))}: share them too, or do not share {name!r}")
+    first, *later = seed_studies(study)
+    for one in later:
+        for name in shared:
+            link = Path(one.out) / name
+            if not link.exists() and not link.is_symlink():  # a run of its own from an earlier study stays
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(Path("..") / Path(first.out).name / name, target_is_directory=True)
+
+
 def run_study(study: StudyConfig) -> list[Path]:
-    """Every stage of every seed; returns the run directories in the study's order."""
+    """Every stage of every seed (a shared stage once); returns the run directories, seed by seed in study order."""
     if study.threads < 1 or study.workers < 1:
         raise ValueError(f"study threads and workers must be >= 1, got {study.threads} and {study.workers}")
     torch.set_num_threads(study.threads)
-    run_dirs = []
-    for one in seed_studies(study):
-        run_dirs += _run_one_seed(one)
-    return run_dirs
-
-
-def _run_one_seed(study: StudyConfig) -> list[Path]:
-    build_assets(study)
-    configs = {stage.name: stage_config(study, stage) for stage in study.stages}
-    todo = []
+    seeds = seed_studies(study)
+    for one in seeds:
+        build_assets(one)
+    link_shared_stages(study)
+    # One task per run directory (a shared stage's links resolve to one), waiting for the run directories it names;
+    # stage by stage across the seeds, so that the last stages of the seeds end side by side.
+    configs: dict[Path, RunConfig] = {}
+    needs: dict[Path, set[Path]] = {}
+    deps, stages = dependencies(study), {stage.name: stage for stage in study.stages}
     for name in submission_order(study):
-        if stage_is_done(Path(configs[name].run_dir)):
-            log.info("stage %s is done; reusing %s", name, configs[name].run_dir)
+        for one in seeds:
+            run_dir = (Path(one.out) / name).resolve()
+            if run_dir not in configs:
+                configs[run_dir] = stage_config(one, stages[name])
+                needs[run_dir] = {(Path(one.out) / d).resolve() for d in deps[name]}
+    todo = []
+    for run_dir in configs:
+        if stage_is_done(run_dir):
+            log.info("stage %s is done; reusing it", run_dir)
         else:
-            todo.append(name)
+            todo.append(run_dir)
     if study.workers == 1:
-        for name in todo:
-            Trainer(configs[name]).fit()
+        for run_dir in todo:
+            Trainer(configs[run_dir]).fit()
     else:
-        _run_side_by_side(study, configs, todo)
-    return [Path(configs[stage.name].run_dir) for stage in study.stages]
+        _run_side_by_side(configs, needs, todo, study.workers, study.threads)
+    return [Path(one.out) / stage.name for one in seeds for stage in one.stages]
 
 
-def _run_side_by_side(study: StudyConfig, configs: dict[str, RunConfig], todo: list[str]) -> None:
+def _run_side_by_side(configs: dict[Path, RunConfig], needs: dict[Path, set[Path]], todo: list[Path],
+                      workers: int, threads: int) -> None:
     """Start each stage once the stages it names are done, at most `workers` at a time (in `todo`'s order)."""
-    needs = dependencies(study)
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared with this one
     running = {}
-    with ProcessPoolExecutor(study.workers, mp_context=context, initializer=torch.set_num_threads,
-                             initargs=(study.threads,)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=torch.set_num_threads,
+                             initargs=(threads,)) as pool:
         while todo or running:
-            for name in [n for n in todo if not any(d in todo or d in running.values() for d in needs[n])]:
-                if len(running) < study.workers:
-                    running[pool.submit(_fit, configs[name])] = name
-                    todo.remove(name)
+            for run_dir in [d for d in todo if not needs[d] & (set(todo) | set(running.values()))]:
+                if len(running) < workers:
+                    running[pool.submit(_fit, configs[run_dir])] = run_dir
+                    todo.remove(run_dir)
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
-                name = running.pop(future)
+                run_dir = running.pop(future)
                 future.result()  # a failed stage stops the study here (the running ones finish first)
-                log.info("stage %s finished", name)
+                log.info("stage %s finished", run_dir)
 
 
 def _fit(cfg: RunConfig) -> None:

@@ -297,6 +297,21 @@ def test_seeds_submit_one_study_per_seed_and_one_report(tmp_path):
     assert f"{study.out}/slurm/study.yaml" in jobs["report"].script  # the study with its seeds: all in one report
 
 
+def test_a_shared_stage_is_one_job_that_every_seed_waits_for(tmp_path):
+    study = demo_study(tmp_path / "demo")
+    study.seeds, study.stages[0].shared = [3, 4], True  # the cold start, made once for both seeds
+    jobs = {job.name: job for job in plan(study, LaunchConfig())}
+    assert list(jobs) == ["seed_3.assets", "seed_3.base", "seed_3.grpo", "seed_3.opd_self", "seed_4.assets",
+                          "seed_4.grpo", "seed_4.opd_self", "report"]
+    assert jobs["seed_4.grpo"].after == ["seed_4.assets", "seed_3.base"]
+    assert f"model.path={study.out}/seed_4/base/final" in jobs["seed_4.grpo"].script  # the link submit makes
+    (Path(study.out) / "seed_3" / "base" / "final").mkdir(parents=True)  # done: no job, nothing to wait for
+    (Path(study.out) / "seed_3" / "base" / "final" / "config.json").write_text("{}")
+    (Path(study.out) / "seed_3" / "base" / "summary.json").write_text("{}")
+    jobs = {job.name: job for job in plan(study, LaunchConfig())}
+    assert "seed_3.base" not in jobs and jobs["seed_4.grpo"].after == ["seed_4.assets"]
+
+
 def test_independent_stages_run_side_by_side(tmp_path):
     out = "{out}"
     study = StudyConfig(out=str(tmp_path), stages=[

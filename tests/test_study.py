@@ -1,5 +1,5 @@
 """A reduced study end to end, twice: the same seed on the same machine gives the same report numbers, and so
-does a third run whose stages run in worker processes (workers=2)."""
+does a third run of two seeds whose stages run side by side in worker processes (workers=2), one stage shared."""
 
 import json
 from pathlib import Path
@@ -14,9 +14,10 @@ SMALL = ["train.steps=3", "train.prompts_per_step=4", "train.micro_batch_size=16
          "eval.every=1", "eval.prompts_per_domain=6", "eval.final_prompts_per_domain=12", "checkpoint.every=2"]
 
 
-def _write_study(tmp_path: Path, out: Path, workers: int = 1) -> Path:
+def _write_study(tmp_path: Path, out: Path, workers: int = 1, seeds: tuple[int, ...] = ()) -> Path:
     study = yaml.safe_load((ROOT / "configs/studies/self_teacher.yaml").read_text())
-    study["out"], study["workers"] = str(out), workers
+    study["out"], study["workers"], study["seeds"] = str(out), workers, list(seeds)
+    study["stages"][0]["shared"] = True  # with seeds: one cold start for all of them
     study["assets"].update(train_rows=120, heldout_rows=24)
     for stage in study["stages"]:
         stage["config"] = str(ROOT / stage["config"])
@@ -38,10 +39,14 @@ def test_same_seed_same_report(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "(c)" in printed and "report:" in printed
     assert _numbers(tmp_path / "a") == _numbers(tmp_path / "b")
-    # Stages in spawned worker processes: the numbers do not depend on where a stage ran.
-    assert main(["study", str(_write_study(tmp_path, tmp_path / "c", workers=2))]) == 0
-    assert _numbers(tmp_path / "c") == _numbers(tmp_path / "a")
     report = json.loads(_numbers(tmp_path / "a"))
+    # Two seeds' stages side by side in spawned worker processes: seed 0's numbers do not depend on where its
+    # stages ran, and seed 1 uses the shared cold start instead of training its own.
+    assert main(["study", str(_write_study(tmp_path, tmp_path / "c", workers=2, seeds=(0, 1)))]) == 0
+    seeds = json.loads((tmp_path / "c" / "report" / "report.json").read_text())["seeds"]
+    assert json.dumps(seeds[0]).replace(str(tmp_path / "c" / "seed_0"), "OUT") == json.dumps(report["seeds"][0])
+    assert (tmp_path / "c" / "seed_1" / "base").resolve() == (tmp_path / "c" / "seed_0" / "base").resolve()
+    assert seeds[1]["seed"] == 1 and seeds[1]["stages"] != seeds[0]["stages"]
     assert {f["id"] for f in report["findings"]} >= {"a", "b", "c", "d", "e", "f"}
     assert {f["verdict"] for f in report["findings"]} <= {"reproduced", "not reproduced", "inconclusive",
                                                           "not measured in this study"}

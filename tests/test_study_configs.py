@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from megaopd.config import load_config, to_dict
+from megaopd.config import ConfigError, load_config, to_dict
 from megaopd.launch.slurm import submission_order
-from megaopd.study import METHODS, StudyConfig, seed_studies, stage_config
+from megaopd.study import METHODS, StudyConfig, link_shared_stages, seed_studies, stage_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = sorted((ROOT / "configs" / "studies").rglob("*.yaml"))
@@ -67,10 +67,28 @@ def test_seeds_run_in_their_own_directories():
     cfg = stage_config(per_seed[2], per_seed[2].stages[2])
     assert cfg.train.seed == 2 and cfg.run_dir == f"/o/seed_2/{per_seed[2].stages[2].name}"
     assert cfg.model.path == "/o/seed_2/base/final"
-    single = load_config(ROOT / "configs/studies/two_domain.yaml", ["out=/o"], cls=StudyConfig)
+    single = load_config(ROOT / "configs/studies/two_domain.yaml", ["out=/o", "seeds=[]"], cls=StudyConfig)
     assert [s.out for s in seed_studies(single)] == ["/o"]
     with pytest.raises(ValueError, match="distinct"):
         seed_studies(StudyConfig(seeds=[1, 1]))
+
+
+def test_a_shared_stage_is_linked_into_every_later_seed(tmp_path):
+    study = load_config(ROOT / "configs/studies/two_domain.yaml", [f"out={tmp_path}", "seeds=[4,5,6]"],
+                        cls=StudyConfig)
+    assert [s.name for s in study.stages if s.shared] == ["teacher_sft"]
+    link_shared_stages(study)
+    first = tmp_path / "seed_4" / "teacher_sft"
+    first.mkdir(parents=True)
+    for s in (5, 6):
+        link = tmp_path / f"seed_{s}" / "teacher_sft"
+        assert link.is_symlink() and link.resolve() == first.resolve()
+        assert not (tmp_path / f"seed_{s}" / "base").exists()  # per-seed stages are not linked
+    link_shared_stages(study)  # again (a resumed study): the links stay as they are
+    assert (tmp_path / "seed_5" / "teacher_sft").resolve() == first.resolve()
+    study.stages[1].overrides.append("opd.teachers.x={out}/base/final")
+    with pytest.raises(ConfigError, match=r"shared by all seeds.*\['base'\]"):
+        link_shared_stages(study)
 
 
 def test_shipped_external_teacher_costs_five_times_the_student_per_token():

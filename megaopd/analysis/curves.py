@@ -24,8 +24,16 @@ LENGTH_RULE = "mean rollout/response_length of the first (last) `length_window` 
 
 
 def smooth(values: list[float], window: int = 3) -> list[float]:
-    """Trailing moving average; the first evals average over the fewer values there are."""
-    return [float(np.mean(values[max(0, i - window + 1):i + 1])) for i in range(len(values))]
+    """Trailing moving average; the first evals average over the fewer values there are. (Summed in order, in
+    Python: np.mean's overhead on a few numbers dominated the bootstrap's time.)"""
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1):i + 1]
+        total = 0.0
+        for v in part:
+            total += v
+        out.append(total / len(part))
+    return out
 
 
 def flops_to_target(flops: list[float], accuracy: list[float], target: float, window: int = 3) -> float | None:

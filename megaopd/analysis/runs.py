@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,13 @@ class Stage:
 
     @property
     def final(self) -> dict:
-        return next((m for m in reversed(self.lines) if any(k.startswith("final/") for k in m)), {})
+        return self.lines[self.final_index] if self.final_index is not None else {}
+
+    @cached_property
+    def final_index(self) -> int | None:
+        """The line of the final eval (its keys are final/...), if the run has one."""
+        return next((i for i in reversed(range(len(self.lines)))
+                     if any(k.startswith("final/") for k in self.lines[i])), None)
 
     def final_acc(self, domain: str, metric: str) -> float | None:
         return self.final.get(f"final/{domain}/accuracy_{metric}")
@@ -141,8 +148,8 @@ def resample_stage(stage: Stage, metric: str, draw, rng: np.random.Generator, le
     `draw(domain, prompts)` gives the replicate's indices for a set of prompts (the same for every eval and stage
     on those prompts, so that comparisons are paired); evals without per-prompt results keep their value."""
     lines = []
-    for m in stage.lines:
-        final = any(k.startswith("final/") for k in m)
+    for i, m in enumerate(stage.lines):
+        final = i == stage.final_index
         record = stage.records.get("final" if final else m["step"])
         if record is not None and metric in record["reward"]:
             prefix = "final" if final else "eval"

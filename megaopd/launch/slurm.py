@@ -111,13 +111,19 @@ def plan(study: StudyConfig, launch: LaunchConfig) -> list[Job]:
     """The jobs to submit, in submission order; ``study`` must be absolute (see ``absolute_study``).
 
     With ``seeds``, each seed's jobs run the study in {out}/seed_<s> (names prefixed ``seed_<s>.``) and one report
-    job covers them all, as ``megaopd study`` does in one process.
+    job covers them all, as ``megaopd study`` does in one process; a ``shared`` stage is the first seed's job only,
+    which the later seeds' jobs wait for (``submit`` links their run directories to it).
     """
-    jobs = []
-    for one in seed_studies(study):
-        prefix = f"seed_{one.seed}." if study.seeds else ""
-        jobs += [Job(prefix + job.name, job.script, [prefix + name for name in job.after])
-                 for job in stage_jobs(one, launch)]
+    shared = {stage.name for stage in study.stages if stage.shared} if study.seeds else set()
+    seeds, jobs = seed_studies(study), []
+    for one in seeds:
+        prefix, first = (f"seed_{one.seed}.", f"seed_{seeds[0].seed}.") if study.seeds else ("", "")
+        for job in stage_jobs(one, launch):
+            if job.name in shared and one is not seeds[0]:
+                continue  # one job, the first seed's, makes it for every seed
+            queued = {j.name for j in jobs}  # a shared stage already done has no job to wait for
+            after = [(first if name in shared else prefix) + name for name in job.after]
+            jobs.append(Job(prefix + job.name, job.script, [name for name in after if name in queued]))
     jobs.append(Job("report", render_job(study, "report", launch, "report"), [job.name for job in jobs]))
     return jobs
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megaopd.config import ConfigError, save_config
 from megaopd.launch.slurm import Job, add_study_arguments, plan, study_and_launch, study_file
-from megaopd.study import StudyConfig, seed_studies
+from megaopd.study import StudyConfig, link_shared_stages, seed_studies
 
 
 def sbatch_command(job: Job, script: Path, ids: dict[str, str]) -> list[str]:
@@ -33,6 +33,7 @@ def submit(study: StudyConfig, jobs: list[Job]) -> dict[str, str]:
     for one in [study, *(seed_studies(study) if study.seeds else [])]:  # the report job's, then each seed's jobs'
         (Path(one.out) / "slurm" / "logs").mkdir(parents=True, exist_ok=True)  # sbatch does not create --output's
         save_config(one, study_file(one))
+    link_shared_stages(study)
     ids: dict[str, str] = {}
     for job in jobs:
         script = slurm_dir / f"{job.name}.sbatch"
