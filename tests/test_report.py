@@ -365,3 +365,29 @@ def test_length_sweep_ratio_grows_with_length(tmp_path):
     assert (out / "ratio_vs_length.png").stat().st_size > 10_000
     assert "the ratio grows with response length" in (out / "length_sweep.md").read_text()
     assert "per training step GRPO/OPD costs x6 as much" in sweep["conclusion"]
+
+
+def test_teacher_cost_is_read_from_relative_model_paths_wherever_the_report_runs(tmp_path, monkeypatch):
+    """A study started with a relative `out` records relative model paths: the report finds them from the run
+    directory's own location, not from the directory the report happens to run in."""
+    from megaopd.embedded import build_model_config
+    from megaopd.flops import ModelShape
+
+    started = tmp_path / "checkout"
+    study = make_study(started / "runs" / "s")
+    shapes = {}
+    for preset in ("qwen3-tiny", "qwen3-base"):
+        model = started / "runs" / "s" / "models" / preset
+        model.mkdir(parents=True)
+        config = build_model_config(preset, 259, 258, 256)
+        config.save_pretrained(model)
+        shapes[preset] = ModelShape.from_hf_config(config).matmul_params
+    (study / "opd_ext" / "config.yaml").write_text(yaml.safe_dump({
+        "run_dir": "runs/s/opd_ext", "model": {"path": "runs/s/models/qwen3-tiny"},
+        "opd": {"teachers": {"*": "runs/s/models/qwen3-base"}}}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    report = write_report([str(study)], tmp_path / "report")
+    (ext,) = [c for c in report["seeds"][0]["comparisons"] if c["opd"] == "opd_ext"]
+    assert ext["teacher_cost_ratio"] == pytest.approx(shapes["qwen3-base"] / shapes["qwen3-tiny"])

@@ -113,15 +113,25 @@ def _teacher_cost(run_dir: Path) -> dict[str, float]:
     path = run_dir / "config.yaml"
     cfg = yaml.safe_load(path.read_text()) if path.exists() else {}
     teachers = (cfg.get("opd") or {}).get("teachers") or {}
-    student = _matmul_params((cfg.get("model") or {}).get("path"))
+    started_in = _started_in(run_dir, cfg.get("run_dir"))
+    student = _matmul_params(started_in, (cfg.get("model") or {}).get("path"))
     if not teachers or student is None:
         return {}
-    costs = {d: _matmul_params(t) for d, t in teachers.items()}
+    costs = {d: _matmul_params(started_in, t) for d, t in teachers.items()}
     return {d: c / student for d, c in sorted(costs.items()) if c is not None}
 
 
-def _matmul_params(model_dir: str | None) -> int | None:
-    config = Path(model_dir or "") / "config.json"
+def _started_in(run_dir: Path, recorded: str | None) -> Path:
+    """The directory the run was started from, which its config's relative paths are relative to: where the run
+    directory is now, less the relative run_dir the config recorded (else this process's directory)."""
+    here, parts = run_dir.absolute().parts, Path(recorded or "").parts
+    if recorded and not Path(recorded).is_absolute() and here[len(here) - len(parts):] == parts:
+        return Path(*here[:len(here) - len(parts)])
+    return Path.cwd()
+
+
+def _matmul_params(started_in: Path, model_dir: str | None) -> int | None:
+    config = started_in / (model_dir or "") / "config.json"
     if not model_dir or not config.exists():
         return None
     return ModelShape.from_hf_config(json.loads(config.read_text())).matmul_params
