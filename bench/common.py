@@ -26,6 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megaopd.methods import method  # noqa: E402
+
 DEFAULT_ASSETS = Path(os.environ.get("MEGAOPD_BENCH_ASSETS", "/tmp/megaopd_bench_assets"))
 DOMAINS = ["arith_add", "prog_trace"]
 NEVER_EOS = "<|bench_never|>"
@@ -139,7 +141,7 @@ def _megaopd_worker(a) -> dict:
         "grpo.clip_low=0.2", "grpo.clip_high=0.2", "grpo.kl_coef=0.0", "grpo.scale_std=true",
         "checkpoint.every=1000000",
     ]
-    if a.algo == "opd":
+    if method(a.algo).teacher_term:
         overrides += [f"opd.teachers.*={assets / 'models' / a.teacher}", "opd.form=full_vocab"]
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg)
@@ -194,7 +196,7 @@ def _trl_worker(a) -> dict:
                   gradient_checkpointing=False,  # megaopd does not checkpoint activations: same work on both sides
                   max_completion_length=a.max_new, temperature=1.0, top_p=1.0, top_k=0, seed=0,
                   dataloader_num_workers=0, disable_tqdm=True)
-    if a.algo == "grpo":
+    if method(a.algo).group_term:
         from trl import GRPOConfig, GRPOTrainer
 
         def reward(completions, row_index, **kw):  # megaopd's own verifier: same reward work on both sides
@@ -409,8 +411,8 @@ def bench_main(algo: str, argv: list[str]) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--student", default="qwen3-tiny")
     p.add_argument("--teacher", default="qwen3-small")
-    p.add_argument("--prompts", type=int, default=16 if algo == "grpo" else 32)
-    p.add_argument("--group", type=int, default=8 if algo == "grpo" else 1)
+    p.add_argument("--prompts", type=int, default=16 if method(algo).group_term else 32)
+    p.add_argument("--group", type=int, default=8 if method(algo).group_term else 1)
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--recompute", type=int, default=0,
@@ -433,7 +435,7 @@ def bench_main(algo: str, argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix=f"bench_{algo}_") as tmp:
         tmp = Path(tmp)
         runs = ab_compare(algo, a.rounds, tmp, **kw)
-        shape = (f"student {a.student}" + (f", teacher {a.teacher}" if algo == "opd" else "") +
+        shape = (f"student {a.student}" + (f", teacher {a.teacher}" if method(algo).teacher_term else "") +
                  f", {a.prompts} prompts x {a.group} samples, {a.max_new} new tokens (fixed length), "
                  f"{a.threads} thread(s), megaopd recompute_old_logprobs={bool(a.recompute)}")
         lines, summary = report_ab(f"{algo.upper()} step, {shape}", runs)

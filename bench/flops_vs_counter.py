@@ -103,7 +103,7 @@ def rows_for(preset: str, model_dir: Path, batch: int, seq: int, gen_p: int, gen
 def trainer_rows(preset: str, model_dir: Path, teacher_dir: Path, data: Path, run_dir: Path, group: int,
                  max_new: int) -> list[tuple]:
     from megaopd.config import load_config
-    from megaopd.flop_audit import audit_rl_step
+    from megaopd.flop_audit import audit_step
 
     out = []
     for algorithm, extra in [("grpo", ["grpo.kl_coef=0.01"]),
@@ -113,7 +113,7 @@ def trainer_rows(preset: str, model_dir: Path, teacher_dir: Path, data: Path, ru
             f"data.train=[{data / 'arith_add' / 'train.jsonl'}]", f"data.eval=[{data / 'arith_add' / 'heldout.jsonl'}]",
             "train.prompts_per_step=1", f"rollout.samples_per_prompt={group}", f"rollout.max_new_tokens={max_new}",
             "train.recompute_old_logprobs=true", *extra])
-        for component, row in audit_rl_step(cfg).items():
+        for component, row in audit_step(cfg).items():
             if row.executed_form:
                 out.append((preset, f"{algorithm} step ({group} x R={max_new}): {component}", row.measured,
                             row.executed_form))

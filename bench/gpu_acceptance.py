@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaopd.config import load_config  # noqa: E402
 from megaopd.data.rows import load_rows  # noqa: E402
 from megaopd.embedded import build_data, build_model  # noqa: E402
+from megaopd.methods import method  # noqa: E402
 from megaopd.metrics import read_metrics  # noqa: E402
 
 SHAPE = "qwen3-0.6b"  # full 28 layers, width and vocabulary, random-initialised
@@ -66,11 +67,11 @@ def train_run(model: Path, data: Path, work: Path, algorithm: str, steps: int = 
     overrides = [f"run_dir={work / algorithm}", f"model.path={model}", "model.device=cuda", "model.dtype=bfloat16",
                  "model.master_dtype=float32", f"train.algorithm={algorithm}", f"train.steps={steps}",
                  "train.prompts_per_step=16", "train.micro_batch_size=16", "rollout.max_new_tokens=32",
-                 f"rollout.samples_per_prompt={8 if algorithm == 'grpo' else 1}", f"optim.lr={lr}",
+                 f"rollout.samples_per_prompt={8 if method(algorithm).group_term else 1}", f"optim.lr={lr}",
                  f"data.train=[{train}]", f"data.eval=[{heldout}]",
                  "eval.every=1000", "eval.prompts_per_domain=16", "eval.final_prompts_per_domain=16",
                  "checkpoint.every=1000"]
-    if algorithm == "opd":
+    if method(algorithm).teacher_term:
         overrides += [f"opd.teachers.*={teacher}", "opd.form=full_vocab"]
     start = time.perf_counter()
     summary = Trainer(load_config(None, overrides)).fit()

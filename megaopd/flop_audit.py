@@ -1,24 +1,28 @@
 """Check the FLOP ledger against what a real trainer step executes (``torch.utils.flop_counter.FlopCounterMode``).
 
-``audit_rl_step(cfg)`` builds the run's ``Trainer`` and runs one ``rl_step`` with every phase counted on its own:
-the rollout, the old-logprob recompute, the reference or teacher pass, the update. Attention runs eager, so the
-counter sees its matmuls (the ledger's ``causal=False`` form; SDPA on CPU counts 0), and responses run to the length
-limit (EOS never matches) with one prompt per step, so no row is padded and the executed work is the real one.
+``audit_step(cfg)`` builds the run's ``Trainer`` and runs one step of its method with every phase counted on its
+own: the rollout, the old-logprob recompute, the reference and teacher passes, the update (an SFT step: the update
+only). Attention runs eager, so the counter sees its matmuls (the ledger's ``causal=False`` form; SDPA on CPU counts
+0), and responses run to the length limit (EOS never matches) with one prompt per step, so no row is padded and the
+executed work is the real one.
 
     from megaopd.config import load_config
-    from megaopd.flop_audit import audit_rl_step
-    audit_rl_step(load_config("my.yaml", ["train.prompts_per_step=1"]))   # {component: Audit}
+    from megaopd.flop_audit import audit_step
+    audit_step(load_config("my.yaml", ["train.prompts_per_step=1"]))   # {component: Audit}
 
-``bench/flops_vs_counter.py`` prints it for both algorithms; ``tests/test_flops.py`` asserts it.
+``bench/flops_vs_counter.py`` prints it for GRPO and OPD; ``tests/test_flops.py`` and ``tests/test_methods.py``
+assert it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from unittest import mock
 
 from megaopd import flops
 from megaopd.config import RunConfig
+from megaopd.methods import method
 from megaopd.policy import HFPolicy
 
 
@@ -30,14 +34,14 @@ class Audit:
     booked: float  # what the trainer added to its ledger
 
 
-def audit_rl_step(cfg: RunConfig) -> dict[str, Audit]:
+def audit_step(cfg: RunConfig) -> dict[str, Audit]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from megaopd.trainer import Trainer
 
-    if cfg.train.prompts_per_step != 1 or cfg.train.algorithm not in ("grpo", "opd"):
-        raise ValueError("the audit runs one GRPO or OPD step of one prompt (train.prompts_per_step=1), "
-                         "so that no sequence is padded")
+    if cfg.train.prompts_per_step != 1:
+        raise ValueError("the audit runs one step of one prompt (train.prompts_per_step=1), so that no sequence is "
+                         "padded")
     measured = dict.fromkeys(flops.COMPONENTS, 0)
 
     def counted(component, fn, inside=None):
@@ -56,7 +60,10 @@ def audit_rl_step(cfg: RunConfig) -> dict[str, Audit]:
             return counted("teacher", counted("teacher", full_rows, "train")(*args, **kwargs), "train")
         return run
 
-    with mock.patch.object(HFPolicy, "eos_id", new_callable=mock.PropertyMock, return_value=-1):
+    # Rollouts never stop early; an SFT target keeps its real EOS.
+    to_length = mock.patch.object(HFPolicy, "eos_id", new_callable=mock.PropertyMock, return_value=-1) \
+        if method(cfg.train.algorithm).rollouts else contextlib.nullcontext()
+    with to_length:
         trainer = Trainer(cfg)
         try:
             rollout, samples = counted("rollout", trainer.engine.generate), []
@@ -68,7 +75,13 @@ def audit_rl_step(cfg: RunConfig) -> dict[str, Audit]:
 
             trainer.engine.generate = generate
             trainer.policy.logprobs = counted("old_logprob", trainer.policy.logprobs)
-            trainer.policy.train_minibatch = counted("train", trainer.policy.train_minibatch)
+            update, batches = counted("train", trainer.policy.train_minibatch), []
+
+            def train_minibatch(batch, *args, **kwargs):  # keeps the batch: an SFT step's lengths come from it
+                batches.append(batch)
+                return update(batch, *args, **kwargs)
+
+            trainer.policy.train_minibatch = train_minibatch
             frozen = {"reference": [trainer.reference] if trainer.reference else [],
                       "teacher": list({id(t): t for t in trainer.teachers.teachers.values()}.values())
                       if trainer.teachers else []}
@@ -81,22 +94,18 @@ def audit_rl_step(cfg: RunConfig) -> dict[str, Audit]:
             for policy in [trainer.policy, *frozen["reference"], *frozen["teacher"]]:
                 policy.model.set_attn_implementation("eager")
             before = dict(trainer.ledger.own)
-            trainer.rl_step(trainer.start_step + 1)
+            trainer.step_fn(trainer.start_step + 1)
         finally:
             trainer.close()
 
-    n = cfg.rollout.samples_per_prompt
-    lengths = ([len(samples[0].prompt_ids)], [len(s.response_ids) for s in samples], n)
-    common = dict(recompute_old=cfg.train.recompute_old_logprobs, epochs=cfg.train.epochs, prefix_cached=True)
-    if trainer.teachers is None:
-        def formula(causal):
-            return flops.grpo_step_flops(trainer.policy.shape, *lengths, use_reference=trainer.reference is not None,
-                                         causal=causal, **common)
-    else:
-        teacher = trainer.teachers.shape(trainer.teachers.route(samples[0].row.domain))
+    if samples:
+        prompt_lens, response_lens = [len(samples[0].prompt_ids)], [len(s.response_ids) for s in samples]
+    else:  # SFT: one row of prompt + solution
+        response = int(batches[0].response_mask.sum())
+        prompt_lens, response_lens = [int(batches[0].attention_mask.sum()) - response], [response]
+    teachers = [trainer.teachers.shape(trainer.teachers.route(samples[0].row.domain))] if trainer.teachers else None
 
-        def formula(causal):
-            return flops.opd_step_flops(trainer.policy.shape, teacher, *lengths, causal=causal, **common,
-                                        teacher_passes=flops.teacher_passes(cfg.opd.form, cfg.train.epochs))
+    def formula(causal):
+        return trainer.method.step_flops(cfg, trainer.policy.shape, teachers, prompt_lens, response_lens, True, causal)
     executed, ledger = formula(False), formula(True)
     return {c: Audit(measured[c], executed[c], ledger[c], trainer.ledger.own[c] - before[c]) for c in flops.COMPONENTS}

@@ -23,9 +23,8 @@ from typing import Callable
 import torch
 
 from megaopd.batch import Sample, TokenBatch
-from megaopd.config import GRPOConfig, OPDConfig
-
-OPD_FORMS = ("sampled", "topk", "full_vocab")
+from megaopd.config import GRPOConfig, OPDConfig, RunConfig
+from megaopd.methods import OPD_FORMS, Method, method
 KL_DIRECTIONS = ("reverse", "forward")
 # (student log-softmax of rows [start, start + c) of the micro-batch's response rows, [c, V]; start) -> [c]
 RowTerm = Callable[[torch.Tensor, int], torch.Tensor]
@@ -153,11 +152,12 @@ class VocabTerm:
 
 def form_label(algorithm: str, opd: OPDConfig) -> str:
     """What a report calls a run's objective: e.g. ``opd:topk(K=16,reverse)``, ``grpo+opd:sampled(coef=0.5)``."""
-    if algorithm not in ("opd", "grpo_opd"):
-        return algorithm
+    spec = method(algorithm)
+    if not spec.teacher_term:
+        return spec.label
     detail = [f"K={opd.topk}"] * (opd.form == "topk") + [opd.kl] * (opd.form != "sampled") + \
-        [f"coef={opd.coef:g}"] * (algorithm == "grpo_opd")
-    return f"{algorithm.replace('_', '+')}:{opd.form}" + (f"({','.join(detail)})" if detail else "")
+        [f"coef={opd.coef:g}"] * spec.group_term
+    return f"{spec.label}:{opd.form}" + (f"({','.join(detail)})" if detail else "")
 
 
 def _check_opd(cfg: OPDConfig) -> None:
@@ -176,10 +176,6 @@ class GRPO:
 
     def __init__(self, cfg: GRPOConfig, group_size: int):
         self.cfg, self.group_size = cfg, group_size
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.cfg.kl_coef > 0
 
     def prepare(self, batch: TokenBatch, samples: list[Sample]) -> dict[str, float]:
         rewards = torch.tensor([s.reward for s in samples])
@@ -201,8 +197,6 @@ class GRPO:
 
 class OPD:
     """Vanilla on-policy distillation from a frozen teacher (one per domain with routing), in one of three forms."""
-
-    needs_reference = False
 
     def __init__(self, cfg: OPDConfig, teachers=None):
         _check_opd(cfg)
@@ -235,7 +229,6 @@ class GRPOWithOPD:
         self.grpo, self.opd = GRPO(grpo, group_size), OPD(opd, teachers)
         self.coef = opd.coef
         self.vocab_term = self.opd.vocab_term
-        self.needs_reference = self.grpo.needs_reference
 
     def prepare(self, batch: TokenBatch, samples: list[Sample]) -> dict[str, float]:
         metrics = self.grpo.prepare(batch, samples)
@@ -253,3 +246,13 @@ class GRPOWithOPD:
             loss = loss + self.coef * vocab
             metrics[f"{self.opd.cfg.kl}_kl"] = vocab.detach()
         return loss, metrics
+
+
+def build_objective(spec: Method, cfg: RunConfig, teachers=None):
+    """The objective of a method's terms; None for SFT (its NLL is the trainer's sft_step)."""
+    n = spec.samples_per_prompt(cfg)
+    if spec.group_term and spec.teacher_term:
+        return GRPOWithOPD(cfg.grpo, cfg.opd, n, teachers)
+    if spec.group_term:
+        return GRPO(cfg.grpo, n)
+    return OPD(cfg.opd, teachers) if spec.teacher_term else None

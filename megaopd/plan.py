@@ -21,8 +21,8 @@ phase. The formulas, per rank (b = bytes of model.dtype):
   chunk and the student's log-softmax and its exponential (+12).
 * rollout KV cache (local engine): rollout.batch_prompts x samples x (plan.prompt_tokens + max_new_tokens)
   positions, plus the prefill cache the fused decoder is seeded from and its packed weight copies.
-Step FLOPs follow megaopd.flops with every prompt plan.prompt_tokens long and every response at max_new_tokens (an
-upper bound), and the time assumes plan.mfu of plan.peak_tflops on every trainer GPU.
+Step FLOPs are the method's (``megaopd.methods``) with every prompt plan.prompt_tokens long, every response at
+max_new_tokens and every prompt routed to the costliest teacher (an upper bound), and the time assumes plan.mfu of plan.peak_tflops on every trainer GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import yaml
 
 from megaopd import flops
 from megaopd.config import ConfigError, RunConfig, load_config
+from megaopd.methods import method
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -211,6 +212,8 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
                title: str = "") -> Plan:
     """The per-rank memory plan of one run config; ``budget``: usable bytes per GPU (None: not checked)."""
     p, t, r, m = cfg.plan, cfg.train, cfg.rollout, cfg.model
+    spec = method(t.algorithm)
+    n = spec.samples_per_prompt(cfg)
     arch = resolve_arch(m.path, aliases)
     b = BYTES[m.dtype]
     megatron = m.backend == "megatron"
@@ -238,9 +241,9 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     items.append(Item("gradients", "all", local * grad_b, fits_more))  # kept from one update to the next
 
     seq = p.prompt_tokens + r.max_new_tokens
-    rows_per_mb = min(t.micro_batch_size, t.prompts_per_step * r.samples_per_prompt)
+    rows_per_mb = min(t.micro_batch_size, t.prompts_per_step * n)
     tokens = rows_per_mb * seq
-    in_flight = min(pp, math.ceil(t.prompts_per_step * r.samples_per_prompt / (rows_per_mb * dp))) if megatron else 1
+    in_flight = min(pp, math.ceil(t.prompts_per_step * n / (rows_per_mb * dp))) if megatron else 1
     saved = arch.checkpointed_activation_bytes if m.activation_checkpointing and not megatron \
         else arch.activation_bytes
     acts = saved(tokens, seq, b, layers) * in_flight / tp
@@ -249,8 +252,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
                                                          else ", or model.activation_checkpointing=true"),
                       ("train.micro_batch_size", t.micro_batch_size)))
     chunk = min(t.logit_chunk_rows, rows_per_mb * r.max_new_tokens)
-    full_vocab = t.algorithm == "opd" and cfg.opd.form == "full_vocab"
-    per_entry = 2 * b + 8 + (12 if full_vocab else 0)
+    per_entry = 2 * b + 8 + (12 if spec.full_vocab(cfg) else 0)
     chunk_setting = "lower train.logit_chunk_rows"
     items.append(Item(f"logits/KL workspace ({chunk} rows x {arch.vocab})", "train",
                       chunk * (arch.vocab * per_entry / tp + arch.hidden * b), chunk_setting))
@@ -259,7 +261,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
 
     if r.engine == "local" and not megatron:
         prompts = min(r.batch_prompts, t.prompts_per_step)
-        rows = prompts * r.samples_per_prompt
+        rows = prompts * n
         kv = arch.kv_bytes(rows * seq, b) + arch.kv_bytes(rows * p.prompt_tokens, b)
         knob = ("rollout.batch_prompts", prompts)
         items.append(Item(f"rollout KV cache ({rows} x {seq})", "rollout", kv, "lower rollout.batch_prompts", knob))
@@ -268,7 +270,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
         items.append(Item("rollout sampling workspace", "rollout", rows * arch.vocab * (b + 16),
                           "lower rollout.batch_prompts", knob))
     servers = []
-    if r.engine == "sglang" or (t.algorithm == "opd" and cfg.opd.teacher_engine == "sglang"):
+    if r.engine == "sglang" or spec.teacher_servers(cfg):
         colocated = r.engine == "sglang" and r.sglang.sync == "tensor"
         share = _mem_fraction(r.sglang.server_args) if colocated else 0.0
         total = budget / p.usable if budget else 0.0
@@ -278,30 +280,24 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
         servers.append(f"SGLang servers: weights {arch.params() * b / GIB:.1f} GiB each, the rest of their GPUs "
                        f"for the KV cache ({'colocated with the trainer' if colocated else 'own GPUs'})")
 
-    if t.algorithm == "opd" and cfg.opd.teacher_engine == "local":
-        teacher_tp = (m.megatron.teacher_tp or tp) if megatron else 1
-        for route, path in sorted(cfg.opd.teachers.items()):
-            teacher = resolve_arch(path, aliases)
-            items.append(Item(f"teacher {route} ({teacher.params() / 1e9:.2f}B)", "all",
-                              teacher.params() * b / teacher_tp,
-                              "opd.teacher_engine=sglang (sampled form)" if not megatron
-                              else "raise model.megatron.teacher_tp"))
-    if t.algorithm == "grpo" and cfg.grpo.kl_coef > 0:
+    teacher_tp = (m.megatron.teacher_tp or tp) if megatron else 1
+    for route, path in sorted(spec.local_teachers(cfg).items()):
+        teacher = resolve_arch(path, aliases)
+        items.append(Item(f"teacher {route} ({teacher.params() / 1e9:.2f}B)", "all",
+                          teacher.params() * b / teacher_tp,
+                          "opd.teacher_engine=sglang (sampled form)" if not megatron
+                          else "raise model.megatron.teacher_tp"))
+    if spec.uses_reference(cfg):
         items.append(Item("reference model", "all", local * b, fits_more))
 
     prompt_lens = [p.prompt_tokens] * t.prompts_per_step
-    response_lens = [r.max_new_tokens] * (t.prompts_per_step * r.samples_per_prompt)
-    common = dict(recompute_old=t.recompute_old_logprobs, epochs=t.epochs)
-    if t.algorithm == "opd":
-        teachers = [resolve_arch(v, aliases).flop_shape() for v in sorted(cfg.opd.teachers.values())]
-        parts = flops.opd_step_flops(arch.flop_shape(), teachers[0] if teachers else None, prompt_lens,
-                                     response_lens, r.samples_per_prompt, **common)
-    else:
-        parts = flops.grpo_step_flops(arch.flop_shape(), prompt_lens, response_lens, r.samples_per_prompt,
-                                      use_reference=cfg.grpo.kl_coef > 0, **common)
-    step = sum(parts.values())
+    response_lens = [r.max_new_tokens] * (t.prompts_per_step * n)
+    # Every prompt routed to the costliest teacher: an upper bound, like the lengths.
+    shapes = [resolve_arch(v, aliases).flop_shape() for v in spec.teachers(cfg).values()]
+    teachers = [max(shapes, key=lambda s: s.matmul_params)] * t.prompts_per_step if shapes else None
+    step = sum(spec.step_flops(cfg, arch.flop_shape(), teachers, prompt_lens, response_lens).values())
     seconds = step / (world * p.peak_tflops * 1e12 * p.mfu)
-    return Plan(title or cfg.run_dir, layout, budget, items, step, t.prompts_per_step * r.samples_per_prompt * seq,
+    return Plan(title or cfg.run_dir, layout, budget, items, step, t.prompts_per_step * n * seq,
                 seconds, servers, cfg, aliases)
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from megaopd import flops, verifiers
+from megaopd import verifiers
 from megaopd.backend import Policy
 from megaopd.batch import Sample, collate
 from megaopd.chat import chat_prompt_ids
@@ -36,7 +36,8 @@ from megaopd.data.synthetic import corrupt
 from megaopd.evaluate import Evaluator, score_samples
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger, rollout_metrics
-from megaopd.objectives import GRPO, OPD, TIS_LEVELS, GRPOWithOPD, form_label, truncated_is_weights
+from megaopd.methods import method
+from megaopd.objectives import TIS_LEVELS, build_objective, form_label, truncated_is_weights
 from megaopd.plan import check_run
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine
@@ -133,12 +134,10 @@ def merge_updates(updates: list[tuple[dict[str, float], float]]) -> dict[str, fl
 
 class Trainer:
     def __init__(self, cfg: RunConfig):
-        algorithm = cfg.train.algorithm
-        if algorithm not in ("sft", "grpo", "opd", "grpo_opd"):
-            raise ValueError(f"train.algorithm must be sft, grpo, opd or grpo_opd, got {algorithm!r}")
+        self.method = spec = method(cfg.train.algorithm)
         if cfg.train.tis not in TIS_LEVELS:
             raise ValueError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}")
-        if cfg.train.tis != "none" and algorithm == "opd" and cfg.opd.form != "sampled":
+        if cfg.train.tis != "none" and spec.rollouts and not spec.has_policy_gradient(cfg):
             raise ValueError(f"train.tis={cfg.train.tis} weights the sampled tokens' policy-gradient terms, and "
                              f"opd.form={cfg.opd.form} has none: its loss is the KL over the vocabulary at each "
                              "response position, so the weights would be dropped. Set train.tis=none, or "
@@ -161,19 +160,16 @@ class Trainer:
         self.ledger = Ledger(self.run_dir.name, cfg.counts_as)
         self.ledger.add_upstream("init", cfg.model.path)
 
-        self.objective = self.teachers = self.reference = None
-        if algorithm == "grpo":
-            self.objective = GRPO(cfg.grpo, cfg.rollout.samples_per_prompt)
-        elif algorithm in ("opd", "grpo_opd"):
+        self.teachers = self.reference = None
+        if spec.teacher_term:
             self.teachers = build_teachers(cfg, self.policy.tokenizer)
             self.teachers.check_domains(self.sampler.domains())
-            for route, path in cfg.opd.teachers.items():
+            for route, path in spec.teachers(cfg).items():
                 self.ledger.add_upstream(f"teacher:{route}", path)
-            self.objective = OPD(cfg.opd, self.teachers) if algorithm == "opd" else \
-                GRPOWithOPD(cfg.grpo, cfg.opd, cfg.rollout.samples_per_prompt, self.teachers)
-        if self.objective is not None and self.objective.needs_reference:
+        self.objective = build_objective(spec, cfg, self.teachers)
+        if spec.uses_reference(cfg):
             self.reference = build_policy(cfg, trainable=False)
-        self.step_fn = self.sft_step if algorithm == "sft" else self.rl_step
+        self.step_fn = self.rl_step if spec.rollouts else self.sft_step
 
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
         self.start_step = self._resume()
@@ -217,36 +213,28 @@ class Trainer:
         metrics |= {f"train/{k}": v for k, v in merge_updates(updates).items()}
         self.engine.sync_weights(policy)
 
-        self._book_rl_flops(rows, samples, routes)
+        self._book_flops(rows, samples, self.engine.prefix_cached)
         metrics |= rollout_metrics(samples, batch, routes, cfg.train.tis_cap)
         metrics["rollout/verifier_errors"] = verifier_errors
         metrics |= {"perf/rollout_seconds": t_rollout - t0, "perf/verifier_seconds": verifier_seconds,
                     "perf/step_seconds": time.perf_counter() - t0}
         return metrics
 
-    def _book_rl_flops(self, rows, samples: list[Sample], routes: dict[str, list[int]]) -> None:
-        cfg = self.cfg
-        n = cfg.rollout.samples_per_prompt
+    def _book_flops(self, rows, samples: list[Sample], prefix_cached: bool = True) -> None:
+        n = self.method.samples_per_prompt(self.cfg)
         prompt_lens = [len(samples[i * n].prompt_ids) for i in range(len(rows))]
-        response_lens = [len(s.response_ids) for s in samples]
-        common = dict(recompute_old=cfg.train.recompute_old_logprobs, epochs=cfg.train.epochs,
-                      prefix_cached=self.engine.prefix_cached)
-        parts = flops.grpo_step_flops(self.policy.shape, prompt_lens, response_lens, n,
-                                      use_reference=self.reference is not None, **common)
-        if self.teachers is not None:  # OPD, or GRPO + OPD: the student's passes as above, plus the teachers'
-            teacher_per_prompt = [self.teachers.shape(self.teachers.route(row.domain)) for row in rows]
-            passes = flops.teacher_passes(cfg.opd.form, cfg.train.epochs)
-            parts["teacher"] = flops.opd_step_flops(self.policy.shape, teacher_per_prompt, prompt_lens, response_lens,
-                                                    n, teacher_passes=passes, **common)["teacher"]
-        for component, value in parts.items():
-            self.ledger.add(component, value)
+        teachers = [self.teachers.shape(self.teachers.route(row.domain)) for row in rows] if self.teachers else None
+        parts = self.method.step_flops(self.cfg, self.policy.shape, teachers, prompt_lens,
+                                       [len(s.response_ids) for s in samples], prefix_cached)
+        for component in self.method.components:
+            self.ledger.add(component, parts[component])
 
     # ---- one SFT step (cold start): teacher-forced NLL on worked solutions, a share of them corrupted ----
     def sft_step(self, step: int) -> dict[str, float]:
         cfg, policy = self.cfg, self.policy
         noise_rng = random.Random(cfg.train.seed * 1_000_003 + step)
-        samples = []
-        for i, row in enumerate(self.sampler.next_batch()):
+        samples, rows = [], self.sampler.next_batch()
+        for i, row in enumerate(rows):
             target = row.extra_info["solution"]
             if noise_rng.random() < cfg.sft.noise:
                 target = corrupt(target, noise_rng)
@@ -255,8 +243,7 @@ class Trainer:
                                   [0.0] * len(response), "stop", 0))
         batch = collate(samples, policy.pad_id)
         update = policy.train_minibatch(batch, lambda logp, full, mb: (-logp, {}), cfg.train.micro_batch_size)
-        self.ledger.add("train", 3 * flops.scoring_flops(policy.shape, [len(s.prompt_ids) for s in samples],
-                                                         [len(s.response_ids) for s in samples], group_size=1))
+        self._book_flops(rows, samples)
         return {f"train/{k}": v for k, v in update.items()}
 
     def _sft_band_reached(self, eval_metrics: dict[str, float]) -> bool:
@@ -265,7 +252,7 @@ class Trainer:
         Domains stay in the mix until then: dropping one that reached the band made it forget within ten steps.
         """
         threshold = self.cfg.sft.stop_at_accuracy
-        if self.cfg.train.algorithm != "sft" or threshold <= 0:
+        if self.method.rollouts or threshold <= 0:
             return False
         return all(eval_metrics.get(f"eval/{d}/accuracy_greedy", 0.0) >= threshold for d in self.sampler.domains())
 

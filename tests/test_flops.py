@@ -322,14 +322,14 @@ def test_measured_generation_kv_cache(family, tied):
 def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, algorithm):
     """One real ``Trainer.rl_step`` (LocalEngine rollout, old-logprob recompute, reference or full-vocabulary teacher,
     update), counted phase by phase under FlopCounterMode (``megaopd.flop_audit``), against the ledger."""
-    from megaopd.flop_audit import audit_rl_step
+    from megaopd.flop_audit import audit_step
     from tests.conftest import run_config
 
     extra = ({"grpo.kl_coef": 0.01} if algorithm == "grpo" else
              {"opd.teachers.*": assets / "models" / "qwen3-tiny-seed1", "opd.form": "full_vocab"})
     cfg = run_config(assets, tmp_path / "run", algorithm, **{
         "train.prompts_per_step": 1, "rollout.samples_per_prompt": 4, "train.recompute_old_logprobs": True, **extra})
-    audit = audit_rl_step(cfg)
+    audit = audit_step(cfg)
     idle = {"grpo": "teacher", "opd": "reference"}[algorithm]
     assert audit[idle].measured == audit[idle].booked == 0
     for component, row in audit.items():

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from conftest import run_config
 from megaopd import flops
 from megaopd.embedded import build_model
-from megaopd.flop_audit import audit_rl_step
+from megaopd.flop_audit import audit_step
 from megaopd.metrics import read_metrics
 from megaopd.trainer import Trainer
 
@@ -99,7 +99,7 @@ def test_full_vocab_opd_step_at_full_vocab(assets, shapes, tmp_path):
 
 def audit(assets, tmp_path, model: Path) -> dict:
     cfg = shape_run(assets, tmp_path, model, **{"train.prompts_per_step": 1, "rollout.samples_per_prompt": 2})
-    return audit_rl_step(cfg)
+    return audit_step(cfg)
 
 
 def audit_gaps(rows: dict) -> dict[str, float]:

@@ -41,6 +41,7 @@ from megaopd.embedded import REAL_SHAPES, RealShape
 from megaopd.launch.local_cluster import LocalCluster
 from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_arguments, for_stage, plan,
                                   study_and_launch)
+from megaopd.methods import method
 from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
 from megaopd.study import AssetsConfig, StudyConfig, stage_overrides
 
@@ -80,8 +81,7 @@ def layout_problems(study: StudyConfig, launch: LaunchConfig) -> list[str]:
         if world % (tp * pp):
             problems.append(f"{where}: tp={tp} x pp={pp} does not divide the {world} GPUs")
         models = {"model.path": cfg.model.path}
-        if cfg.train.algorithm == "opd" and cfg.opd.teacher_engine == "local":
-            models |= {f"opd.teachers.{r}": p for r, p in cfg.opd.teachers.items()}
+        models |= {f"opd.teachers.{r}": p for r, p in method(cfg.train.algorithm).local_teachers(cfg).items()}
         for key, path in models.items():
             problems += [f"{where}: {key}={path}: {p}" for p in shape_problems(path, tp, pp)]
     return problems
@@ -124,7 +124,7 @@ def stand_ins(study: StudyConfig) -> tuple[dict[str, str], dict[str, tuple[str, 
     domains: dict[str, str] = {}  # data directory -> synthetic domain
     for stage in study.stages:
         cfg = load_config(stage.config, stage_overrides(study, stage))
-        paths = [cfg.model.path] + (list(cfg.opd.teachers.values()) if cfg.train.algorithm == "opd" else [])
+        paths = [cfg.model.path] + list(method(cfg.train.algorithm).teachers(cfg).values())
         for path in paths:
             if not path.startswith(study.out + "/") and path not in models:
                 family = "llama" if "llama" in path.lower() else "qwen3"
@@ -159,9 +159,8 @@ def rehearsal_study(study: StudyConfig, out: Path, steps: int, stages: list[str]
         extra = []
         if cfg.model.path in models:
             extra.append(f"model.path={{out}}/models/{models[cfg.model.path]}")
-        if cfg.train.algorithm == "opd":
-            extra += [f"opd.teachers.{route}={{out}}/models/{models[path]}"
-                      for route, path in cfg.opd.teachers.items() if path in models]
+        extra += [f"opd.teachers.{route}={{out}}/models/{models[path]}"
+                  for route, path in method(cfg.train.algorithm).teachers(cfg).items() if path in models]
         for key, files in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
             if files:
                 extra.append(f"{key}=[" + ", ".join(f"{{out}}/standin/{data[f][0]}/{data[f][2]}.jsonl"

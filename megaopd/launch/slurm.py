@@ -23,6 +23,7 @@ from pathlib import Path
 
 from megaopd.config import ConfigError, RunConfig, from_dict, load_config, to_dict
 from megaopd.launch.server_tp import server_tp
+from megaopd.methods import method
 from megaopd.study import (StageConfig, StudyConfig, dependencies, seed_studies, stage_is_done, stage_overrides,
                            submission_order)
 
@@ -160,10 +161,9 @@ def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -
     """The batch script of one stage; ``launch`` is already the stage's own (see ``for_stage``)."""
     args = stage_overrides(study, stage) + launch.overrides
     cfg = load_config(stage.config, args + [f"run_dir={study.out}/{stage.name}"])  # fails here, not in the queue
-    rl = cfg.train.algorithm in ("grpo", "opd")
-    rollout_nodes = launch.rollout_nodes if rl else 0
-    teachers = sorted(cfg.opd.teachers.items()) if cfg.train.algorithm in ("opd", "grpo_opd") \
-        and launch.teacher_servers else []
+    spec = method(cfg.train.algorithm)
+    rollout_nodes = launch.rollout_nodes if spec.rollouts else 0
+    teachers = sorted(spec.teachers(cfg).items()) if launch.teacher_servers else []
     if rollout_nodes:
         args.append("rollout.engine=sglang")
     if teachers:  # the trainer finds them by route in MEGAOPD_TEACHER_URLS
