@@ -6,8 +6,9 @@ the text as a fallback.
 
 Equivalence, cheapest first: equal normalised strings (LaTeX spacing, ``\\dfrac``, ``\\left``, ``\\text{units}``,
 degrees, dollar signs, thousands separators stripped); equal exact rationals (fractions, decimals, percentages, so
-``1/2``, ``\\frac12``, ``0.5`` and ``50\\%`` agree); ``math-verify`` (LaTeX and expressions through sympy); and a plain
-sympy path (``simplify(a - b) == 0``) for answers written as code-like expressions (``sqrt(2)/2``). The last two run
+``1/2``, ``\\frac12``, ``0.5`` and ``50\\%`` agree); ``math-verify``'s LaTeX grammar; and ``simplify(a - b) == 0`` on
+answers written as code-like expressions (``sqrt(2)/2``), parsed by our own grammar (``expr``). Nothing here
+evaluates model text as Python (no sympify, parse_expr or eval), so a worker only ever parses. The last two run
 in a small pool of worker processes (``killable``) with a hard wall-clock limit (``extra_info["timeout_s"]``, default
 5 s): a check past it is killed with its worker and scores 0, from any thread and however loaded the machine is.
 
@@ -19,11 +20,10 @@ from __future__ import annotations
 import logging
 import re
 from fractions import Fraction
-from tokenize import TokenError  # sympy's parse_expr raises it for unbalanced input
 from typing import Any
 
 from megaopd.data.answers import last_boxed
-from megaopd.verifiers import register
+from megaopd.verifiers import expr, register
 from megaopd.verifiers.killable import CallTimeout, KillablePool
 
 # math-verify warns on every call that we disabled its signal-based timeouts; the worker's kill is the deadline.
@@ -126,27 +126,25 @@ def _numbers_equal(pred: str, gold: str) -> bool | None:
 
 
 def _math_verify_equal(pred: str, gold: str) -> bool:
-    from math_verify import parse, verify
+    from math_verify import LatexExtractionConfig, parse, verify
 
     def as_latex(s: str) -> str:
         return s if "$" in s or "\\boxed" in s else f"${s}$"
 
-    gold_parsed = parse(as_latex(gold), parsing_timeout=None)
-    pred_parsed = parse(as_latex(pred), parsing_timeout=None)
+    # LaTeX only: math-verify's expression extraction (its default second target) hands text to sympy's
+    # parse_expr, which evaluates Python; code-like answers go through our grammar (``expr``) instead.
+    latex_only = [LatexExtractionConfig()]
+    gold_parsed = parse(as_latex(gold), latex_only, parsing_timeout=None)
+    pred_parsed = parse(as_latex(pred), latex_only, parsing_timeout=None)
     return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
 
 
 def _sympy_equal(pred: str, gold: str) -> bool:
     import sympy
-    from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
-                                            standard_transformations)
 
-    transformations = standard_transformations + (implicit_multiplication_application,)
     try:
-        a, b = (parse_expr(s.replace("^", "**"), transformations=transformations, evaluate=True)
-                for s in (pred, gold))
-        return bool(sympy.simplify(a - b) == 0)
-    except (SyntaxError, TypeError, ValueError, AttributeError, sympy.SympifyError, TokenError):
+        return bool(sympy.simplify(expr.parse(pred) - expr.parse(gold)) == 0)
+    except (expr.Refused, TypeError, ValueError, ArithmeticError):
         return False
 
 
