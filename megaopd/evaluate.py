@@ -19,19 +19,29 @@ from megaopd.batch import Sample
 from megaopd.config import EvalConfig
 from megaopd.data.rows import Row
 from megaopd.metrics import per_domain_means
-from megaopd.verifiers import score
+from megaopd.serving.leader import on_leader
+from megaopd.verifiers import score, verifier_errors
 
 
 def response_text(tokenizer, sample: Sample) -> str:
     return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
 
 
-def score_samples(tokenizer, samples: list[Sample]) -> float:
-    """Set each sample's reward from its row's verifier; returns the verifiers' wall time (0 model FLOPs)."""
-    start = time.perf_counter()
-    for s in samples:
-        s.reward = score(s.row, response_text(tokenizer, s))
-    return time.perf_counter() - start
+def score_samples(tokenizer, samples: list[Sample]) -> tuple[float, int]:
+    """Set each sample's reward from its row's verifier; returns the verifiers' wall time (0 model FLOPs) and how
+    many of them failed (each scored 0). Under torchrun every rank holds the same samples: rank 0 scores them once
+    and every rank gets its rewards, since a verifier's wall-clock limit can fire on one rank and not another and
+    ranks that disagree on a reward would compute different advantages for one update."""
+
+    def score_all() -> tuple[list[float], float, int]:
+        start, before = time.perf_counter(), sum(verifier_errors().values())
+        rewards = [score(s.row, response_text(tokenizer, s)) for s in samples]
+        return rewards, time.perf_counter() - start, sum(verifier_errors().values()) - before
+
+    rewards, seconds, errors = on_leader(score_all)
+    for s, reward in zip(samples, rewards, strict=True):
+        s.reward = reward
+    return seconds, errors
 
 
 class Evaluator:

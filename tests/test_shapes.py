@@ -73,12 +73,12 @@ def one_step(cfg) -> dict:
     return step
 
 
-def alternating_rewards(tokenizer, samples) -> float:
+def alternating_rewards(tokenizer, samples) -> tuple[float, int]:
     """A random 152k-way model never answers right, and GRPO with equal rewards has nothing to follow: the test
     sets the rewards (alternating within each group) so the update is a real one."""
     for i, sample in enumerate(samples):
         sample.reward = float(i % 2)
-    return 0.0
+    return 0.0, 0
 
 
 def test_grpo_step_bf16_over_fp32_masters_at_full_vocab(assets, shapes, tmp_path, monkeypatch):
