@@ -193,6 +193,22 @@ class PlanConfig:
 
 
 @dataclass
+class SandboxConfig:
+    # Accept the fallback mode (root without namespaces: uid drop, seccomp, Landlock where the kernel has them)
+    # when namespaces do not work here; without it such a machine refuses at start-up.
+    allow_fallback: bool = False
+
+
+@dataclass
+class VerifierConfig:
+    # A broken verifier stops the run: a share of samples above max_error_share whose verifier failed (scored 0),
+    # error_steps steps in a row, stops it before that step's update. max_error_share=1 never stops.
+    max_error_share: float = 0.2
+    error_steps: int = 2
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+@dataclass
 class RunConfig:
     run_dir: str = "runs/default"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -206,6 +222,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
     # What this run's FLOPs count as when a later run builds on its model: cold_start | training | external.
     counts_as: Literal["training", "cold_start", "external"] = "training"
 

@@ -155,7 +155,9 @@ class Trainer:
                                      cfg.train.seed)
         self.evaluator = Evaluator(load_split(cfg.data.eval, cfg.data.strict), cfg.eval, cfg.rollout.max_new_tokens,
                                    cfg.train.seed)
-        verifiers.check_ready(self.sampler.rows + [r for rows in self.evaluator.by_domain.values() for r in rows])
+        verifiers.check_ready(self.sampler.rows + [r for rows in self.evaluator.by_domain.values() for r in rows],
+                              cfg.verifier.sandbox.allow_fallback)
+        self.verifier_watch = verifiers.ErrorWatch(cfg.verifier.max_error_share, cfg.verifier.error_steps)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)  # rollout sampling only
         self.ledger = Ledger(self.run_dir.name, cfg.counts_as)
         self.ledger.add_upstream("init", cfg.model.path)
@@ -188,9 +190,8 @@ class Trainer:
         samples = self.engine.generate(rows, cfg.rollout.samples_per_prompt, cfg.rollout.temperature,
                                        cfg.rollout.top_p, cfg.rollout.max_new_tokens, self.generator)
         t_rollout = time.perf_counter()
-        errors_before = sum(verifiers.verifier_errors().values())
-        verifier_seconds = score_samples(policy.tokenizer, samples)
-        verifier_errors = sum(verifiers.verifier_errors().values()) - errors_before  # each scored 0
+        verifier_seconds, verifier_errors = score_samples(policy.tokenizer, samples)  # errors: each scored 0
+        self.verifier_watch.check(verifier_errors, len(samples))  # a broken verifier stops the run here
         batch = collate(samples, policy.pad_id)
 
         mbs = cfg.train.micro_batch_size

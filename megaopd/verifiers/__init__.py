@@ -66,23 +66,49 @@ def get_verifier(row: Row) -> Verifier:
                    f"known: {sorted(_REGISTRY)}")
 
 
-def check_ready(rows: list[Row]) -> None:
-    """Start-up check: if any row's verifier runs programs, this machine must be able to sandbox them
-    (SandboxUnavailable names what is missing), so a run fails now rather than at its first code row."""
+def check_ready(rows: list[Row], allow_fallback: bool = False) -> None:
+    """Start-up check: if any row's verifier runs programs, this machine must be able to sandbox them in the
+    namespaces mode, or in the fallback mode when ``allow_fallback`` (SandboxUnavailable names what is missing), so
+    a run fails now rather than at its first code row."""
+    from megaopd.verifiers import sandbox
+
+    sandbox.allow_fallback(allow_fallback)
     for row in {(r.data_source, r.ability): r for r in rows}.values():
         try:
             verifier = get_verifier(row)
         except KeyError:
             continue  # reported when the row is scored (an SFT run never scores)
         if getattr(verifier, "needs_sandbox", False):
-            from megaopd.verifiers.sandbox import isolation
-
-            log.info("code sandbox: %s", isolation())
+            log.info("code sandbox: %s", sandbox.describe())
             return
 
 
 _errors: collections.Counter[str] = collections.Counter()
 _errors_lock = threading.Lock()
+_last_error = ""  # "verifier (reason): message" of the latest failure, for the message that stops a run
+
+
+class VerifierBroken(RuntimeError):
+    """Too many samples in a row scored 0 because their verifier failed: training on them would teach nothing."""
+
+
+class ErrorWatch:
+    """Stops a run whose verifier is broken: ``check`` raises VerifierBroken once the share of a step's samples
+    whose verifier failed is above ``max_share`` for ``steps`` consecutive steps."""
+
+    def __init__(self, max_share: float, steps: int):
+        if not 0.0 <= max_share <= 1.0 or steps < 1:
+            raise ValueError(f"verifier.max_error_share must be in [0, 1] and verifier.error_steps >= 1, "
+                             f"got {max_share} and {steps}")
+        self.max_share, self.steps, self.bad = max_share, steps, 0
+
+    def check(self, errors: int, samples: int) -> None:
+        share = errors / max(samples, 1)
+        self.bad = self.bad + 1 if share > self.max_share else 0
+        if self.bad >= self.steps:
+            raise VerifierBroken(f"the verifier failed on {share:.0%} of this step's samples, above "
+                                 f"verifier.max_error_share={self.max_share} for {self.bad} steps in a row; "
+                                 f"last error: {_last_error}")
 
 
 def verifier_errors() -> dict[str, int]:
@@ -106,9 +132,11 @@ def guarded(verifier: Verifier, response: str, ground_truth: Any, extra_info: di
     except SandboxUnavailable:
         raise
     except Exception as e:  # noqa: BLE001: any failure of the harness is a 0 with its reason, not a dead run
+        global _last_error
         reason = getattr(e, "reason", type(e).__name__)
+        name = getattr(verifier, "__name__", verifier)
         with _errors_lock:
             _errors[reason] += 1
-        log.warning("verifier %s failed on a %s row (%s): %s", getattr(verifier, "__name__", verifier), source,
-                    reason, str(e)[:300])
+            _last_error = f"{name} on a {source} row ({reason}): {str(e)[:300]}"
+        log.warning("verifier %s failed on a %s row (%s): %s", name, source, reason, str(e)[:300])
         return 0.0
