@@ -2,7 +2,7 @@
 
 Every attack ends with ``print(42)``, the expected output, so it scores 1 exactly when the attack got through. The
 suite runs once with namespaces (where ``unshare`` works) and once without (the fallback: uid drop, rlimits,
-process sweep and the socket audit hook), so the fallback is tested on machines that have both.
+process sweep, Landlock, seccomp and the socket audit hook), so the fallback is tested on machines that have both.
 """
 
 import os
@@ -135,10 +135,8 @@ s.sendall(b"exfiltrated")
 """)
 
 
-def test_raw_syscall_network_needs_the_namespace(mode):
-    """ctypes goes around the audit hook; only the network namespace stops it (the documented fallback gap)."""
-    if mode != "namespaces":
-        pytest.skip("the audit-hook fallback does not stop raw socket syscalls")
+def test_raw_syscall_network_is_stopped_in_both_modes(mode):
+    """ctypes goes around the audit hook: the network namespace stops it, and in the fallback seccomp (issue 24)."""
     assert_never_reaches_a_local_server(lambda port: f"""
 import ctypes, struct
 libc = ctypes.CDLL(None, use_errno=True)

