@@ -43,12 +43,31 @@ def _no_empty_paragraph(text: str, separator: str) -> bool:
 
 
 def _json(text: str) -> bool:
-    body = re.sub(r"^```(?:json)?\s*|\s*```$", "", text.strip(), flags=re.IGNORECASE)
+    # The fences by hand: re.sub(r"\s*```$") tried every whitespace run to its end, quadratic in whitespace.
+    body = text.strip()
+    if body.startswith("```"):
+        body = body[3 + 4 * (body[3:7].lower() == "json"):].lstrip()
+    if body.endswith("```"):
+        body = body[:-3].rstrip()
     try:
         json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # a deeply nested reply is no error of the verifier's
         return False
     return True
+
+
+def _titles(text: str) -> list[str]:
+    """What re.findall(r"<<([^\n]+?)>>", text) finds, in linear time (that regex rescans a line per "<<")."""
+    out = []
+    for line in text.split("\n"):
+        start = line.find("<<")
+        while start >= 0:
+            end = line.find(">>", start + 3)
+            if end < 0:
+                break
+            out.append(line[start + 2:end])
+            start = line.find("<<", end + 2)
+    return out
 
 
 def _nth_paragraph(text: str, num_paragraphs: int, nth_paragraph: int, first_word: str) -> bool:
@@ -82,13 +101,15 @@ CHECKS: dict[str, Callable[..., bool]] = {
         len(_paragraphs(r, r"\s?\*\*\*\s?")) == num_paragraphs and _no_empty_paragraph(r, r"\s?\*\*\*\s?")),
     "length_constraints:number_words": lambda r, num_words, relation: _compare(len(_words(r)), relation, num_words),
     "length_constraints:nth_paragraph_first_word": _nth_paragraph,
+    # [^[\]\n]: the same count as IFEval's \[.*?\] (each "]" closes at most one), without rescanning a line per "["
     "detectable_content:number_placeholders": lambda r, num_placeholders: len(
-        re.findall(r"\[.*?\]", r)) >= num_placeholders,
+        re.findall(r"\[[^[\]\n]*\]", r)) >= num_placeholders,
+    # IFEval's \s*MARKER.*$ finds the same as MARKER alone; its leading \s* made a search quadratic in whitespace
     "detectable_content:postscript": lambda r, postscript_marker: bool(re.search(
-        r"\s*p\.\s?p\.\s?s.*$" if postscript_marker.upper() == "P.P.S" else rf"\s*{re.escape(postscript_marker)}.*$",
-        r, re.IGNORECASE | re.MULTILINE)),
+        r"p\.\s?p\.\s?s" if postscript_marker.upper() == "P.P.S" else re.escape(postscript_marker), r, re.IGNORECASE)),
     "detectable_format:number_bullet_lists": lambda r, num_bullets: len(
-        re.findall(r"^\s*[*-][^*-].*$", r, re.MULTILINE)) == num_bullets,
+        # [^\S\n]: IFEval's \s* also crossed lines (the same count, but a search quadratic in blank lines)
+        re.findall(r"^[^\S\n]*[*-][^*-].*$", r, re.MULTILINE)) == num_bullets,
     "detectable_format:constrained_response": lambda r: any(
         option in r for option in ("My answer is yes.", "My answer is no.", "My answer is maybe.")),
     "detectable_format:number_highlighted_sections": lambda r, num_highlights: len(
@@ -96,7 +117,7 @@ CHECKS: dict[str, Callable[..., bool]] = {
     ) >= num_highlights,
     "detectable_format:multiple_sections": _sections,
     "detectable_format:json_format": _json,
-    "detectable_format:title": lambda r: any(t.strip() for t in re.findall(r"<<([^\n]+?)>>", r)),
+    "detectable_format:title": lambda r: any(t.strip() for t in _titles(r)),
     "combination:two_responses": lambda r: (
         len(parts := [p.strip() for p in r.split("******")]) == 2 and all(parts) and parts[0] != parts[1]),
     "combination:repeat_prompt": lambda r, prompt_to_repeat: r.strip().lower().startswith(

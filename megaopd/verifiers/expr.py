@@ -2,8 +2,9 @@
 
 Model text never reaches ``eval``, ``sympify`` or ``parse_expr`` (all three evaluate Python). A whitelist tokenizer
 admits numbers, ``+ - * / ^ **``, parentheses, a fixed table of functions and constants, and letters (a word that
-is not in the table is the product of its letters, as ``xy`` is ``x*y``); anything else (quotes, dots after a
-name, underscores, brackets, commas, lambda) refuses the whole answer. Juxtaposition multiplies (``2x``,
+is not in the table is the product of its letters, as ``xy`` is ``x*y``, unless a parenthesis follows it: a call
+outside the table); anything else (quotes, dots after a name, underscores, brackets, commas, lambda) refuses the
+whole answer. Juxtaposition multiplies (``2x``,
 ``2(x+1)``) and a function name applies to the atom after it (``sqrt 2``). Size limits keep a hostile answer from
 costing the worker more than its timeout: a length and nesting cap, and no power whose exact value would be huge
 (``9^9^9^9`` is refused before sympy computes anything).
@@ -47,6 +48,8 @@ def _tokens(text: str) -> list[tuple[str, str]]:
         if word is not None:
             if word in _FUNCTIONS or word in _CONSTANTS:
                 out.append(("fn" if word in _FUNCTIONS else "const", word))
+            elif len(word) > 1 and text[m.end():m.end() + 1] == "(":
+                raise Refused(f"{word}(...) is not a function of the table")
             else:
                 out.extend(("sym", letter) for letter in word)  # xy is x*y
         else:
