@@ -58,8 +58,12 @@ class HFPolicy:
         compute, master = getattr(torch, cfg.dtype), getattr(torch, cfg.master_dtype)
         mixed = optim is not None and master != compute
         # Loaded at the master precision when it differs, so the masters hold the checkpoint's own values.
-        self.model = AutoModelForCausalLM.from_pretrained(
-            cfg.path, dtype=master if mixed else compute, attn_implementation="sdpa").to(self.device)
+        self.model, info = AutoModelForCausalLM.from_pretrained(
+            cfg.path, dtype=master if mixed else compute, attn_implementation="sdpa", output_loading_info=True)
+        self.model.to(self.device)
+        # transformers fills a missing weight with random values and only warns: a policy or teacher must be whole.
+        if problems := {k: v for k, v in info.items() if v}:  # missing, unexpected, mismatched keys, errors
+            raise ValueError(f"model.path={cfg.path!r} does not hold every weight of its architecture: {problems}")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
         self.shape = ModelShape.from_hf_config(self.model.config)
         self.path = cfg.path

@@ -124,10 +124,16 @@ def hf_model_from_state(bridge, state: dict[str, torch.Tensor], dtype: torch.dty
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(bridge.hf_config, dtype=dtype, attn_implementation="sdpa")
+    load_exact(bridge, model, state)
+    if bridge.hf_config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def load_exact(bridge, model, state: dict[str, torch.Tensor]) -> None:
+    """Load an export into an HF model, refusing a missing or unexpected weight (a missing key would keep stale
+    weights without a word); a tied model's lm_head is its embedding, so the export leaves it out."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and bridge.hf_config.tie_word_embeddings)]
     if missing or unexpected:
         raise RuntimeError(f"export does not match the HF model: missing {missing}, unexpected {unexpected}")
-    if bridge.hf_config.tie_word_embeddings:
-        model.tie_weights()
-    return model

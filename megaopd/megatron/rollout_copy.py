@@ -28,7 +28,7 @@ class RolloutCopy:
             if self.model is None:
                 self.model = hf_bridge.hf_model_from_state(self.bridge, state, self.dtype).to(self.device)
             else:
-                self.model.load_state_dict(state, strict=False)
+                hf_bridge.load_exact(self.bridge, self.model, state)
             self.model.eval().requires_grad_(False)
             self.version = version
         return self.model
