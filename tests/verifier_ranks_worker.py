@@ -1,54 +1,77 @@
 """Torchrun worker (gloo, CPU) for tests/test_verifier_ranks.py: every rank holds the same rollouts, and their
 verifier answers differently on each rank (as a wall-clock limit that fires on one rank only would). Each rank
-scores the step the trainer's way (``score_samples``) and computes GRPO advantages; rank 0 writes what every rank
-saw, and what the verifier itself answered there, to OUT.
+writes the rewards and GRPO advantages it trained on, and what the verifier itself answered there, to OUT/rank*.json.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/verifier_ranks_worker.py OUT
+        # score_samples and GRPO.prepare alone
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/verifier_ranks_worker.py OUT CONFIG KEY=VALUE...
+        # the trainer with model.backend=megatron (megaopd.megatron.cpu_launch)
 """
 
 import json
+import os
 import sys
-
-import torch.distributed as dist
+from pathlib import Path
 
 from megaopd.batch import Sample, collate
 from megaopd.config import GRPOConfig
 from megaopd.data.rows import Row
-from megaopd.evaluate import score_samples
 from megaopd.objectives import GRPO
 from megaopd.verifiers import register
+import megaopd.verifiers.synthetic  # noqa: F401: registered first, so the rank-dependent verifier replaces it
 
+RANK = int(os.environ["RANK"])
 GROUP = 4
+seen: dict[str, list] = {"own": [], "rewards": [], "advantages": []}
 
 
-@register("test/rank_dependent")
+@register("test/rank_dependent", "arith_add", "prog_trace")
 def rank_dependent(response: str, ground_truth, extra_info: dict) -> float:
-    return float((int(response) + dist.get_rank()) % 2)
+    verdict = float((len(response) + RANK) % 2)
+    seen["own"].append(verdict)
+    return verdict
 
 
-class Digits:
-    """A tokenizer stand-in: a response is its one token id, decoded as its digits."""
+prepare = GRPO.prepare
+
+
+def recording_prepare(self, batch, samples):
+    metrics = prepare(self, batch, samples)
+    seen["rewards"].append([s.reward for s in samples])
+    seen["advantages"].append(batch.advantages.tolist())
+    return metrics
+
+
+GRPO.prepare = recording_prepare
+
+
+class Chars:
+    """A tokenizer stand-in: token i decodes to i characters."""
 
     def decode(self, ids, skip_special_tokens=True):
-        return "".join(str(i) for i in ids)
+        return "".join("x" * i for i in ids)
 
 
-def main(out: str) -> None:
+def scoring_only() -> None:
+    import torch.distributed as dist
+
+    from megaopd.evaluate import score_samples
+
     dist.init_process_group("gloo")
     row = Row("test/rank_dependent", [{"role": "user", "content": "?"}], None)
     samples = [Sample(row, i // GROUP, [1, 2], [i], [0.0], "stop", 0) for i in range(2 * GROUP)]
-    own = [rank_dependent(str(i), None, {}) for i in range(len(samples))]  # what this rank alone would score
-    score_samples(Digits(), samples)
-    batch = collate(samples, pad_id=0)
-    GRPO(GRPOConfig(), GROUP).prepare(batch, samples)
-    mine = {"own": own, "rewards": [s.reward for s in samples], "advantages": batch.advantages.tolist()}
-    seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, mine)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(seen, f)
+    seen["alone"] = [rank_dependent("x" * i, None, {}) for i in range(len(samples))]  # this rank by itself
+    score_samples(Chars(), samples)
+    GRPO(GRPOConfig(), GROUP).prepare(collate(samples, pad_id=0), samples)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    out = Path(sys.argv[1])
+    if len(sys.argv) > 2:
+        from megaopd.megatron.cpu_launch import main
+
+        main(sys.argv[2:])
+    else:
+        scoring_only()
+    (out / f"rank{RANK}.json").write_text(json.dumps(seen))
