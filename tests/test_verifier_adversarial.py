@@ -58,9 +58,10 @@ def test_hostile_math_answers_run_nothing(kind, tmp_path):
 @pytest.mark.parametrize("answer", ["9**9**9**9", "9^{9^{9^{9}}}", "(x+1)^(10^8)", "(" * 5000 + "1" + ")" * 5000,
                                     "1+" * 100_000 + "1"])
 def test_huge_and_deep_math_answers_are_refused_within_the_limit(answer):
+    is_equivalent("x", "y")  # a started worker: its start-up (imports) is not part of a check's limit
     start = time.monotonic()
-    assert score_math(f"\\boxed{{{answer}}}", "7", {"timeout_s": 5}) == 0.0
-    assert time.monotonic() - start < 12  # the killable worker's limit, with room for a loaded machine
+    assert score_math(f"\\boxed{{{answer}}}", "7", {"timeout_s": 2}) == 0.0
+    assert time.monotonic() - start < 8  # the killable worker's limit, with room for a loaded machine
 
 
 def test_the_grammar_refuses_code_and_builds_math():

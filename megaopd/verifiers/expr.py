@@ -27,7 +27,7 @@ _FUNCTIONS = {"sqrt": sympy.sqrt, "exp": sympy.exp, "log": sympy.log, "ln": symp
               "cos": sympy.cos, "tan": sympy.tan, "cot": sympy.cot, "sec": sympy.sec, "csc": sympy.csc,
               "asin": sympy.asin, "acos": sympy.acos, "atan": sympy.atan, "arcsin": sympy.asin,
               "arccos": sympy.acos, "arctan": sympy.atan, "sinh": sympy.sinh, "cosh": sympy.cosh,
-              "tanh": sympy.tanh, "abs": sympy.Abs}
+              "tanh": sympy.tanh, "abs": sympy.Abs, "Abs": sympy.Abs}
 _CONSTANTS = {"pi": sympy.pi, "E": sympy.E, "I": sympy.I, "oo": sympy.oo, "inf": sympy.oo, "infinity": sympy.oo}
 _TOKEN = re.compile(r"\s*(?:(\d+\.?\d*|\.\d+)|([A-Za-z]+)|(\*\*|[-+*/^()]))")
 
