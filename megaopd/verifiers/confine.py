@@ -6,8 +6,9 @@ confines itself before it runs anything (``sandbox_init.CHILD``, after no_new_pr
 
 * **Landlock** (ABI >= 1; this machine's kernel may have up to 7): reads and executes only beneath the system
   trees and the interpreter's prefix (their site-packages left out, as the namespaces mode covers them), a few
-  /etc files and /dev nodes, its own /proc entry; reads and writes only beneath its scratch directory. ABI >= 4 also refuses every TCP
-  bind and connect; ABI >= 6 scopes abstract unix sockets and signals to the program's own processes.
+  /etc files and /dev nodes, its own /proc entry; reads and writes only beneath its scratch directory. ABI >= 4
+  also refuses every TCP bind and connect; ABI >= 6 scopes abstract unix sockets and signals to the program's own
+  processes.
 * **seccomp** (x86_64, aarch64): ``socket``/``socketpair`` of any family but AF_UNIX, ptrace and process_vm_*,
   io_uring (which opens sockets and files without those syscalls), bpf, perf_event_open, userfaultfd, keyrings,
   mounts, namespaces (unshare, setns, clone with a namespace flag; clone3, whose flags a filter cannot read, says

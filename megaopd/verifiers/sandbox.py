@@ -114,8 +114,8 @@ class Isolation:
     def network(self) -> str:
         if self.namespaces:
             return "network namespace"
-        return " + ".join(["seccomp (AF_UNIX sockets only)"] * self.seccomp + ["Landlock (no TCP)"] * (self.landlock >= 4)
-                          + ["audit hook (Python-level socket block)"])
+        layers = ["seccomp (AF_UNIX sockets only)"] * self.seccomp + ["Landlock (no TCP)"] * (self.landlock >= 4)
+        return " + ".join(layers + ["audit hook (Python-level socket block)"])
 
 
 def _unshare_works(args: tuple[str, ...]) -> bool:
@@ -300,13 +300,13 @@ def _command(iso: Isolation, root: Path, work: Path, limits: Limits, uid: int | 
         "RLIMIT_CORE": 0,
     }
     child = [iso.python, "-I", "-S", "-c", CHILD, json.dumps(rlimits), "-" if iso.namespaces else "no_new_privs"]
+    ro_files = [f for f in _ETC_FILES if os.path.isfile(f)]
     if not iso.namespaces:
-        ro_files = [f for f in _ETC_FILES if os.path.isfile(f)]
         return child + [json.dumps(confine.plan(iso.visible, iso.hidden, ro_files, str(work)))], str(work)
     child.append("{}")
     (root / "newroot").mkdir()
     config = {"root": str(root / "newroot"), "uid": -1 if uid is None else uid, "links": _links(),
-              "ro": list(iso.visible), "ro_files": [f for f in _ETC_FILES if os.path.isfile(f)],
+              "ro": list(iso.visible), "ro_files": ro_files,
               "hide": list(iso.hidden), "tmpfs_mb": 64 + limits.fsize_mb, "inodes": 16384,
               "pivot_root": _PIVOT_ROOT[platform.machine()], "argv": child, "env": _scrubbed_env("/scratch")}
     user_ns = ("--user", "--map-root-user") if iso.user_namespace else ()
