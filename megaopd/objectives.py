@@ -84,10 +84,6 @@ def full_vocab_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
     return (teacher_logprobs.exp() * (teacher_logprobs - student_logprobs)).sum(-1)
 
 
-def full_vocab_reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
-    return full_vocab_kl(student_logprobs, teacher_logprobs, "reverse")
-
-
 TAIL_FLOOR = -30.0  # log of the smallest tail mass a server's rounded top-k can leave (its sum may reach 1)
 
 

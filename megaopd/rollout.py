@@ -16,7 +16,7 @@ through ``megaopd.decode.FusedDecoder`` for the families it knows, else through 
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
@@ -25,18 +25,6 @@ from megaopd.chat import chat_prompt_ids_batch
 from megaopd.decode import FusedDecoder
 from megaopd.data.rows import Row
 from megaopd.policy import HFPolicy
-
-
-class RolloutEngine(Protocol):
-    weight_version: int
-    prefix_cached: bool
-
-    def generate(self, rows: list[Row], samples_per_prompt: int, temperature: float, top_p: float,
-                 max_new_tokens: int, generator: torch.Generator) -> list[Sample]: ...
-
-    def sync_weights(self, policy: HFPolicy, version: int | None = None) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,

@@ -7,7 +7,7 @@ import torch
 
 from megaopd.batch import Sample, collate
 from megaopd.config import GRPOConfig, ModelConfig, OPDConfig, OptimConfig
-from megaopd.objectives import (GRPO, OPD, clipped_pg_loss, full_vocab_reverse_kl, group_advantages, k3_kl,
+from megaopd.objectives import (GRPO, OPD, clipped_pg_loss, full_vocab_kl, group_advantages, k3_kl,
                                 truncated_is_weights)
 
 
@@ -56,7 +56,7 @@ def test_full_vocab_reverse_kl_by_hand():
     p_s = torch.tensor([0.5, 0.25, 0.25])
     p_t = torch.tensor([0.25, 0.5, 0.25])
     expected = 0.5 * math.log(2) + 0.25 * math.log(0.5)
-    assert float(full_vocab_reverse_kl(p_s.log(), p_t.log())) == pytest.approx(expected)
+    assert float(full_vocab_kl(p_s.log(), p_t.log(), "reverse")) == pytest.approx(expected)
 
 
 def test_sampled_token_gradient_equals_full_vocab_gradient_in_expectation():
@@ -65,7 +65,7 @@ def test_sampled_token_gradient_equals_full_vocab_gradient_in_expectation():
     student_logits = torch.randn(6, requires_grad=True)
     teacher_logp = torch.randn(6).log_softmax(-1)
 
-    kl = full_vocab_reverse_kl(student_logits.log_softmax(-1), teacher_logp)
+    kl = full_vocab_kl(student_logits.log_softmax(-1), teacher_logp, "reverse")
     (full_grad,) = torch.autograd.grad(kl, student_logits)
 
     logp = student_logits.log_softmax(-1)

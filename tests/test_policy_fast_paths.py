@@ -18,7 +18,7 @@ from megaopd.batch import collate
 from megaopd.config import ModelConfig, OPDConfig, OptimConfig
 from megaopd.data.rows import load_rows
 from megaopd.decode import FusedDecoder
-from megaopd.objectives import OPD, clipped_pg_loss, full_vocab_reverse_kl
+from megaopd.objectives import OPD, clipped_pg_loss, full_vocab_kl
 from megaopd.policy import HFPolicy, token_logprobs
 from megaopd.rollout import LocalEngine, sample_tokens
 from megaopd.teachers import TeacherRouter, local_teachers
@@ -101,7 +101,7 @@ def _grpo_loss(logp, full, mb):
 def _grid_kl_loss(logp, full, mb):
     """The full-vocabulary KL over the whole [b, S-1, V] grid, as the loss was written before the fast paths (the
     objective now gets, and computes on, the response positions only)."""
-    kl = full_vocab_reverse_kl(full, mb.extras["teacher_full"][mb.extras["rows"]])
+    kl = full_vocab_kl(full, mb.extras["teacher_full"][mb.extras["rows"]], "reverse")
     return kl, {"reverse_kl": kl.detach()}
 
 
