@@ -22,7 +22,8 @@ phase. The formulas, per rank (b = bytes of model.dtype):
 * rollout KV cache (local engine): rollout.batch_prompts x samples x (plan.prompt_tokens + max_new_tokens)
   positions, plus the prefill cache the fused decoder is seeded from and its packed weight copies.
 Step FLOPs are the method's (``megaopd.methods``) with every prompt plan.prompt_tokens long, every response at
-max_new_tokens and every prompt routed to the costliest teacher (an upper bound), and the time assumes plan.mfu of plan.peak_tflops on every trainer GPU.
+max_new_tokens and every prompt routed to the costliest teacher (an upper bound), and the time assumes plan.mfu of
+plan.peak_tflops on every trainer GPU.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from megaopd.analysis import (FINDING_RULES, INTERVAL_RULE, LENGTH_RULE, LENGTH_WINDOW, MATCH_TOLERANCE,  # noqa: E402
                               SMALL_SHARE, TARGET_RULE, TOTALS, Stage, analyse_seeds, pointer, reached, study_dirs)
 from megaopd.flops import COMPONENTS  # noqa: E402
-from megaopd.stats import NOT_MEASURED, REPLICATES  # noqa: E402
+from megaopd.stats import NOT_MEASURED, REPLICATES, interval_wording  # noqa: E402
 
 TARGET_STYLES = (":", "-.", "--")
 
@@ -114,7 +114,8 @@ def _ci(r: dict, path: tuple, fmt: str = ".3e", scale: float = 1.0) -> str:
 
 def _check_line(label: str, c: dict) -> str:
     interval = "" if c["interval"] is None else f" [{_f(c['interval'][0], '.3g')}, {_f(c['interval'][1], '.3g')}]"
-    return (f"  - {label}: {c['detail']} {_f(c['value'], '.3g')}{interval} "
+    defined = f" (defined in {100 * c['defined']:.0f}% of resamples)" if c.get("defined", 1.0) < 1 else ""
+    return (f"  - {label}: {c['detail']} {_f(c['value'], '.3g')}{interval}{defined} "
             f"{c['op']} {c['threshold']:g}: {c['verdict']}")
 
 
@@ -209,7 +210,7 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
         "x_axis": f"flops/total_{x}", "metric": metric, "target_fraction": target_fraction, "window": window,
         "length_window": length_window, "replicates": replicates,
         "rules": {"flops_to_target": TARGET_RULE, "length": LENGTH_RULE, "findings": FINDING_RULES,
-                  "intervals": INTERVAL_RULE, "match_tolerance": MATCH_TOLERANCE, "small_share": SMALL_SHARE},
+                  "intervals": INTERVAL_RULE, "interval": interval_wording(len(seeds)), "match_tolerance": MATCH_TOLERANCE, "small_share": SMALL_SHARE},
         "single_seed": len(seeds) == 1, "findings": overall, "spread": spread, "seeds": seeds, "plots": plots})
     (out / "report.json").write_text(json.dumps(report, indent=1))
 
@@ -234,6 +235,8 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
         md += ["One seed: these intervals resample the held-out prompts only. Training noise (another seed, or another "
                "machine's floating point) is not in them and can move a verdict; run the study with "
                "`seeds=[0, 1, 2]` (its report bootstraps over the seeds too) for verdicts that hold across runs.", ""]
+    else:
+        md += [f"Intervals: a {interval_wording(len(seeds))}.", ""]
     for f in overall:
         md.append(f"- ({f['id']}) {f['claim']}: **{f['verdict']}**"
                   + (f" (reproduced in {f['seeds_reproduced']} seeds)"

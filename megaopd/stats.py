@@ -17,6 +17,9 @@ LEVEL = 0.95  # two-sided coverage of every interval
 REPLICATES = 1000  # bootstrap replicates per study directory
 OPS = (">", ">=", "<", "<=")
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
+# A number undefined in more of the resamples than this (a ratio whose curve missed the target) gets no verdict from
+# the resamples where it happens to exist: they are not a sample of the number.
+MAX_UNDEFINED = 0.05
 NOT_MEASURED = "not measured in this study"
 
 
@@ -38,6 +41,20 @@ def percentile_interval(values: Sequence[float | None], level: float = LEVEL) ->
 def defined_fraction(values: Sequence[float | None]) -> float:
     """Share of replicates where the number exists (e.g. a ratio needs both curves to reach the target)."""
     return sum(v is not None and not math.isnan(v) for v in values) / len(values) if values else 0.0
+
+
+def interval_wording(n_seeds: int) -> str:
+    """What a report's bracketed interval is, for a study of ``n_seeds`` seeds."""
+    level = f"{100 * LEVEL:.0f}%"
+    if n_seeds <= 1:
+        return (f"{level} percentile bootstrap over the held-out prompts of one seed (training noise is not in it)")
+    draws = math.comb(2 * n_seeds - 1, n_seeds)
+    text = (f"{level} two-level percentile bootstrap over {n_seeds} seeds: each replicate draws the {n_seeds} seeds "
+            f"with replacement ({draws} distinct draws), then one held-out-prompt replicate of each, and averages them")
+    if n_seeds == 2:
+        text += ("; with 2 seeds a draw is both seeds or one of them twice, so the interval is little more than the "
+                 "range of the two seeds plus prompt noise, not a 95% interval of seed-to-seed variation")
+    return text
 
 
 def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
@@ -80,13 +97,18 @@ def holds(value: float, op: str, threshold: float) -> bool:
             "<=": value <= threshold}[op]
 
 
-def verdict(interval: tuple[float, float] | None, op: str, threshold: float, point: float | None = None) -> str:
+def verdict(interval: tuple[float, float] | None, op: str, threshold: float, point: float | None = None,
+            defined: float = 1.0) -> str:
     """A claim "value OP threshold": reproduced when the whole interval satisfies it, not reproduced when none of
-    it does, inconclusive when it straddles the threshold. Without an interval, the point decides (two-way)."""
+    it does, inconclusive when it straddles the threshold or when the number is undefined in more than
+    MAX_UNDEFINED of the resamples (``defined``: the share where it exists). Without an interval, the point decides
+    (two-way)."""
     if interval is None:
         if point is None:
             return NOT_MEASURED
         return REPRODUCED if holds(point, op, threshold) else NOT_REPRODUCED
+    if defined < 1 - MAX_UNDEFINED:
+        return INCONCLUSIVE
     lo, hi = interval
     if holds(lo, op, threshold) and holds(hi, op, threshold):
         return REPRODUCED

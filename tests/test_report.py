@@ -10,6 +10,7 @@ import yaml
 
 from megaopd.analysis import flops_to_target, smooth, split_vs_joint
 from megaopd.report import main, write_report
+from megaopd.stats import interval_wording
 
 
 # ---- the pure functions ----
@@ -183,7 +184,10 @@ def test_seeds_give_mean_and_spread_and_a_split_verdict(tmp_path):
     # Mean ratio 10.1 over the seeds, but its interval [0.2, 20] straddles 1.
     assert c["verdict"] == "inconclusive" and c["seeds_reproduced"] == "1 of 2"
     assert verdicts(report)["e"] == "reproduced"
-    assert "single seed" not in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "single seed" not in md
+    # The interval is named for what it is: two seeds give three seed draws, little more than their range.
+    assert report["rules"]["interval"] == interval_wording(2) and f"Intervals: a {interval_wording(2)}." in md
 
 
 def test_one_of_two_pairs_failing_means_not_reproduced(tmp_path):

@@ -136,17 +136,21 @@ def findings(r: dict) -> list[dict]:
                         for label, value, detail in f.measure(r)}} for f in FINDINGS]
 
 
-def judged(value: float | None, op: str, threshold: float, interval: list[float] | None) -> dict:
-    """A check's number against its rule, with its interval and verdict (three-way with an interval, else the
-    point decides)."""
-    return {"value": value, "op": op, "threshold": threshold, "interval": interval,
-            "verdict": verdict(interval, op, threshold, value)}
+def judged(value: float | None, op: str, threshold: float, interval: list[float] | None,
+           defined: float = 1.0) -> dict:
+    """A check's number against its rule, with its interval, the share of resamples where the number is defined,
+    and its verdict (three-way with an interval, else the point decides; stats.verdict)."""
+    return {"value": value, "op": op, "threshold": threshold, "interval": interval, "defined": defined,
+            "verdict": verdict(interval, op, threshold, value, defined)}
 
 
 def judge(finding: dict, intervals: Mapping[str, list[float]]) -> dict:
-    """Every check of `finding` judged on its interval (label -> [lo, hi]; none: the point decides), then the
-    finding: one check not reproduced decides it, else one inconclusive leaves it inconclusive."""
+    """Every check of `finding` judged on its interval (label -> [lo, hi] or [lo, hi, defined share]; none: the
+    point decides), then the finding: one check not reproduced decides it, else one inconclusive leaves it
+    inconclusive."""
     for label, check in finding["checks"].items():
-        check.update(judged(check["value"], check["op"], check["threshold"], intervals.get(label)))
+        interval = intervals.get(label)
+        check.update(judged(check["value"], check["op"], check["threshold"], interval and interval[:2],
+                            interval[2] if interval and len(interval) > 2 else 1.0))
     finding["verdict"] = combine([c["verdict"] for c in finding["checks"].values()])
     return finding

@@ -14,8 +14,8 @@ import numpy as np
 from megaopd.analysis.curves import LENGTH_WINDOW, analyse, curve_points
 from megaopd.analysis.findings import judge, judged
 from megaopd.analysis.runs import Stage, load_study, resample_stage
-from megaopd.stats import (LEVEL, NOT_MEASURED, REPLICATES, REPRODUCED, combine, percentile_interval, resample,
-                           seed_bootstrap)
+from megaopd.stats import (LEVEL, MAX_UNDEFINED, NOT_MEASURED, REPLICATES, REPRODUCED, combine, defined_fraction,
+                           percentile_interval, resample, seed_bootstrap)
 
 BOOTSTRAP_SEED = 17  # the resamples are drawn from a fixed seed: the same runs give the same report
 # FLOPs to a target that a replicate never reaches count as infinite (GRPO's to a fraction of its gain above 1).
@@ -29,7 +29,9 @@ INTERVAL_RULE = (f"intervals: {int(100 * LEVEL)}% percentile bootstrap, `replica
                  "FLOPs. With several seeds a replicate also draws the seeds with replacement (then one prompt "
                  "replicate of each) and averages over them. FLOPs themselves carry no interval: the held-out "
                  "sample does not move them. A verdict is reproduced when the whole interval satisfies the rule, "
-                 "not reproduced when none of it does, and inconclusive when it straddles the threshold.")
+                 "not reproduced when none of it does, and inconclusive when it straddles the threshold, or when "
+                 f"the number is undefined in more than {100 * MAX_UNDEFINED:.0f}% of the resamples (the defined ones alone are no "
+                 "sample of it).")
 
 
 def pointer(path: tuple) -> str:
@@ -86,11 +88,11 @@ def bootstrap(study_dir: str | Path, study: dict, stages: list[Stage], metric: s
         interval = percentile_interval(values)
         if interval is None or (interval == (point, point) and None not in values):
             continue  # no replicates, or a number the held-out sample does not move (FLOPs)
-        share = sum(v is not None for v in values) / len(values)
+        share = defined_fraction(values)
         intervals[pointer(path)] = list(interval) + ([share] if share < 1 else [])
     result["intervals"] = intervals
     for i, f in enumerate(result["findings"]):
-        judge(f, {label: interval[:2] for label in f["checks"]
+        judge(f, {label: interval for label in f["checks"]
                   if (interval := intervals.get(pointer(("findings", i, "checks", label, "value"))))})
     return result, reps
 
@@ -102,20 +104,23 @@ def aggregate(seeds: list[dict], reps: list[dict[str, list]]) -> tuple[dict, lis
 
     numbers = [dict(_numbers(s)) for s in seeds]
 
-    def pooled(path: tuple) -> tuple[float, list[float] | None]:
-        """A headline or check value (defined in at least one seed) and its interval over the seeds."""
+    def pooled(path: tuple) -> tuple[float, list[float] | None, float]:
+        """A headline or check value (defined in at least one seed), its interval over the seeds and the share of
+        the replicates where it is defined."""
         have = [(k, n[path]) for k, n in enumerate(numbers) if n.get(path) is not None]
         if len(seeds) == 1:
             interval = seeds[0]["intervals"].get(pointer(path))
-            return have[0][1], interval[:2] if interval else None
+            share = interval[2] if interval and len(interval) > 2 else 1.0
+            return have[0][1], interval[:2] if interval else None, share
         per_seed = [reps[k].get(pointer(path)) or [v] for k, v in have]
-        interval = percentile_interval(seed_bootstrap(per_seed, rng))
-        return float(np.mean([v for _, v in have])), list(interval) if interval else None
+        draws = seed_bootstrap(per_seed, rng)
+        interval = percentile_interval(draws)
+        return float(np.mean([v for _, v in have])), list(interval) if interval else None, defined_fraction(draws)
 
     spread = {}
     for name in sorted({k for s in seeds for k in s["headline"]}):
         values = [s["headline"][name] for s in seeds if name in s["headline"]]
-        _, interval = pooled(("headline", name))
+        _, interval, _ = pooled(("headline", name))
         spread[name] = {"mean": float(np.mean(values)), "min": min(values), "max": max(values), "n": len(values),
                         "interval": interval}
     overall = []
@@ -124,8 +129,8 @@ def aggregate(seeds: list[dict], reps: list[dict[str, list]]) -> tuple[dict, lis
         checks = {}
         for label in labels:
             first = next(s["findings"][i]["checks"][label] for s in seeds if label in s["findings"][i]["checks"])
-            value, interval = pooled(("findings", i, "checks", label, "value"))
-            checks[label] = {**judged(value, first["op"], first["threshold"], interval),
+            value, interval, defined = pooled(("findings", i, "checks", label, "value"))
+            checks[label] = {**judged(value, first["op"], first["threshold"], interval, defined),
                              "detail": first["detail"] if len(seeds) == 1 else "mean over seeds"}
         measured = [s["findings"][i]["verdict"] for s in seeds if s["findings"][i]["verdict"] != NOT_MEASURED]
         overall.append({"id": f["id"], "claim": f["claim"], "verdict": combine([c["verdict"] for c in checks.values()]),
