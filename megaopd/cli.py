@@ -9,6 +9,9 @@
     megaopd submit CONFIG [--launch L.yaml] [--dry-run] # the study as dependent Slurm jobs
     megaopd rehearse CONFIG --launch L.yaml             # the same on a local multi-node cluster, tiny models (root)
     megaopd plan CONFIG [key.sub=value ...]             # memory per GPU rank and cost of one step (run or study)
+
+A mistake in what was asked for (config, paths, data, models, studies) prints one line,
+``megaopd: <what>: <why>; <what to do>``, and exits 2; add --debug anywhere for its traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import logging
 import sys
 from pathlib import Path
 
-from megaopd.config import ConfigError, load_config
+from megaopd.config import load_config
+from megaopd.errors import UserError
 
 
 # Subcommands that own their arguments.
@@ -29,6 +33,17 @@ _DELEGATED = {"report": "megaopd.report", "submit": "megaopd.launch.submit", "re
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        return _main([a for a in argv if a != "--debug"])
+    except UserError as e:
+        if debug:
+            raise
+        print(e.line(), file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in _DELEGATED:
         import importlib
 
@@ -73,11 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        return _run(args)
-    except ConfigError as e:
-        print(f"megaopd: config error: {e}", file=sys.stderr)
-        return 2
+    return _run(args)
 
 
 def _run(args) -> int:
@@ -86,9 +97,10 @@ def _run(args) -> int:
 
         make_embedded(args.out, args.presets, args.domains, args.seed)
     elif args.command == "train":
+        cfg = load_config(args.config, args.overrides)  # a config error is reported before torch is imported
         from megaopd.trainer import train
 
-        summary = train(load_config(args.config, args.overrides))
+        summary = train(cfg)
         print(json.dumps(summary["final"], indent=1))
     elif args.command == "eval":
         from megaopd.config import EvalConfig, ModelConfig

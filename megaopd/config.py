@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
+from megaopd.errors import UserError, require_file
+
 
 @dataclass
 class MegatronConfig:
@@ -227,8 +229,8 @@ class RunConfig:
     counts_as: Literal["training", "cold_start", "external"] = "training"
 
 
-class ConfigError(ValueError):
-    pass
+class ConfigError(UserError):
+    what = "config error"
 
 
 # Keys that once parsed but did nothing: a config that sets one is refused with what to set instead.
@@ -245,7 +247,7 @@ def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
 
 def _unknown_choice(value: Any, choices: tuple, where: str) -> ConfigError:
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = f"; did you mean {close[0]!r}?" if close else "; set one of them"
     valid = ", ".join(repr(c) for c in choices)
     return ConfigError(f"{where.rstrip('.')}: {value!r} is not one of {valid}{hint}")
 
@@ -259,7 +261,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where.rstrip('.')}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where.rstrip('.')}: expected a mapping, got {value!r}; write it as key: value pairs")
         return from_dict(tp, value, where)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
@@ -269,7 +271,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where.rstrip('.')}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where.rstrip('.')}: expected a mapping, got {value!r}; write it as key: value pairs")
         return {str(k): v for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
         return value
@@ -277,9 +279,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         try:
             return float(value)  # YAML reads "1e-4" (no dot) as a string
         except (TypeError, ValueError):
-            raise ConfigError(f"{where.rstrip('.')}: expected float, got {value!r}") from None
+            raise ConfigError(f"{where.rstrip('.')}: expected float, got {value!r}; give a number") from None
     if tp in (int, str, bool) and not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ConfigError(f"{where.rstrip('.')}: expected {tp.__name__}, got {value!r}")
+        raise ConfigError(f"{where.rstrip('.')}: expected {tp.__name__}, got {value!r}; give a value of that type")
     return value
 
 
@@ -306,7 +308,7 @@ def _plain(v: Any) -> Any:
 def apply_override(data: dict[str, Any], override: str, cls: type = RunConfig) -> None:
     """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict, checking the path against `cls`."""
     if "=" not in override:
-        raise ConfigError(f"override {override!r} is not of the form key.sub=value")
+        raise ConfigError(f"override {override!r} is not of the form key.sub=value; write it so")
     dotted, raw = override.split("=", 1)
     value = yaml.safe_load(raw) if raw != "" else ""
     parts = dotted.strip().split(".")
@@ -321,7 +323,7 @@ def apply_override(data: dict[str, Any], override: str, cls: type = RunConfig) -
         elif typing.get_origin(tp) is dict:
             tp = Any  # free-form mapping (e.g. opd.teachers.<domain>)
         else:
-            raise ConfigError(f"cannot set {dotted!r}: {where.rstrip('.')} is not a mapping")
+            raise ConfigError(f"cannot set {dotted!r}: {where.rstrip('.')} is not a mapping; set one of its own keys")
         if last:
             node[part] = value
         else:
@@ -332,9 +334,13 @@ def apply_override(data: dict[str, Any], override: str, cls: type = RunConfig) -
 def load_config(path: str | Path | None, overrides: list[str] = (), cls: type = RunConfig) -> Any:
     data: dict[str, Any] = {}
     if path:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        require_file(path, "config file", ConfigError)
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML ({' '.join(str(e).split())}); fix the file") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: a config file must be a YAML mapping")
+            raise ConfigError(f"{path}: a config file must be a YAML mapping (key: value lines); fix the file")
     for override in overrides:
         apply_override(data, override, cls)
     return from_dict(cls, data)

@@ -1,18 +1,18 @@
 """Analytic FLOP calculator for megaopd (the x-axis of every result: held-out accuracy vs training FLOPs).
 
-Implements ``shared/reference/flops.md`` with two deviations, both so that the ledger bills what runs (the LM head
-only where logits are used; R-1 decode forwards per response; ``megaopd.flop_audit`` checks a real trainer step
-against it). Conventions (state them in every report):
+Implements the conventions of ``docs/flops.md`` (``megaopd.flop_audit`` checks a real trainer step against them;
+``megaopd.methods`` says which passes each method runs). In short (state them in every report):
 
 * **1 multiply-accumulate = 2 FLOPs.** Backward = 2x forward, so a training pass = 3x forward.
 * **Model FLOPs, not hardware FLOPs.** Only matmuls count: no activation-recompute forward, no optimizer, no
   elementwise ops (norms, RoPE, softmax, residuals), and the embedding lookup costs 0. The LM head (2*d*V FLOPs per
   position) is counted even when it is tied to the embedding, **at the positions whose logits are used**: in a
   teacher-forced pass over prompt + response (old-logprob, reference, teacher, training) the R positions that predict
-  response tokens; in prefill the last prompt position. (flops.md bills it at every position; megaopd's engines and
-  HF policy project only where logits are used, as TRL and SGLang do, and the ledger bills what they run.)
+  response tokens; in prefill the last prompt position. (A textbook count bills it at every position; megaopd's
+  engines and HF policy project only where logits are used, as TRL and SGLang do, and the ledger bills what they
+  run.)
 * **A response of R tokens costs a prefill and R-1 decode forwards**: the prefill's logits give the first token, and
-  the last sampled token is never fed back (flops.md bills R decode steps; no engine runs the R-th).
+  the last sampled token is never fed back (a textbook count bills R decode steps; no engine runs the R-th).
 * **Causal attention with the 1/2 discount** (current Megatron-LM convention) for teacher-forced forwards and for
   prefill: the score and value matmuls cost 2*L*nq*dh*S^2 instead of the full 4*L*nq*dh*S^2. verl does not halve;
   pass ``causal=False`` to get the un-discounted (dense-matmul) count, which is also what

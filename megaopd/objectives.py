@@ -1,4 +1,4 @@
-"""Losses as the field implements them (see shared/reference/losses.md and docs/opd.md). Per-token losses only: the
+"""Losses as the field implements them (see docs/opd.md). Per-token losses only: the
 policy turns them into a token-mean over the whole minibatch, so the aggregation stays right under gradient
 accumulation.
 

@@ -40,6 +40,7 @@ import yaml
 
 from megaopd import flops
 from megaopd.config import ConfigError, RunConfig, load_config
+from megaopd.errors import UserError, require_file
 from megaopd.methods import method
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,10 @@ GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """A run that does not fit: names the phase, the component and the setting to change."""
+
+    what = "plan error"
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,8 @@ def resolve_arch(path: str, aliases: dict[str, str] | None = None) -> Arch:
         matches = [k for k in REAL_SHAPES if name.startswith(k)]
         if not matches:
             raise PlanError(f"cannot plan model {path!r}: no config.json there, and its name starts with no known "
-                            f"shape ({', '.join(sorted(REAL_SHAPES))})")
+                            f"shape ({', '.join(sorted(REAL_SHAPES))}); give a model directory, or a name that "
+                            "starts with one of them")
         key = max(matches, key=len)
     return Arch.from_hf(build_model_config(key, 0, 0, 0).to_dict())
 
@@ -333,7 +337,8 @@ def check_run(cfg: RunConfig) -> Plan | None:
         return None
     problem = plan.problem()
     if problem:
-        raise PlanError(f"refusing to start: {problem}\n{plan.table()}")
+        log.error("the plan of %s:\n%s", cfg.run_dir, plan.table())
+        raise PlanError(f"refusing to start: {problem}")
     return plan
 
 
@@ -375,14 +380,15 @@ def main(argv: list[str]) -> int:
              "mfu": args.mfu}
     run_overrides = [f"plan.{k}={v}" for k, v in flags.items() if v is not None]
     try:
+        require_file(args.config, "config file", ConfigError)
         data = yaml.safe_load(Path(args.config).read_text()) or {}
         if isinstance(data, dict) and "stages" in data:
             plans = plan_study(args.config, args.overrides, run_overrides, args.stage)
         else:
             cfg = load_config(args.config, args.overrides + run_overrides)
             plans = [build_plan(cfg, budget=device_budget(cfg), title=args.config)]
-    except (ConfigError, PlanError) as e:
-        print(f"megaopd plan: {e}", file=sys.stderr)
+    except UserError as e:
+        print(e.line(), file=sys.stderr)
         return 2
     print("\n\n".join(plan.table() for plan in plans))
     return 1 if any(plan.problem() for plan in plans) else 0

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaopd.batch import TokenBatch
 from megaopd.config import ModelConfig, OptimConfig
+from megaopd.errors import ModelError
 from megaopd.flops import ModelShape
 from megaopd.objectives import TAIL_FLOOR, tail_logprob
 
@@ -53,7 +54,8 @@ class HFPolicy:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if not (Path(cfg.path) / "config.json").exists():
-            raise FileNotFoundError(f"model.path={cfg.path!r} is not an HF model directory (no config.json)")
+            raise ModelError(f"model.path={cfg.path!r} is not an HF model directory (no config.json); point it at one "
+                             "(megaopd make-embedded --out DIR builds tiny ones)")
         self.device = torch.device(cfg.device)
         compute, master = getattr(torch, cfg.dtype), getattr(torch, cfg.master_dtype)
         mixed = optim is not None and master != compute

@@ -23,6 +23,7 @@ import torch
 
 from megaopd.config import ConfigError, RunConfig, load_config, save_config
 from megaopd.embedded import make_embedded
+from megaopd.errors import StudyError
 from megaopd.metrics import read_metrics
 from megaopd.trainer import FINAL_DIR, Trainer
 
@@ -87,7 +88,7 @@ class StudyConfig:
                 return text
             for key, value in values.items():
                 text = text.replace("{" + key + "}", str(value))
-        raise ValueError(f"study vars refer to each other in a cycle: {text!r}")
+        raise StudyError(f"study vars refer to each other in a cycle: {text!r}; make one of them a plain value")
 
 
 def seed_studies(study: StudyConfig) -> list[StudyConfig]:
@@ -95,7 +96,7 @@ def seed_studies(study: StudyConfig) -> list[StudyConfig]:
     if not study.seeds:
         return [study]
     if len(set(study.seeds)) != len(study.seeds):
-        raise ValueError(f"study seeds must be distinct, got {study.seeds}")
+        raise StudyError(f"study seeds must be distinct, got {study.seeds}; list each seed once")
     return [replace(study, seed=s, seeds=[], out=f"{study.out}/seed_{s}") for s in study.seeds]
 
 
@@ -106,7 +107,8 @@ def stage_overrides(study: StudyConfig, stage: StageConfig) -> list[str]:
 
 def stage_config(study: StudyConfig, stage: StageConfig) -> RunConfig:
     if stage.method not in METHODS:
-        raise ValueError(f"stage {stage.name!r}: method must be one of {METHODS}, got {stage.method!r}")
+        raise StudyError(f"stage {stage.name!r}: method must be one of {', '.join(METHODS)}, got {stage.method!r}; "
+                         "set one of them")
     return load_config(stage.config, stage_overrides(study, stage) + [f"run_dir={study.out}/{stage.name}"])
 
 

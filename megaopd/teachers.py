@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from megaopd.batch import Sample, TokenBatch
-from megaopd.config import ModelConfig
+from megaopd.config import ConfigError, ModelConfig
 from megaopd.flops import ModelShape
 from megaopd.policy import HFPolicy
 
@@ -40,7 +40,7 @@ class TeacherRouter:
     def __init__(self, teachers: dict[str, str], load: Callable[[str, str], object], student_tokenizer,
                  temperature: float = 1.0, top_p: float = 1.0):
         if not teachers:
-            raise ValueError("OPD needs at least one teacher: set opd.teachers.<domain>=<HF dir> (or '*')")
+            raise ConfigError("OPD needs at least one teacher; set opd.teachers.<domain>=<HF dir> (or '*')")
         self.paths = dict(teachers)
         self.temperature, self.top_p = temperature, top_p  # the sampling settings the teachers score under
         loaded: dict[str, object] = {}

@@ -29,10 +29,11 @@ from megaopd.backend import Policy
 from megaopd.batch import Sample, collate
 from megaopd.chat import chat_prompt_ids
 from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state
-from megaopd.config import RunConfig, save_config
+from megaopd.config import ConfigError, RunConfig, save_config
 from megaopd.data.rows import load_rows
 from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
+from megaopd.errors import DataError, require_file
 from megaopd.evaluate import Evaluator, score_samples
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger, rollout_metrics
@@ -91,7 +92,7 @@ def build_teachers(cfg: RunConfig, student_tokenizer) -> TeacherRouter:
     if cfg.opd.teacher_engine != "sglang":
         raise ValueError(f"opd.teacher_engine must be 'local' or 'sglang', got {cfg.opd.teacher_engine!r}")
     if cfg.opd.form == "full_vocab":
-        raise ValueError("SGLang teachers return at most a top-k per position: set opd.form=topk (opd.topk=K) or "
+        raise ConfigError("SGLang teachers return at most a top-k per position; set opd.form=topk (opd.topk=K) or "
                          "sampled, or opd.teacher_engine=local for the full-vocabulary form")
     from megaopd.serving.engine import env_urls
     from megaopd.serving.teacher import SGLangTeacher
@@ -138,10 +139,12 @@ class Trainer:
         if cfg.train.tis not in TIS_LEVELS:
             raise ValueError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}")
         if cfg.train.tis != "none" and spec.rollouts and not spec.has_policy_gradient(cfg):
-            raise ValueError(f"train.tis={cfg.train.tis} weights the sampled tokens' policy-gradient terms, and "
+            raise ConfigError(f"train.tis={cfg.train.tis} weights the sampled tokens' policy-gradient terms, and "
                              f"opd.form={cfg.opd.form} has none: its loss is the KL over the vocabulary at each "
-                             "response position, so the weights would be dropped. Set train.tis=none, or "
+                             "response position, so the weights would be dropped; set train.tis=none, or "
                              "opd.form=sampled (with train.algorithm=grpo_opd they weight the GRPO term)")
+        for path in cfg.data.train + cfg.data.eval:  # before any model is loaded
+            require_file(path, "data file", DataError)
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

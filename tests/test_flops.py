@@ -1,4 +1,4 @@
-"""Tests of megaopd.flops: the worked example of shared/reference/flops.md, and analytic vs measured FLOPs of tiny
+"""Tests of megaopd.flops: the worked example of docs/flops.md, and analytic vs measured FLOPs of tiny
 random HF models under torch.utils.flop_counter.FlopCounterMode.
 
 What FlopCounterMode measures (torch 2.13, checked in these tests):

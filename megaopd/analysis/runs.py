@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from megaopd.errors import StudyError, require_file
 from megaopd.flops import ModelShape
 from megaopd.metrics import read_metrics
 from megaopd.stats import mean_and_se, resample
@@ -140,6 +141,7 @@ def _matmul_params(started_in: Path, model_dir: str | None) -> int | None:
 def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
     """study.yaml and every stage that has a run directory; a stage without `method` counts as `other`."""
     study_dir = Path(study_dir)
+    require_file(study_dir / "study.yaml", "study file", StudyError)
     study = yaml.safe_load((study_dir / "study.yaml").read_text()) or {}
     stages = []
     for s in study.get("stages") or []:

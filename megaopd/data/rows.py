@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from megaopd.errors import DataError, require_file
+
 log = logging.getLogger(__name__)
 
 
-class RowError(ValueError):
+class RowError(DataError):
     """A record that cannot be used, with where it came from."""
 
     def __init__(self, path: str | Path, line: int, problem: str):
@@ -75,6 +77,7 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, Any]]:
 
     A JSONL line that is not valid JSON is yielded as a RowError instance so the caller decides whether to skip.
     """
+    require_file(path, "data file", DataError)
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):

@@ -7,7 +7,7 @@
     with LocalCluster(4, Path("/tmp/megaopd-mn")) as cluster:                 # up() ... down()
         cluster.client(["sbatch", "--nodes=3", "job.sbatch"])                 # run in the head namespace
 
-The layout (shared/reference/slurm_multinode.md has the measured recipe): a head namespace ``<name>-head`` holds a
+The layout: a head namespace ``<name>-head`` holds a
 bridge at ``<subnet>.1`` and slurmctld (hostname ``<name>head``); node k lives in ``<name>-n<k>`` at
 ``<subnet>.<10+k>``, joined to the bridge by a veth pair born inside these namespaces, and runs one slurmd with
 hostname ``node<k>``. Every daemon gets its own UTS and mount namespace (``nsenter --net`` + ``unshare``; not

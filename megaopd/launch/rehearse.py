@@ -38,6 +38,7 @@ from megaopd.config import ConfigError, load_config, save_config
 from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_split
 from megaopd.embedded import REAL_SHAPES, RealShape
+from megaopd.errors import UserError
 from megaopd.launch.local_cluster import LocalCluster
 from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_arguments, for_stage, plan,
                                   study_and_launch)
@@ -362,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         study, launch = study_and_launch(args)
-    except ConfigError as e:
-        print(f"megaopd: config error: {e}", file=sys.stderr)
+    except UserError as e:
+        print(e.line(), file=sys.stderr)
         return 2
     return rehearse(study, launch, args)
 

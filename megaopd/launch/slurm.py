@@ -168,7 +168,7 @@ def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -
         args.append("rollout.engine=sglang")
     if teachers:  # the trainer finds them by route in MEGAOPD_TEACHER_URLS
         if cfg.opd.form == "full_vocab":
-            raise ValueError(f"stage {stage.name}: teacher servers return at most a top-k per position; set "
+            raise ConfigError(f"stage {stage.name}: teacher servers return at most a top-k per position; set "
                              "opd.form=topk (opd.topk=K) or sampled in the stage, or launch teacher_servers=false "
                              "(in-process teachers)")
         args.append("opd.teacher_engine=sglang")

@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megaopd.config import ConfigError, save_config
+from megaopd.config import save_config
+from megaopd.errors import UserError
 from megaopd.launch.slurm import Job, add_study_arguments, plan, study_and_launch, study_file
 from megaopd.study import StudyConfig, link_shared_stages, seed_studies
 
@@ -55,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         study, launch = study_and_launch(args)
         jobs = plan(study, launch)
-    except ConfigError as e:
-        print(f"megaopd: config error: {e}", file=sys.stderr)
+    except UserError as e:
+        print(e.line(), file=sys.stderr)
         return 2
     if args.dry_run:
         slurm_dir = Path(study.out) / "slurm"

@@ -1,7 +1,7 @@
 """megatron-core on CPU under gloo, for CPU rehearsals and CI only: never imported on a GPU cluster.
 
-megatron-core hard-codes CUDA in a few places (see shared/reference/megatron_cpu.md for each call and why its
-redirect exists; every one was shown necessary by leaving it out). ``redirect_cuda_to_cpu()`` sends those calls to
+megatron-core hard-codes CUDA in a few places (each redirect below says which call and why it exists; every one
+was shown necessary by leaving it out). ``redirect_cuda_to_cpu()`` sends those calls to
 the CPU. Two users: the test processes (tests/megatron_cpu.py) and ``python -m megaopd.megatron.cpu_launch``, the
 trainer entry point of a cluster rehearsal on CPU nodes (launch setting ``trainer_module``). The GPU path,
 ``megaopd.megatron.launch``, never imports this module: there the real calls run.

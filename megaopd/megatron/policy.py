@@ -191,8 +191,10 @@ class MegatronPolicy:
         sums = self._reduce_metrics(store)
         total = float(batch.response_mask.sum().clamp(min=1.0))
         metrics = {**{k: v / total for k, v in sums.items()}, "grad_norm": float(grad_norm), "lr": self._lr(self.steps)}
-        if torch.cuda.is_available():  # MFU of this update: real tokens only, padding is not model work
-            model_flops = sum(train_flops(self.shape, int(n)) for n in batch.attention_mask.sum(1))
+        if torch.cuda.is_available():  # MFU of this update in the ledger's convention (docs/flops.md): real tokens,
+            # the LM head at the response positions (the prompt rows' head output is hardware work, like padding)
+            model_flops = sum(train_flops(self.shape, int(n), head_positions=int(r))
+                              for n, r in zip(batch.attention_mask.sum(1), batch.response_mask.sum(1)))
             metrics |= step_perf(model_flops, device_clock() - t0, dist.get_world_size())
         return metrics
 

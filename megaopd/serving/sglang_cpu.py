@@ -1,7 +1,7 @@
 """How an SGLang server runs on a plain CPU (CI, rehearsals, CPU benchmarks): its flags and its environment.
 
 Never the GPU path. ``sglang_cpu_stubs/`` holds an import-only vllm stub that SGLang's RoPE layer imports (and never
-calls) on a plain CPU platform (shared/reference/sglang.md); it is put on the server's PYTHONPATH, not megaopd's.
+calls) on a plain CPU platform; it is put on the server's PYTHONPATH, not megaopd's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Import-only stand-in for vllm's custom ops, for SGLang servers in CPU tests only (never on the GPU path).
 
-SGLang's RoPE layer imports ``vllm._custom_ops.rotary_embedding`` on a plain CPU platform but never calls it
-(shared/reference/sglang.md); raising here proves that.
+SGLang's RoPE layer imports ``vllm._custom_ops.rotary_embedding`` on a plain CPU platform but never calls it;
+raising here proves that.
 """
 
 

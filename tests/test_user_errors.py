@@ -1,0 +1,70 @@
+"""Every user error is one line: a table of mistakes (config, paths, data, models, studies) run through the real
+``megaopd`` command, each answered by ``megaopd: <what>: <why>; <what to do>`` on stderr and exit status 2, with no
+traceback (``--debug`` brings it back)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GRPO = str(ROOT / "configs/embedded/grpo.yaml")
+LINE = re.compile(r"megaopd: [a-z]+ error: .+; .+")
+
+
+def cases(tmp: Path) -> list[tuple[list[str], str]]:
+    (tmp / "bad.yaml").write_text("train: [1, 2\n")
+    (tmp / "list.yaml").write_text("- train\n")
+    (tmp / "empty_model").mkdir()
+    (tmp / "seeds.yaml").write_text(f"out: {tmp / 'study'}\nseeds: [0, 0]\nstages: []\n")
+    (tmp / "not_a_study").mkdir()
+    run = [f"run_dir={tmp / 'run'}", "data.eval=[]"]
+    return [
+        (["train", str(tmp / "missing.yaml")], "config error: config file"),
+        (["train", str(tmp / "bad.yaml")], "is not valid YAML"),
+        (["train", str(tmp / "list.yaml")], "must be a YAML mapping"),
+        (["train", GRPO, "train.stepz=3"], "unknown config key 'train.stepz'; did you mean 'train.steps'"),
+        (["train", GRPO, "train.algorithm=ppo"], "train.algorithm: 'ppo' is not one of"),
+        (["train", GRPO, "train.steps=many"], "train.steps: expected int, got 'many'"),
+        (["train", GRPO, "trainsteps"], "is not of the form key.sub=value"),
+        (["train", GRPO, "train.steps.every=3"], "cannot set 'train.steps.every'"),
+        (["train", GRPO, *run, f"data.train=[{tmp / 'missing.jsonl'}]"], "data error: data file"),
+        (["eval", "--model", str(tmp / "empty_model"), "--data", str(tmp / "missing.jsonl")], "model error"),
+        (["convert", "--source", "gsm8k", "--input", str(tmp / "missing.jsonl"), "--out", str(tmp / "o.jsonl")],
+         "data error: data file"),
+        (["study", str(tmp / "seeds.yaml")], "study error: study seeds must be distinct"),
+        (["report", str(tmp / "not_a_study")], "study error: study file"),
+        (["plan", GRPO, "model.path=/models/Unknown-9B"], "plan error: cannot plan model"),
+        (["plan", str(tmp / "missing.yaml")], "config error: config file"),
+        (["plan", GRPO, "plan.mfu=high"], "plan.mfu: expected float, got 'high'"),
+    ]
+
+
+def megaopd(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "megaopd.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_user_errors_are_one_line_with_exit_status_2(tmp_path):
+    table = cases(tmp_path)
+    assert len(table) >= 15
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda case: megaopd(case[0], tmp_path), table))
+    for (args, expected), result in zip(table, results):
+        lines = [line for line in result.stderr.splitlines() if line.startswith("megaopd: ")]
+        assert "Traceback" not in result.stderr and result.returncode == 2, (args, result.stderr[-2000:])
+        assert len(lines) == 1 and LINE.fullmatch(lines[0]) and expected in lines[0], (args, lines)
+
+
+def test_debug_gives_the_traceback(tmp_path):
+    result = megaopd(["--debug", "train", str(tmp_path / "missing.yaml")], tmp_path)
+    assert "Traceback" in result.stderr and "ConfigError" in result.stderr and result.returncode == 1
