@@ -5,11 +5,10 @@ two-seed report's wording: tests/test_report.py::test_seeds_give_mean_and_spread
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from megaopd.report import write_report
 from megaopd.stats import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, interval_wording, verdict
-from tests.test_report import N, checks, correct, mean_curve, write_records, write_stage
+from tests.test_report import checks, make_e3_curves
 
 
 def test_interval_wording_names_the_seed_level_resample():
@@ -30,17 +29,7 @@ def test_a_ratio_undefined_in_some_resamples_is_inconclusive_with_its_share(tmp_
     e^-2 = 14% of the resamples it already reaches it (no FLOPs to compare: the check is undefined). Every defined
     resample has the ratio far above 1; the verdict rests on them alone only if they are >= 95%."""
     root = tmp_path / "study"
-    root.mkdir()
-    for name, flops, acc in (("grpo", [0, 100, 200, 300], [200, 300, 400, 500]),
-                             ("opd_self", [0, 10, 20, 30], [498, 600, 600, 600])):
-        write_stage(root, name, "x", mean_curve(flops, [a / N for a in acc]), {"mean": acc[-1] / N},
-                    lengths=[10, 10, 10])
-        write_records(root / name, {**{10 * i: {"arith_add": correct(a)} for i, a in enumerate(acc)},
-                                    "final": {"arith_add": correct(acc[-1])}})
-    study = {"out": str(root), "seed": 0, "stages": [
-        {"name": "grpo", "config": "x.yaml", "method": "grpo"},
-        {"name": "opd_self", "config": "x.yaml", "method": "opd_self", "compare_with": "grpo"}]}
-    (root / "study.yaml").write_text(yaml.safe_dump(study))
+    make_e3_curves(root, [498, 600, 600, 600])
     report = write_report(root, window=1, replicates=300)
     (c,) = checks(report, "c").values()
     assert 0.75 < c["defined"] < 0.95

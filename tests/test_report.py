@@ -298,14 +298,12 @@ def test_gap_intervals_and_three_way_verdict(tmp_path, trace_student, trace_verd
     assert f"{trace_verdict}" in md and "percentile bootstrap" in md
 
 
-def test_curve_intervals_standard_errors_and_a_reproducible_report(tmp_path):
-    """E3 on curves with per-prompt results: GRPO climbs 0.2 -> 0.5 over 300 FLOPs, OPD reaches 0.6 by 30 FLOPs:
-    the ratio's interval is far above 1 (reproduced), every curve point has its standard error, and the same
-    directory gives a byte-identical report.json."""
-    root = tmp_path / "study"
+def make_e3_curves(root, opd_acc: list[int]):
+    """E3 with per-prompt results: GRPO climbs 0.2 -> 0.5 over 300 FLOPs; OPD has `opd_acc` of N right at 0, 10,
+    20 and 30 FLOPs (the first k prompts right: the two stages' results are paired)."""
     root.mkdir()
-    grpo_acc, opd_acc = [200, 300, 400, 500], [200, 450, 600, 600]
-    for name, flops, acc in (("grpo", [0, 100, 200, 300], grpo_acc), ("opd_self", [0, 10, 20, 30], opd_acc)):
+    for name, flops, acc in (("grpo", [0, 100, 200, 300], [200, 300, 400, 500]),
+                             ("opd_self", [0, 10, 20, 30], opd_acc)):
         write_stage(root, name, "x", mean_curve(flops, [a / N for a in acc]), {"mean": acc[-1] / N},
                     lengths=[10, 10, 10])
         write_records(root / name, {**{10 * i: {"arith_add": correct(a)} for i, a in enumerate(acc)},
@@ -314,6 +312,14 @@ def test_curve_intervals_standard_errors_and_a_reproducible_report(tmp_path):
         {"name": "grpo", "config": "x.yaml", "method": "grpo"},
         {"name": "opd_self", "config": "x.yaml", "method": "opd_self", "compare_with": "grpo"}]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
+
+
+def test_curve_intervals_standard_errors_and_a_reproducible_report(tmp_path):
+    """E3 on curves with per-prompt results: GRPO climbs 0.2 -> 0.5 over 300 FLOPs, OPD reaches 0.6 by 30 FLOPs:
+    the ratio's interval is far above 1 (reproduced), every curve point has its standard error, and the same
+    directory gives a byte-identical report.json."""
+    root = tmp_path / "study"
+    make_e3_curves(root, [200, 450, 600, 600])
     report = write_report(root, window=1, replicates=300)
     (c,) = checks(report, "c").values()
     assert c["value"] == pytest.approx(300 / (10 + 10 / 3))  # OPD crosses 0.5 a third of the way from 10 to 20
