@@ -25,8 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from megaopd.analysis import (BOOTSTRAP_SEED, INTERVAL_RULE, LENGTH_WINDOW, TARGET_RULE, analyse_seeds,  # noqa: E402
-                              pointer, study_dirs)
-from megaopd.report import json_safe  # noqa: E402
+                              json_safe, pointer, study_dirs)
 from megaopd.stats import NOT_MEASURED, REPLICATES, percentile_interval, seed_bootstrap, verdict  # noqa: E402
 
 

@@ -27,7 +27,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from megaopd.analysis import (FINDING_RULES, INTERVAL_RULE, LENGTH_RULE, LENGTH_WINDOW, MATCH_TOLERANCE,  # noqa: E402
-                              SMALL_SHARE, TARGET_RULE, TOTALS, Stage, analyse_seeds, pointer, reached, study_dirs)
+                              SMALL_SHARE, TARGET_RULE, TOTALS, Stage, analyse_seeds, json_safe, pointer, reached,
+                              study_dirs)
 from megaopd.flops import COMPONENTS  # noqa: E402
 from megaopd.stats import NOT_MEASURED, REPLICATES, interval_wording  # noqa: E402
 
@@ -174,17 +175,6 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
                   + " | ".join(_f(s["components"][c]) for c in COMPONENTS)
                   + f" | {_f(s['length']['first'], '.1f')} | {_f(s['length']['last'], '.1f')} |")
     return md
-
-
-def json_safe(obj):
-    """report.json is strict JSON: infinite numbers (a target never reached) become the strings "inf" / "-inf"."""
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    if isinstance(obj, float) and math.isinf(obj):
-        return "inf" if obj > 0 else "-inf"
-    return obj
 
 
 def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None, target_fraction: float = 0.9,

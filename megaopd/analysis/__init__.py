@@ -14,10 +14,12 @@ from megaopd.analysis.curves import (LENGTH_RULE, LENGTH_WINDOW, TARGET_RULE, TO
                                      flops_to_target, smooth, split_vs_joint)
 from megaopd.analysis.findings import (FINDING_RULES, FINDINGS, MATCH_TOLERANCE, SMALL_SHARE, Finding, findings,
                                        judge, reached)
-from megaopd.analysis.intervals import BOOTSTRAP_SEED, INTERVAL_RULE, aggregate, analyse_seeds, bootstrap, pointer
+from megaopd.analysis.intervals import (BOOTSTRAP_SEED, INTERVAL_RULE, aggregate, analyse_seeds, bootstrap, json_safe,
+                                        pointer)
 from megaopd.analysis.runs import Stage, load_study, study_dirs
 
 __all__ = ["BOOTSTRAP_SEED", "FINDINGS", "FINDING_RULES", "INTERVAL_RULE", "LENGTH_RULE", "LENGTH_WINDOW",
            "MATCH_TOLERANCE", "SMALL_SHARE", "TARGET_RULE", "TOTALS", "Finding", "Stage", "accuracy_at", "aggregate",
-           "analyse", "analyse_seeds", "bootstrap", "findings", "flops_to_target", "judge", "load_study", "pointer",
+           "analyse", "analyse_seeds", "bootstrap", "findings", "flops_to_target", "json_safe", "judge", "load_study",
+           "pointer",
            "reached", "smooth", "split_vs_joint", "study_dirs"]

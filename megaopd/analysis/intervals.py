@@ -34,6 +34,17 @@ INTERVAL_RULE = (f"intervals: {int(100 * LEVEL)}% percentile bootstrap, `replica
                  "sample of it).")
 
 
+def json_safe(obj):
+    """report.json is strict JSON: infinite numbers (a target never reached) become the strings "inf" / "-inf"."""
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, float) and math.isinf(obj):
+        return "inf" if obj > 0 else "-inf"
+    return obj
+
+
 def pointer(path: tuple) -> str:
     """RFC 6901 JSON pointer of a number in the analysis (the key of its interval in report.json)."""
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
