@@ -22,7 +22,9 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+                # `from package import submodule` depends on the submodule; `from module import name` on the module
+                subs = {f"{node.module}.{a.name}" for a in node.names} & files.keys()
+                targets |= subs if len(subs) == len(node.names) else subs | {node.module}
         graph[name] = {t for t in targets if t in files and t != name}
     return graph
 
