@@ -6,19 +6,35 @@
 # SIGTERM on preemption. The trap below passes USR1 on to the trainer's srun, which forwards it to its tasks;
 # the trainer finishes its step, writes a checkpoint and exits 75 (megaopd.trainer.PREEMPTED_EXIT). The job
 # then requeues itself, and the requeued job runs the same command, which resumes from that checkpoint.
+# A SIGTERM to the job's steps (what a preemption with GraceTime sends) reaches the trainer directly, which does
+# the same; the multi-node script's server steps outlive it (megaopd/launch/step_signals.py). srun itself turns a
+# SIGTERM it receives into a SIGKILL of its step, so a SIGTERM to the batch shell's children cannot be survived:
+# see docs/cluster.md, "Preemption".
 
 PREEMPTED_EXIT=75
 PREEMPTED=0
 TRAINER_PID=
 
-# Activate $VENV (if set) and build CONTAINER_ARGS: pyxis/enroot flags for srun (empty without an image).
+# Activate $VENV (if set), export the network and thread settings that every step inherits, and build STEP_ARGS
+# (a step's CPUs: one task per node, with $1 workers) and CONTAINER_ARGS (pyxis/enroot flags for srun, empty
+# without an image).
 megaopd_setup() {
+  local workers=${1:-1}
   if [[ -n ${VENV:-} ]]; then
     # shellcheck source=/dev/null
     source "$VENV/bin/activate"
   fi
-  # torch sizes its thread pool by the node's cores, not by this job's share of them.
-  export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-${OMP_NUM_THREADS:-1}}
+  # Left to themselves NCCL and Gloo may pick a management network or docker0 (launch setting socket_ifname).
+  if [[ -n ${SOCKET_IFNAME:-} ]]; then export NCCL_SOCKET_IFNAME=$SOCKET_IFNAME GLOO_SOCKET_IFNAME=$SOCKET_IFNAME; fi
+  if [[ -n ${IB_HCA:-} ]]; then export NCCL_IB_HCA=$IB_HCA; fi
+  # A step gets one CPU per task unless srun asks for more (Slurm >= 22.05 no longer passes the job's
+  # --cpus-per-task on): each step takes the job's CPUs on its node, and torch's thread pool is sized by that
+  # share over the workers, not by the node's cores or by what the submitting shell exported.
+  local cpus=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}
+  # shellcheck disable=SC2034  # used by the scripts that source this file
+  STEP_ARGS=(--cpus-per-task="$cpus")
+  if [[ -n ${CPU_BIND:-} ]]; then STEP_ARGS+=(--cpu-bind="$CPU_BIND"); fi
+  export OMP_NUM_THREADS=$((cpus / workers > 0 ? cpus / workers : 1))
   CONTAINER_ARGS=()
   if [[ -n ${CONTAINER_IMAGE:-} ]]; then
     # The --container-* flags come from the pyxis plugin; without it srun would reject them on every step.

@@ -167,7 +167,8 @@ def test_each_trainer_node_runs_one_torchrun_agent_and_its_share_of_ranks(cluste
     """A GRPO stage's layout: 2 trainer nodes x 2 workers, then a rollout node, in one 3-node job. Before the fix
     the trainer's srun inherited the job's 3 tasks: 2 agents on node1 with all 4 ranks, node2's agent failed at
     the rendezvous, and the job ended FAILED."""
-    state, workers, log = run_probe_stage(cluster, tmp_path, nodes=2, gpus_per_node=2, rollout_nodes=1)
+    state, workers, log = run_probe_stage(cluster, tmp_path, nodes=2, gpus_per_node=2, rollout_nodes=1,
+                                          socket_ifname="eth0", ib_hca="mlx5_0")
     assert state["NodeList"] == "node[1-3]" and "rollout on node3" in log
     # Each trainer node: exactly one torchrun agent and its 2 workers; the rollout node none.
     assert Counter(w["host"] for w in workers) == {"node1": 2, "node2": 2}, workers
@@ -176,6 +177,12 @@ def test_each_trainer_node_runs_one_torchrun_agent_and_its_share_of_ranks(cluste
         (0, "node1", 0), (1, "node1", 1), (2, "node2", 0), (3, "node2", 1)]
     assert all(w["host"] == w["node"] for w in workers)
     assert all(w["servers_reached"] for w in workers), "a trainer worker could not reach the rollout server"
+    # Gloo ran over the named interface; the step had the node's 2 CPUs (not srun's default of 1), one thread per
+    # worker; the weight sync names node1's NodeAddr.
+    for w in workers:
+        assert (w["GLOO_SOCKET_IFNAME"], w["NCCL_SOCKET_IFNAME"], w["NCCL_IB_HCA"]) == ("eth0", "eth0", "mlx5_0")
+        assert (w["SLURM_CPUS_PER_TASK"], w["OMP_NUM_THREADS"]) == (str(cluster.cpus), str(max(cluster.cpus // 2, 1)))
+    assert {w["sync_address"] for w in workers} == {"10.77.0.11"}
 
 
 @pytest.mark.slow
@@ -204,8 +211,9 @@ def sglang_python() -> str:
 
 def cpu_launch(**fields) -> dict:
     """A launch file for the CPU cluster: megatron on gloo (megaopd.megatron.cpu_launch), one stand-in GPU per
-    trainer node (one worker), SGLang CPU servers from their own environment."""
-    return {"time": "00:20:00", "venv": sys.prefix, "workdir": str(ROOT), "gpus_per_node": 1,
+    trainer node (one worker), SGLang CPU servers from their own environment, one CPU per step (every node
+    advertises the machine's cores)."""
+    return {"time": "00:20:00", "venv": sys.prefix, "workdir": str(ROOT), "gpus_per_node": 1, "cpus_per_task": 1,
             "trainer_module": "megaopd.megatron.cpu_launch", "sglang_tp": 1,
             "sglang_args": cpu_server_args(), "sglang_env": cpu_server_env(),
             "overrides": ["model.backend=megatron", "opd.form=sampled", "rollout.sglang.max_total_tokens=2048"],
@@ -318,3 +326,40 @@ def test_preempted_multinode_stage_requeues_and_resumes_with_the_same_ledger(clu
                for name in ("steady", "preempted")}
     assert ledgers["preempted"] == ledgers["steady"]
     assert ledgers["steady"]["rollout"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_to_every_step_requeues_and_resumes_from_the_signals_checkpoint(cluster, tmp_path):
+    """What a preemption with a grace time sends: SIGTERM to every step of a running 2-node OPD stage (the trainer
+    on one node, its SGLang teacher server on the other) and to the batch shell. The server outlives the signal
+    (megaopd/launch/step_signals.py), so the trainer finishes the step in flight and checkpoints there; the job
+    requeues, resumes from that checkpoint (the stage has no other: checkpoint.every is past its end) and ends with
+    the ledger of its unsignalled twin."""
+    sglang = sglang_python()
+    same = ["data.train={add}", "opd.teachers.*={out}/models/qwen3-tiny", "train.steps=30", "checkpoint.every=1000"]
+    ids = submit_study(cluster, tmp_path, [stage("steady", "opd.yaml", *same), stage("preempted", "opd.yaml", *same)],
+                       cpu_launch(nodes=1, teacher_servers=True, sglang_python=sglang))
+    metrics = tmp_path / "out" / "preempted" / "metrics.jsonl"
+    deadline = time.monotonic() + 400
+    while not (metrics.exists() and '"step": 2' in metrics.read_text()):  # mid-stage: a step done, more to go
+        assert time.monotonic() < deadline, "the stage did not start"
+        time.sleep(0.5)
+    job = ids["preempted"]
+    steps = cluster.client(["squeue", "-h", "-s", "-o", "%i", "-j", job]).stdout.split()
+    assert len(steps) >= 2, steps  # the teacher server's step and the trainer's (and the batch step)
+    assert cluster.client(["scancel", "--signal=TERM", job]).returncode == 0  # every step but the batch step
+    assert cluster.client(["scancel", "--batch", "--signal=TERM", job]).returncode == 0
+    wait_for(cluster, list(ids.values()), timeout=600)
+
+    log = job_log(tmp_path, "preempted", job)
+    assert job_state(cluster, job)["JobState"] == "COMPLETED", log[-3000:]
+    assert job_state(cluster, job)["Restarts"] == "1" and job_state(cluster, ids["steady"])["Restarts"] == "0"
+    assert [restart for _, restart, *_ in LAYOUT.findall(log)] == ["0", "1"]
+    assert "requeueing job" in log
+    (resumed,) = re.findall(r"resumed \S+ from step (\d+)", log)
+    assert int(resumed) >= 3, log[-3000:]  # the signal's checkpoint, taken after the step in flight
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == 30
+    ledgers = {name: json.loads((tmp_path / "out" / name / "summary.json").read_text())["ledger"]["own"]
+               for name in ("steady", "preempted")}
+    assert ledgers["preempted"] == ledgers["steady"] and ledgers["steady"]["teacher"] > 0

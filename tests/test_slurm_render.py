@@ -100,7 +100,9 @@ fi
 echo "scontrol $*" >> {log}""",
         # SGLang servers run until stopped; the trainer exits with $TRAINER_EXIT, or 75 once signalled.
         "srun": f"""[[ $1 == --help ]] && echo "  --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH" && exit 0
-echo "srun $* ROLLOUT=${{MEGAOPD_ROLLOUT_URLS:-}} TEACHERS=${{MEGAOPD_TEACHER_URLS:-}}" >> {log}
+echo "srun $* ROLLOUT=${{MEGAOPD_ROLLOUT_URLS:-}} TEACHERS=${{MEGAOPD_TEACHER_URLS:-}}" \
+  "SYNC=${{MEGAOPD_SYNC_ADDR:-}} OMP=$OMP_NUM_THREADS NCCL_IF=${{NCCL_SOCKET_IFNAME:-}}" \
+  "GLOO_IF=${{GLOO_SOCKET_IFNAME:-}} HCA=${{NCCL_IB_HCA:-}}" >> {log}
 case "$*" in
   *sglang.launch_server*) exec sleep 30 ;;
   *) trap 'echo "trainer got USR1" >> {log}; exit 75' USR1
@@ -115,8 +117,9 @@ exit 0""",
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
+    # The job's CPUs on the node (exclusive: all 64 of them); an OMP_NUM_THREADS from the submitting shell loses.
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-4]",
-            "HOME": str(tmp_path)}
+            "SLURM_CPUS_ON_NODE": "64", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
 
 
 def write_model(path: Path, heads: int = 16, kv_heads: int = 8) -> None:
@@ -143,14 +146,18 @@ def test_multinode_script_splits_nodes_and_hands_addresses_to_the_trainer(tmp_pa
     assert f"--model-path {study.out}/base/final" in servers["n3"]
     assert f"--model-path {study.out}/grpo/final" in servers["n4"]
     for server in servers.values():
-        for expected in ("--ntasks=1", "--tp-size 8", "--container-image=/shared/megaopd-gpu.sqsh",
-                         "env python -m sglang.launch_server", "--port 30000", "--weight-version 0", "--dtype float32"):
+        for expected in ("--ntasks=1", "--cpus-per-task=64", "--tp-size 8",
+                         "--container-image=/shared/megaopd-gpu.sqsh", "--port 30000", "--weight-version 0",
+                         f"env python {ROOT}/megaopd/launch/step_signals.py server -m sglang.launch_server", "--dtype float32"):
             assert expected in server, expected
+        assert "--cpu-bind" not in server  # the site's default unless the launch file says
     (trainer,) = [c for c in calls if "torchrun" in c]
     # One torchrun agent per trainer node: --ntasks given, not inherited from the job's 4 tasks.
-    for expected in ("--nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=n1,n2",
+    for expected in ("--nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=n1,n2 --cpus-per-task=64",
                      "--nnodes=2 --nproc-per-node=8", "--master-addr=10.0.0.1 --master-port=29500",
-                     "exec torchrun --node-rank=\"$SLURM_NODEID\"", "SIGUSR1", "--shutdown-timeout=300",
+                     "exec python \"$0\" trainer torchrun --node-rank=\"$SLURM_NODEID\"", "step_signals.py --nnodes=2",
+                     "SIGUSR1", "--shutdown-timeout=300",
+                     "SYNC=10.0.0.1 ", "OMP=8 ", "NCCL_IF= GLOO_IF= HCA=",  # 64 CPUs over 8 workers; no network set
                      "-m megaopd.megatron.launch", f"run_dir={study.out}/opd_self",
                      "ROLLOUT=http://10.0.0.3:30000", "TEACHERS=*=http://10.0.0.4:30000"):
         assert expected in trainer, expected
@@ -163,7 +170,7 @@ def test_site_settings_are_rendered(tmp_path):
     launch = load_launch(None, GPU_LAUNCH + [
         "container_image=", "sglang_python=/opt/sglang/bin/python", "sglang_tp=4", "server_start_timeout_s=90",
         "sglang_args=[--mem-fraction-static, '0.8']", "sglang_env={SGLANG_LOG: debug}",
-        "trainer_module=megaopd.megatron.cpu_launch",
+        "trainer_module=megaopd.megatron.cpu_launch", "socket_ifname=ib0,ib1", "ib_hca=mlx5_0:1", "cpu_bind=cores",
         "overrides=[model.backend=megatron, opd.form=sampled, model.dtype=bfloat16, "
         "rollout.sglang.max_total_tokens=4096]"])
     jobs = {job.name: job for job in plan(study, launch)}
@@ -179,10 +186,13 @@ def test_site_settings_are_rendered(tmp_path):
     assert rc == 0, calls
     assert not any("--container" in c or c.startswith("srun --help") for c in calls)
     servers = [c for c in calls if "sglang.launch_server" in c]
-    assert len(servers) == 2 and all("env SGLANG_LOG=debug /opt/sglang/bin/python -m sglang.launch_server" in c
-                                     and "--tp-size 4" in c for c in servers)
+    assert len(servers) == 2 and all("env SGLANG_LOG=debug /opt/sglang/bin/python " in c
+                                     and "/step_signals.py server -m sglang.launch_server" in c and "--tp-size 4" in c
+                                     for c in servers)
     (trainer,) = [c for c in calls if "torchrun" in c]
     assert "-m megaopd.megatron.cpu_launch" in trainer
+    for step in (trainer, *servers):  # every step: the binding, and NCCL/Gloo on the named interfaces
+        assert "--cpus-per-task=64 --cpu-bind=cores" in step and "NCCL_IF=ib0,ib1 GLOO_IF=ib0,ib1 HCA=mlx5_0:1" in step
 
 
 def test_server_tensor_parallel_size_follows_the_heads(tmp_path):
@@ -267,7 +277,7 @@ def test_single_node_script_forwards_usr1_and_requeues(tmp_path):
     assert "--nodes=1" in sbatch_options(script) and "--signal=B:USR1@120" in sbatch_options(script)
     path = tmp_path / "job.sbatch"
     path.write_text(script)
-    env = fake_cluster(tmp_path, ["n1"]) | {"TRAINER_SLEEP": "20"}
+    env = fake_cluster(tmp_path, ["n1"]) | {"TRAINER_SLEEP": "20", "SLURM_CPUS_PER_TASK": "3"}
     proc = subprocess.Popen(["bash", str(path)], env=env)
     for _ in range(100):  # until the stand-in trainer runs, so the signal finds it
         if (tmp_path / "started").exists():
@@ -279,6 +289,64 @@ def test_single_node_script_forwards_usr1_and_requeues(tmp_path):
     assert "trainer got USR1" in calls and "scontrol requeue 42" in calls
     (train,) = [c for c in calls if c.startswith("srun")]
     assert f"-m megaopd.cli train {study.stages[1].config} train.seed=0 model.path={study.out}/base/final" in train
+    assert "--cpus-per-task=3 " in train and "OMP=3 " in train  # the job's --cpus-per-task, not the node's 64
+
+
+STEP_SIGNALS = [sys.executable, str(ROOT / "megaopd/launch/step_signals.py")]
+
+
+def run_trainer_task(tmp_path, command: str, signal_after: float | None) -> int:
+    """The trainer step's task running `command`; a SIGTERM to its whole process group after `signal_after`
+    seconds, as slurmstepd signals every process of a step."""
+    proc = subprocess.Popen([*STEP_SIGNALS, "trainer", "bash", "-c", command], start_new_session=True, cwd=tmp_path)
+    if signal_after is not None:
+        time.sleep(signal_after)
+        os.killpg(proc.pid, signal.SIGTERM)
+    return proc.wait(timeout=30)
+
+
+def test_the_trainer_step_reports_a_preempted_torchrun_as_preempted(tmp_path):
+    """torchrun exits 1 after a signal even when its workers checkpointed (exit 75): the step's task says 75, so
+    the job requeues when only its steps were signalled (a preemption's SIGTERM), not the batch shell."""
+    like_torchrun = "trap 'sleep 0.5; exit 1' TERM; sleep 20 & wait $!"
+    assert run_trainer_task(tmp_path, like_torchrun, signal_after=1.5) == 75
+    assert run_trainer_task(tmp_path, "exit 3", signal_after=None) == 3  # a failure without a signal stays one
+    assert run_trainer_task(tmp_path, "trap 'exit 0' TERM; sleep 20 & wait $!", signal_after=1.5) == 0
+    assert run_trainer_task(tmp_path, "kill -KILL $$", signal_after=None) == 128 + signal.SIGKILL
+
+
+def test_a_server_step_outlives_sigterm(tmp_path):
+    """The server steps' wrapper: the module's own SIGTERM handlers (signal.signal, asyncio's add_signal_handler,
+    as uvicorn uses) are not installed and its spawned subprocesses start with SIGTERM ignored."""
+    (tmp_path / "server_like.py").write_text("""
+import asyncio, multiprocessing, signal, sys
+
+def child_disposition(queue):
+    queue.put(signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
+    loop = asyncio.new_event_loop()
+    loop.add_signal_handler(signal.SIGTERM, lambda: sys.exit(4))
+    queue = multiprocessing.get_context("spawn").Queue()
+    child = multiprocessing.get_context("spawn").Process(target=child_disposition, args=(queue,))
+    child.start()
+    ignored = queue.get(timeout=60)
+    child.join()
+    print("args", sys.argv[1:], "child ignores TERM", ignored, flush=True)
+    loop.run_until_complete(asyncio.sleep(3))
+    print("served", flush=True)
+""")
+    hold = [*STEP_SIGNALS, "server"]
+    # Wrapped it serves on; bare, the handler installed last (asyncio's) ends it.
+    for wrapper, expected, output in ((hold, 0, "True\nserved\n"), ([sys.executable], 4, "False\n")):
+        proc = subprocess.Popen([*wrapper, "-m", "server_like", "--port", "1"], cwd=tmp_path, text=True,
+                                stdout=subprocess.PIPE, start_new_session=True)
+        first = proc.stdout.readline()  # the handlers are in place and the child has started
+        os.killpg(proc.pid, signal.SIGTERM)
+        printed = first + proc.stdout.read()
+        assert proc.wait(timeout=30) == expected, printed
+        assert printed == "args ['--port', '1'] child ignores TERM " + output
 
 
 def test_seeds_submit_one_study_per_seed_and_one_report(tmp_path):
@@ -349,6 +417,8 @@ def test_bad_launch_configs_fail_before_submission(tmp_path):
         load_launch(None, ["gpu_per_node=8"])
     with pytest.raises(ConfigError, match="did you mean 'stages.grpo.rollout_nodes'"):
         plan(study, load_launch(None, ["stages={grpo: {rollout_node: 1}}"]))
+    with pytest.raises(ConfigError, match=r"socket_ifname='\^docker,lo': give interface names.*not work for Gloo"):
+        plan(study, load_launch(None, ["socket_ifname=^docker,lo"]))
 
 
 def test_per_stage_launch_fields(tmp_path):

@@ -49,7 +49,8 @@ from megaopd.study import AssetsConfig, StudyConfig, stage_overrides
 ROOT = Path(__file__).resolve().parents[2]
 # Launch fields that belong to the real site: replaced by the local cluster's, and reported as not rehearsed.
 SITE_FIELDS = ("partition", "account", "qos", "container_image", "container_mounts", "venv", "setup", "sbatch",
-               "mem", "cpus_per_task", "sglang_python", "sglang_args", "sglang_env", "sglang_tp")
+               "mem", "cpus_per_task", "sglang_python", "sglang_args", "sglang_env", "sglang_tp", "socket_ifname",
+               "ib_hca", "cpu_bind")
 ON_CPU = ["model.device=cpu", "model.dtype=float32", "model.megatron.fp8=none",
           "model.megatron.transformer_engine=false"]
 
@@ -193,8 +194,11 @@ def rehearsal_gpus(nodes: int, gpus: int, tp: int, pp: int, cap: int) -> int:
 
 
 def rehearsal_launch(study: StudyConfig, launch: LaunchConfig, cap: int, sglang_python: str) -> LaunchConfig:
+    # One CPU per task: every local node advertises all of this machine's cores, so a step's share of them would
+    # oversubscribe it as many times over as there are nodes.
     local = dict(partition="", account="", qos="", container_image="", container_mounts=[], venv=sys.prefix,
-                 workdir=str(ROOT), setup=[], sbatch=[], mem="", cpus_per_task=0, sglang_tp=1,
+                 workdir=str(ROOT), setup=[], sbatch=[], mem="", cpus_per_task=1, socket_ifname="", ib_hca="",
+                 cpu_bind="", sglang_tp=1,
                  trainer_module="megaopd.megatron.cpu_launch", sglang_python=sglang_python,
                  sglang_args=cpu_server_args(), server_start_timeout_s=900,
                  sglang_env=cpu_server_env())

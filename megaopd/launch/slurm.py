@@ -62,6 +62,10 @@ class LaunchConfig:
     sglang_env: dict[str, str] = field(default_factory=dict)  # more environment of the servers
     sglang_tp: int = 0  # each server's tensor-parallel size; 0: the node's GPUs (checked against the heads)
     server_start_timeout_s: int = 1200  # how long the job waits for every server's /health
+    # Network and CPUs of the job steps (docs/cluster.md, "Network and CPUs").
+    socket_ifname: str = ""  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, e.g. "ib0"; empty: NCCL and Gloo pick
+    ib_hca: str = ""  # NCCL_IB_HCA, e.g. "mlx5_0,mlx5_1"; empty: NCCL's choice
+    cpu_bind: str = ""  # srun --cpu-bind of the trainer and server steps, e.g. "none"; empty: the site's default
     overrides: list[str] = field(default_factory=list)  # config overrides for every stage, e.g. model.device=cuda
     sbatch: list[str] = field(default_factory=list)  # more #SBATCH options, e.g. "--constraint=h100"
     setup: list[str] = field(default_factory=list)  # shell lines run first in each job, e.g. "module load cuda"
@@ -258,11 +262,18 @@ def _workdir(launch: LaunchConfig) -> str:
 
 def _settings(study: StudyConfig, launch: LaunchConfig, cmd: list[str] | None) -> list[str]:
     mounts = ",".join([f"{study.out}:{study.out}", *launch.container_mounts])
+    # Gloo takes interface names only, not NCCL's "^docker" (exclude) or "=eth0" (exact) forms.
+    if launch.socket_ifname and not re.fullmatch(r"[\w.:-]+(,[\w.:-]+)*", launch.socket_ifname):
+        raise ConfigError(f"socket_ifname={launch.socket_ifname!r}: give interface names, comma-separated (e.g. ib0 "
+                          "or eth0,eth1); NCCL's ^/= forms do not work for Gloo")
     lines = [f"WORKDIR={shlex.quote(_workdir(launch))}",
              f"VENV={shlex.quote(launch.venv)}",
              f"CONTAINER_IMAGE={shlex.quote(launch.container_image)}",
              f"CONTAINER_MOUNTS={shlex.quote(mounts if launch.container_image else '')}",
-             f"MAX_REQUEUES={launch.max_requeues}"]
+             f"MAX_REQUEUES={launch.max_requeues}",
+             f"SOCKET_IFNAME={shlex.quote(launch.socket_ifname)}",
+             f"IB_HCA={shlex.quote(launch.ib_hca)}",
+             f"CPU_BIND={shlex.quote(launch.cpu_bind)}"]
     if cmd is not None:  # the single-node template runs CMD; the multi-node one builds torchrun from TRAIN_ARGS
         lines += [f"CMD=({shlex.join(cmd)})", *launch.setup]
     return lines

@@ -1,8 +1,9 @@
 """Test-only stand-in for the trainer entry point (launch setting ``trainer_module=placement_probe``): every
 torchrun worker reports where it runs, over gloo, and rank 0 prints one ``placement {json}`` line for the test.
 
-Each worker: its rank, local rank, host name, Slurm node, its torchrun agent (parent PID) and whether it reached
-the rollout servers of MEGAOPD_ROLLOUT_URLS; plus an all_reduce of the ranks, checked against its expected sum.
+Each worker: its rank, local rank, host name, Slurm node, its torchrun agent (parent PID), whether it reached
+the rollout servers of MEGAOPD_ROLLOUT_URLS, the network and CPU settings its step gave it and the address the
+weight sync would give the servers; plus an all_reduce of the ranks, checked against its expected sum.
 """
 
 import json
@@ -12,6 +13,8 @@ import urllib.request
 
 import torch
 import torch.distributed as dist
+
+from megaopd.serving.weight_sync import sync_address
 
 
 def reaches(urls: str) -> bool:
@@ -28,7 +31,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     me = {"rank": rank, "local_rank": int(os.environ["LOCAL_RANK"]), "host": socket.gethostname(),
           "node": os.environ.get("SLURMD_NODENAME", ""), "agent": os.getppid(),
-          "servers_reached": reaches(os.environ.get("MEGAOPD_ROLLOUT_URLS", ""))}
+          "servers_reached": reaches(os.environ.get("MEGAOPD_ROLLOUT_URLS", "")),
+          "sync_address": sync_address(os.environ["MEGAOPD_ROLLOUT_URLS"].split(",")),
+          **{name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA",
+                                                     "OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK")}}
     everyone = [None] * world
     dist.all_gather_object(everyone, me)
     total = torch.tensor([float(rank)])
