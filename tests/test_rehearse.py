@@ -90,7 +90,8 @@ def test_stand_ins_keep_the_layout_and_swap_models_data_and_site(tmp_path):
     assert f"data.train=[{small.out}/standin/math/train.jsonl, {small.out}/standin/code/train.jsonl]" in jobs[
         "multi_teacher"]
     assert "--partition" not in jobs["expert_math"] and "CONTAINER_IMAGE=''" in jobs["expert_math"]
-    assert rehearse.not_rehearsed(load_launch(LAUNCH)) == ["container_image=/shared/megaopd-gpu.sqsh",
+    assert "CPU_BIND=''" in jobs["expert_math"] and "--cpus-per-task=1" in jobs["expert_math"]
+    assert rehearse.not_rehearsed(load_launch(LAUNCH)) == ["container_image=/shared/megaopd-gpu.sqsh", "cpu_bind=none",
                                                            "partition=gpu"]
     # DP shrinks, TP and PP stay: TP 4 over 2 nodes needs 2 GPUs each, TP 2 x PP 2 over 3 nodes 4 each.
     assert rehearse.rehearsal_gpus(2, 8, 4, 1, cap=1) == 2 and rehearse.rehearsal_gpus(3, 8, 2, 2, cap=2) == 4

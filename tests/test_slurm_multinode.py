@@ -198,6 +198,20 @@ def test_rendezvous_works_when_node_names_are_aliases(root_only, tmp_path):
     assert "master 10.79.3.11" in log
 
 
+@pytest.mark.slow
+def test_on_nodes_whose_hostname_is_loopback_gloo_and_the_weight_sync_use_the_node_address(root_only, tmp_path):
+    """Debian-style nodes, as on many GPU sites: each resolves its own hostname to 127.0.1.1. Gloo over the named
+    interface (launch setting socket_ifname) still connects the trainer nodes (without it, or with lo, it fails
+    connecting to 127.0.x.1), and the weight sync gives the servers node1's NodeAddr, not 127.0.1.1."""
+    with LocalCluster(3, tmp_path / "state", name="mntlo", subnet="10.79.4", gpus_per_node=1,
+                      loopback_hostname=True) as debian:
+        state, workers, log = run_probe_stage(debian, tmp_path, nodes=2, gpus_per_node=1, rollout_nodes=1,
+                                              socket_ifname="eth0")
+    assert {w["hostname_address"] for w in workers} == {"127.0.1.1"}
+    assert {w["sync_address"] for w in workers} == {"10.79.4.11"}
+    assert all(w["servers_reached"] for w in workers)
+
+
 def sglang_python() -> str:
     """SGLang's own environment (`make test` builds .venv-sglang and exports MEGAOPD_SGLANG_PYTHON)."""
     unavailable = os.environ.get("MEGAOPD_SGLANG_UNAVAILABLE", "")

@@ -46,10 +46,13 @@ class LocalCluster:
     """``nodes`` slurmd nodes named node1..nodeN, ``gpus_per_node`` stand-in GPUs each, ``cpus`` CPUs each
     (default: this machine's count; every node advertises the same real cores). With ``aliases`` the node names
     are known to Slurm only, as on sites whose NodeNames are aliases: node k's hostname is ``<name>host<k>``, and
-    that is the only name of its address in the cluster's /etc/hosts."""
+    that is the only name of its address in the cluster's /etc/hosts. With ``loopback_hostname`` each node's
+    /etc/hosts first maps its own hostname to 127.0.1.1 (Debian's convention, common on GPU nodes): a process
+    that looks its own address up by name gets loopback."""
 
     def __init__(self, nodes: int, state_dir: Path, name: str = "mns", subnet: str = "10.77.0",
-                 gpus_per_node: int = 2, cpus: int | None = None, aliases: bool = False):
+                 gpus_per_node: int = 2, cpus: int | None = None, aliases: bool = False,
+                 loopback_hostname: bool = False):
         if not 1 <= nodes <= 200:
             raise ValueError(f"nodes={nodes}: between 1 and 200 (addresses <subnet>.11 to .210)")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", name):
@@ -62,6 +65,7 @@ class LocalCluster:
         self.head_ns, self.head_host = f"{name}-head", f"{name}head"
         self.node_names = [f"node{k}" for k in range(1, nodes + 1)]
         self.hostnames = [f"{name}host{k}" if aliases else f"node{k}" for k in range(1, nodes + 1)]
+        self.loopback_hostname = loopback_hostname
         self.conf = self.state_dir / "etc" / "slurm.conf"
         self.jobcomp = self.state_dir / "log" / "jobcomp.txt"
 
@@ -100,11 +104,12 @@ class LocalCluster:
         key.chmod(0o400)
         for g in range(self.gpus_per_node):  # slurmd drops GRES without File=; a /dev/null-like device will do
             os.mknod(self.state_dir / "dev" / f"gpu{g}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-        hosts = "127.0.0.1 localhost\n" + f"{self.subnet}.1 {self.head_host}\n" + "".join(
+        hosts = f"{self.subnet}.1 {self.head_host}\n" + "".join(
             f"{self.subnet}.{10 + k} {host}\n" for k, host in enumerate(self.hostnames, 1))
-        for ns in self._all_ns():
+        for ns, host in zip(self._all_ns(), [None, *self.hostnames]):  # the head namespace, then node k's
+            own = f"127.0.1.1 {host}\n" if self.loopback_hostname and host else ""  # the first match wins
             (HOSTS_DIR / ns).mkdir(parents=True, exist_ok=True)
-            (HOSTS_DIR / ns / "hosts").write_text(hosts)
+            (HOSTS_DIR / ns / "hosts").write_text("127.0.0.1 localhost\n" + own + hosts)
         self.conf.write_text(self._slurm_conf())
         gpus = f"gpu[0-{self.gpus_per_node - 1}]" if self.gpus_per_node > 1 else "gpu0"
         gres = [f"NodeName=node[1-{self.nodes}] Name=gpu File={self.state_dir}/dev/{gpus}"] if self.gpus_per_node else []

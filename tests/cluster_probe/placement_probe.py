@@ -33,6 +33,7 @@ def main() -> None:
           "node": os.environ.get("SLURMD_NODENAME", ""), "agent": os.getppid(),
           "servers_reached": reaches(os.environ.get("MEGAOPD_ROLLOUT_URLS", "")),
           "sync_address": sync_address(os.environ["MEGAOPD_ROLLOUT_URLS"].split(",")),
+          "hostname_address": socket.gethostbyname(socket.gethostname()),  # what the weight sync once used
           **{name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA",
                                                      "OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK")}}
     everyone = [None] * world
