@@ -6,10 +6,10 @@
 # SIGTERM on preemption. The trap below passes USR1 on to the trainer's srun, which forwards it to its tasks;
 # the trainer finishes its step, writes a checkpoint and exits 75 (megaopd.trainer.PREEMPTED_EXIT). The job
 # then requeues itself, and the requeued job runs the same command, which resumes from that checkpoint.
-# A SIGTERM to the job's steps (what a preemption with GraceTime sends) reaches the trainer directly, which does
-# the same; the multi-node script's server steps outlive it (megaopd/launch/step_signals.py). srun itself turns a
-# SIGTERM it receives into a SIGKILL of its step, so a SIGTERM to the batch shell's children cannot be survived:
-# see docs/cluster.md, "Preemption".
+# A SIGTERM to the job's steps (scancel --signal=TERM; what many sites' preemption sends) reaches the trainer
+# directly, which does the same; the multi-node script's server steps outlive it (megaopd/launch/step_signals.py).
+# srun itself turns a SIGTERM it receives into a SIGKILL of its step, so a SIGTERM to the batch shell's children
+# cannot be survived: see docs/cluster.md, "Preemption and time limits".
 
 PREEMPTED_EXIT=75
 PREEMPTED=0

@@ -148,7 +148,8 @@ def test_multinode_script_splits_nodes_and_hands_addresses_to_the_trainer(tmp_pa
     for server in servers.values():
         for expected in ("--ntasks=1", "--cpus-per-task=64", "--tp-size 8",
                          "--container-image=/shared/megaopd-gpu.sqsh", "--port 30000", "--weight-version 0",
-                         f"env python {ROOT}/megaopd/launch/step_signals.py server -m sglang.launch_server", "--dtype float32"):
+                         f"env python {ROOT}/megaopd/launch/step_signals.py server -m sglang.launch_server",
+                         "--dtype float32"):
             assert expected in server, expected
         assert "--cpu-bind" not in server  # the site's default unless the launch file says
     (trainer,) = [c for c in calls if "torchrun" in c]

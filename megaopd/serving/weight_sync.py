@@ -101,8 +101,8 @@ class DistributedSync:
         infos = [server.get("/get_server_info") for server in engine.pool.servers]
         ranks = [int(info.get("tp_size", 1)) * int(info.get("dp_size", 1)) for info in infos]
         world_size = 1 + sum(ranks)
-        master = {"master_address": sync_address(engine.pool.urls), "master_port": free_port(), "world_size": world_size,
-                  "group_name": self.group_name, "backend": "nccl"}
+        master = {"master_address": sync_address(engine.pool.urls), "master_port": free_port(),
+                  "world_size": world_size, "group_name": self.group_name, "backend": "nccl"}
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         answers: list = [None] * len(ranks)
 
