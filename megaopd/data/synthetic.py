@@ -158,7 +158,14 @@ def make_split(domain: str, split: str, count: int, difficulty: int | None = Non
         raise ValueError(f"{domain}: verbosity must be in 0..{spec.max_verbosity}, got {verbosity} "
                          f"(only arith_add has longer worded solutions)")
     extra = {"verbosity": verbosity} if verbosity else {}
-    rng = random.Random(f"{domain}/{difficulty}/{split}/{seed}")
+    return split_rows(domain, spec.ability, lambda rng: spec.make(rng, difficulty, **extra), split, count,
+                      f"{domain}/{difficulty}/{split}/{seed}", heldout_percent, difficulty)
+
+
+def split_rows(domain: str, ability: str, make: Callable[[random.Random], Problem], split: str, count: int,
+               rng_seed: str, heldout_percent: int, difficulty: int) -> list[Row]:
+    """`count` rows of one split from a problem maker; the split is decided by each problem key's hash."""
+    rng = random.Random(rng_seed)
     want_heldout = split != "train"
     rows, seen, attempts = [], set(), 0
     while len(rows) < count:
@@ -166,7 +173,7 @@ def make_split(domain: str, split: str, count: int, difficulty: int | None = Non
         if attempts > 200 * count:
             raise ValueError(f"{domain} at difficulty {difficulty} has too few distinct {split} problems for "
                              f"{count} rows; lower the count or raise the difficulty")
-        problem = spec.make(rng, difficulty, **extra)
+        problem = make(rng)
         if is_heldout(problem.key, heldout_percent) != want_heldout or (want_heldout and problem.key in seen):
             continue
         seen.add(problem.key)
@@ -174,7 +181,7 @@ def make_split(domain: str, split: str, count: int, difficulty: int | None = Non
             data_source=domain,
             prompt=[{"role": "user", "content": problem.prompt}],
             ground_truth=problem.answer,
-            ability=spec.ability,
+            ability=ability,
             extra_info={"split": split, "index": len(rows), "key": problem.key, "difficulty": difficulty,
                         "solution": problem.solution},
         ))

@@ -1,0 +1,112 @@
+"""Megatron (mbridge, Llama, tied embeddings) against HF on the imported SmolLM2 weights, run by tests/test_real.py:
+
+    torchrun --nproc-per-node 2 tests/megatron_real_worker.py MODEL_DIR BATCH.pt OUT_DIR tp2 pp2
+
+Per layout: token logprobs and logits of real text against HF before any step, one GRPO step, then the exported
+checkpoint reloaded by transformers against the Megatron logits. At PP=2 the output layer lives on the last stage,
+apart from the embedding it is tied to, so a negative control there breaks the tied mapping (the output layer read
+from ``lm_head.weight``, which a tied checkpoint does not have) and measures the logprobs again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).parent)]
+import megatron_worker as w  # noqa: E402  (redirects CUDA to CPU at import, like the tiny-model worker)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state as mpu  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig  # noqa: E402
+from megaopd.megatron import bridge as megaopd_bridge  # noqa: E402
+from megaopd.megatron.policy import MegatronPolicy  # noqa: E402
+from megaopd.objectives import GRPO  # noqa: E402
+
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+
+
+def cfg(model: str, tp: int, pp: int) -> ModelConfig:
+    return ModelConfig(path=model, backend="megatron", megatron=MegatronConfig(tp=tp, pp=pp, adam_eps=w.EPS))
+
+
+def hf_reference(model: str | Path, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's logits at the real positions and token logprobs on the response, fp32."""
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    token = logits[:, :-1].log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    return logits, token * batch.response_mask
+
+
+def broken_tie(bridge_class):
+    """mbridge's Llama behaviour (megaopd.megatron.bridge fixes it): the output layer mapped to ``lm_head.weight``
+    even when the checkpoint is tied."""
+    class Broken(bridge_class):
+        def _adjust_mapping_for_shared_weights(self):
+            self._DIRECT_MAPPING = {**type(self)._DIRECT_MAPPING, "output_layer.weight": "lm_head.weight"}
+    return Broken
+
+
+def check(model: str, batch, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
+    real = batch.attention_mask.bool()
+    ref_logits, ref_token = hf_reference(model, batch)
+    policy = MegatronPolicy(cfg(model, tp, pp), w.OPTIM)
+    result = {"logprobs": w.max_diff(policy.logprobs(batch, w.MBS), ref_token),
+              "logits": w.max_diff(policy.logits(batch, w.MBS)[real], ref_logits[real])}
+    # One GRPO step on the same text (advantages set, old logprobs the current ones): the export must carry it.
+    batch.old_logprobs = policy.logprobs(batch, w.MBS)
+    batch.advantages = torch.linspace(-1, 1, batch.size)[:, None] * batch.response_mask
+    objective = GRPO(GRPOConfig(), group_size=batch.size)
+    step = policy.train_minibatch(batch, objective.token_loss, w.MBS, objective.vocab_term)
+    export = out_dir / f"export_{tag}"
+    policy.save_hf(export)
+    dist.barrier()
+    reloaded, _ = hf_reference(export, batch)
+    trained = policy.logits(batch, w.MBS)
+    result |= {"grad_norm": step["grad_norm"], "export_reload_logits": w.max_diff(trained[real], reloaded[real]),
+               "export_moved_logits": w.max_diff(reloaded[real], ref_logits[real])}
+    return result
+
+
+def negative_control(model: str, batch, tp: int, pp: int) -> dict:
+    _, ref_token = hf_reference(model, batch)
+    original = megaopd_bridge._bridge_class
+    megaopd_bridge._bridge_class = lambda model_type: broken_tie(original(model_type))
+    try:
+        policy = MegatronPolicy(cfg(model, tp, pp))
+        return {"broken_tie_logprobs": w.max_diff(policy.logprobs(batch, w.MBS), ref_token)}
+    except Exception as e:  # a loud failure is a detection too; say which
+        return {"broken_tie_error": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        megaopd_bridge._bridge_class = original
+
+
+def main() -> None:
+    model, batch_file, out_dir, *layouts = sys.argv[1:]
+    out_dir = Path(out_dir)
+    batch = torch.load(batch_file, weights_only=False)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    for layout in layouts:
+        tp, pp = LAYOUTS[layout]
+        t0 = time.perf_counter()
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        result = check(model, batch.select(slice(0, batch.size)), tp, pp, out_dir, layout)
+        if pp > 1:
+            result["negative_control"] = negative_control(model, batch, tp, pp)
+        result["seconds"] = time.perf_counter() - t0
+        if dist.get_rank() == 0:
+            (out_dir / f"{layout}.json").write_text(json.dumps(result, indent=1))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
