@@ -1,8 +1,9 @@
 """Megatron (mbridge, Llama, tied embeddings) against HF on the imported SmolLM2 weights, run by tests/test_real.py:
 
-    torchrun --nproc-per-node 2 tests/megatron_real_worker.py MODEL_DIR BATCH.pt OUT_DIR tp2 pp2
+    torchrun --nproc-per-node 3 tests/megatron_real_worker.py MODEL_DIR BATCH.pt OUT_DIR tp3
+    torchrun --nproc-per-node 2 tests/megatron_real_worker.py MODEL_DIR BATCH.pt OUT_DIR pp2
 
-Per layout: token logprobs and logits of real text against HF before any step, one GRPO step, then the exported
+TP=3, not 2: SmolLM2-135M has 9 query and 3 KV heads, which megatron splits over TP ranks only evenly. Per layout: token logprobs and logits of real text against HF before any step, one GRPO step, then the exported
 checkpoint reloaded by transformers against the Megatron logits. At PP=2 the output layer lives on the last stage,
 apart from the embedding it is tied to, so a negative control there breaks the tied mapping (the output layer read
 from ``lm_head.weight``, which a tied checkpoint does not have) and measures the logprobs again.
@@ -23,21 +24,22 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as mpu  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig  # noqa: E402
+from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OptimConfig  # noqa: E402
 from megaopd.megatron import bridge as megaopd_bridge  # noqa: E402
 from megaopd.megatron.policy import MegatronPolicy  # noqa: E402
 from megaopd.objectives import GRPO  # noqa: E402
 
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+LAYOUTS = {"tp3": (3, 1), "pp2": (1, 2)}
+OPTIM = OptimConfig(lr=1e-5, grad_clip=1.0)  # a fine-tuning step of a pretrained model (the tiny tests take 1e-3)
 
 
 def cfg(model: str, tp: int, pp: int) -> ModelConfig:
     return ModelConfig(path=model, backend="megatron", megatron=MegatronConfig(tp=tp, pp=pp, adam_eps=w.EPS))
 
 
-def hf_reference(model: str | Path, batch) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_reference(model: str | Path, batch, attention: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
     """HF's logits at the real positions and token logprobs on the response, fp32."""
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation=attention)
     with torch.no_grad():
         logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     token = logits[:, :-1].log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
@@ -56,8 +58,11 @@ def broken_tie(bridge_class):
 def check(model: str, batch, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
     real = batch.attention_mask.bool()
     ref_logits, ref_token = hf_reference(model, batch)
-    policy = MegatronPolicy(cfg(model, tp, pp), w.OPTIM)
+    # The float32 noise floor of this depth: HF against itself with another attention kernel.
+    _, eager_token = hf_reference(model, batch, "eager")
+    policy = MegatronPolicy(cfg(model, tp, pp), OPTIM)
     result = {"logprobs": w.max_diff(policy.logprobs(batch, w.MBS), ref_token),
+              "hf_eager_vs_sdpa_logprobs": w.max_diff(eager_token, ref_token),
               "logits": w.max_diff(policy.logits(batch, w.MBS)[real], ref_logits[real])}
     # One GRPO step on the same text (advantages set, old logprobs the current ones): the export must carry it.
     batch.old_logprobs = policy.logprobs(batch, w.MBS)
