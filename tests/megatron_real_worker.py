@@ -80,16 +80,23 @@ def check(model: str, batch, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
 
 
 def negative_control(model: str, batch, tp: int, pp: int) -> dict:
+    """The logprobs with the tied mapping broken, or the error it raises. Collective: the last stage alone fails to
+    load (no lm_head.weight), so the ranks agree on a failure before any of them runs a forward."""
     _, ref_token = hf_reference(model, batch)
     original = megaopd_bridge._bridge_class
     megaopd_bridge._bridge_class = lambda model_type: broken_tie(original(model_type))
+    policy, error = None, ""
     try:
         policy = MegatronPolicy(cfg(model, tp, pp))
-        return {"broken_tie_logprobs": w.max_diff(policy.logprobs(batch, w.MBS), ref_token)}
     except Exception as e:  # a loud failure is a detection too; say which
-        return {"broken_tie_error": f"{type(e).__name__}: {e}"[:300]}
+        error = f"{type(e).__name__}: {e}"[:300]
     finally:
         megaopd_bridge._bridge_class = original
+    failed = torch.tensor([float(bool(error))])
+    dist.all_reduce(failed)
+    if failed.item():
+        return {"broken_tie_error": error or "on another rank"}
+    return {"broken_tie_logprobs": w.max_diff(policy.logprobs(batch, w.MBS), ref_token)}
 
 
 def main() -> None:
