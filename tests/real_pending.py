@@ -136,10 +136,10 @@ def test_self_teacher_opd_step_from_the_grpo_checkpoint(assets, smollm2, words, 
 @pytest.mark.real
 @pytest.mark.parametrize("algorithm", ["grpo", "opd"])
 def test_flop_audit_is_exact_on_the_real_model(assets, smollm2, words, grpo_checkpoint, tmp_path, algorithm):
-    from megaopd.flop_audit import audit_rl_step
+    from megaopd.flop_audit import audit_step
 
     extra = {} if algorithm == "grpo" else {"opd.teachers.*": grpo_checkpoint, "opd.form": "full_vocab"}
-    audit = audit_rl_step(real_run(assets, tmp_path / "run", smollm2, words, algorithm, **{
+    audit = audit_step(real_run(assets, tmp_path / "run", smollm2, words, algorithm, **{
         "train.prompts_per_step": 1, "rollout.max_new_tokens": 8, **extra}))
     idle = {"grpo": "teacher", "opd": "reference"}[algorithm]
     assert audit[idle].measured == audit[idle].booked == 0
