@@ -43,4 +43,4 @@ test: setup setup-sglang
 # The images' locked requirement sets (docker/requirements-*.lock) and the versions table in docs/docker.md, from
 # pip's resolver on this Python (3.11, the images' own); minutes: see docs/docker.md.
 lock: setup
-	$(PY) docker/lock.py
+	$(PY) docker/lock.py && $(PY) docker/versions.py

@@ -1,7 +1,7 @@
 """The images' locked requirement sets: pip's resolver writes them, the tests and the docs read them back.
 
-    python docker/lock.py [cpu] [gpu]      # or `make lock`: resolve, write docker/requirements-<image>.lock,
-                                           # and regenerate the versions table in docs/docker.md
+    python docker/lock.py [cpu] [gpu]      # resolve, write docker/requirements-<image>.lock; `make lock` also
+                                           # regenerates the versions table in docs/docker.md (docker/versions.py)
 
 Each image installs one closed set of name==version pins (everything but megaopd itself, which the image
 installs from its checkout with --no-deps). The set comes from `pip install --dry-run --ignore-installed --report`
@@ -158,9 +158,6 @@ def main(argv: list[str]) -> int:
     for name in names:
         pins, pip_version = resolve(IMAGES[name])
         print(f"{write_lock(IMAGES[name], pins, pip_version).relative_to(ROOT)}: {len(pins)} packages")
-    from versions import write_table  # beside this file
-
-    print(f"{write_table().relative_to(ROOT)}: versions table")
     return 0
 
 

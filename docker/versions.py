@@ -24,8 +24,11 @@ CUDA_RUNTIME = ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13")  # the CUDA t
 
 
 def base_image(image: str) -> str:
-    (base,) = re.findall(r"^FROM\s+(\S+)", (ROOT / "docker" / f"Dockerfile.{image}").read_text(), flags=re.M)
-    return base
+    """The FROM of the image's Dockerfile, an ARG in it (`FROM ${BASE}`) read as that ARG's default."""
+    text = (ROOT / "docker" / f"Dockerfile.{image}").read_text()
+    (base,) = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
+    defaults = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, flags=re.M))
+    return re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], base)
 
 
 def base_cuda(image: str) -> str:

@@ -476,8 +476,9 @@ def test_scripts_pass_shellcheck(tmp_path):
     for prefix, jobs in (("gpu", gpu.values()), ("cpu", cpu)):
         for job in jobs:
             (rendered / f"{prefix}-{job.name}.sbatch").write_text(job.script)
-    files = [*rendered.iterdir(), *ROOT.glob("slurm/*"), *ROOT.glob(".ci/slurm_*.sh")]
-    assert len(files) == 10 + 3 + 4
+    files = [*rendered.iterdir(), *ROOT.glob("slurm/*"), *ROOT.glob(".ci/slurm_*.sh"), ROOT / ".ci/podman_up.sh",
+             *ROOT.glob("docker/*.sh")]
+    assert len(files) == 10 + 3 + 4 + 2
     # -x follows `source slurm/lib.sh` (resolved from the checkout, hence cwd=ROOT).
     result = subprocess.run([lint_tool("shellcheck"), "-x", *map(str, files)], cwd=ROOT, capture_output=True,
                             text=True)
