@@ -12,7 +12,7 @@ the local mirror or PyPI. The base is reused while its tag (a hash of its recipe
 layer only when its instruction and the files it copies are unchanged, so a changed Dockerfile or lock rebuilds.
 Needs root and podman, debootstrap and runc (.ci/podman_up.sh installs them with apt); elsewhere it skips.
 Measured on a loaded 2-core machine: base 4 min from nothing, CPU image 9 min from nothing (1 min with the
-lock's layer cached), the stage and report 1 min; GPU layer: see docs/docker.md.
+lock's layer cached), the stage and report 1.5 min; GPU layer 41 min from nothing (2.5 min cached).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ PODMAN = ["podman", "--runtime", "runc", "--cgroup-manager", "cgroupfs"]  # crun
 # The container's default open-files limit exceeds this machine's hard limit: runc's setrlimit fails without these.
 LIMITS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=4096:4096"]
 CPU_TAG, GPU_TAG = "localhost/megaopd:cpu-ci", "localhost/megaopd:gpu-python-ci"
+GPU_NEED_GB = 40  # the first GPU layer build's peak: its 11 GB layer thrice (container, tar, storage), measured
 SKIPPED_TE = ("Transformer Engine's torch extension compiles against CUDA with nvcc (the CUDA base image's): "
               "no CUDA toolkit on the local base, so it is not built here")
 
@@ -177,22 +178,34 @@ def gpu_python_layer(base: str) -> str:
         if keyword == "RUN" and "built from source" in args and "--no-build-isolation" in args:
             lines.append(f"RUN {json.dumps(['echo', 'skipped: ' + SKIPPED_TE])}")
             continue
-        if keyword == "RUN" and "pip check" in args:
-            args = args.replace("pip check", "{ pip check > /tmp/pip-check.txt || true; }")  # read below
         lines.append(f"{keyword} {args}")
     return "\n".join(lines) + "\n"
 
 
-@pytest.mark.timeout(3600)  # ~6 GB of wheels; cached by podman until the lock or the Dockerfile changes
+def gpu_layer_is_cached() -> bool:
+    """The GPU layer image holds this lock: podman reuses its wheel layer (a build from there needs little disk)."""
+    found = subprocess.run([*PODMAN, "run", "--rm", *LIMITS, GPU_TAG, "cat", "docker/requirements-gpu.lock"],
+                           capture_output=True, text=True, timeout=300)
+    return found.returncode == 0 and found.stdout == (ROOT / "docker/requirements-gpu.lock").read_text()
+
+
+@pytest.mark.timeout(3600)  # 25-30 min from nothing on a loaded machine; cached by podman until the lock changes
 def test_gpu_lock_installs_and_imports(base, tmp_path):
+    free_gb = shutil.disk_usage("/var/lib/containers").free / 2**30
+    if free_gb < GPU_NEED_GB and not gpu_layer_is_cached():
+        message = (f"{free_gb:.0f} GB free; the GPU layer's first build needs {GPU_NEED_GB} GB at its peak "
+                   "(12 GB stay as podman's cache): free some disk")
+        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
     containerfile = tmp_path / "Containerfile.gpu-python"
     containerfile.write_text(gpu_python_layer(base))
     print(f"GPU Python layer build: {build(containerfile, GPU_TAG, base, timeout=3000):.0f} s")
-    # pip check's only complaint may be the extension that was not built.
-    complaints = run(GPU_TAG, "cat", "/tmp/pip-check.txt").splitlines()
-    assert all("transformer-engine-torch" in c.replace("_", "-").lower() for c in complaints), complaints
-    imports = ("import torch, megatron.core, mbridge, sglang, sglang.srt.server_args, megaopd.megatron.policy, "
-               "megaopd.serving.engine; print(torch.__version__, megatron.core.__version__)")
-    printed = run(GPU_TAG, "python", "-c", imports)
-    torch = re.search(r"^torch==(\S+)", (ROOT / "docker/requirements-gpu.lock").read_text(), re.M)[1]
-    assert printed.splitlines()[-1].split()[0] == torch, printed
+    # Without TE's extension, importing transformer_engine.pytorch fails, and megatron-core imports it whenever
+    # transformer_engine is installed: hidden here, megatron-core takes its no-TE path. mbridge's import loads
+    # flash_mla's CUDA kernels, which need the GPU driver (libcuda.so.1): only its install is checked here.
+    imports = ("import sys; sys.modules['transformer_engine'] = None; import importlib.metadata as m, torch, "
+               "megatron.core, sglang, megaopd.megatron.policy, megaopd.serving.engine; "
+               "print(torch.__version__, megatron.core.__version__, m.version('mbridge'))")
+    printed = run(GPU_TAG, "python", "-c", imports).splitlines()[-1].split()
+    lock = (ROOT / "docker/requirements-gpu.lock").read_text()
+    pins = dict(line.split("==") for line in lock.split() if "==" in line)
+    assert [printed[0].split("+")[0], *printed[1:]] == [pins["torch"], pins["megatron-core"], pins["mbridge"]]
