@@ -44,7 +44,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.registry, pytest.mark.podman]
 def podman(*args: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run([*PODMAN, *args], capture_output=True, text=True, timeout=timeout)
     if check:
-        assert result.returncode == 0, f"podman {' '.join(args[:3])} ...\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        output = f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        assert result.returncode == 0, f"podman {' '.join(args[:3])} ...\n{output}"
     return result
 
 
