@@ -57,6 +57,11 @@ class TokenBatch:
                   for name, value in self.__dict__.items()}
         return TokenBatch(**kwargs)
 
+    def to(self, device: torch.device | str) -> "TokenBatch":
+        """Every tensor field on `device` (where the loss meets the logprobs: a CUDA op refuses CPU operands)."""
+        return TokenBatch(**{name: (value.to(device) if isinstance(value, torch.Tensor) else value)
+                             for name, value in self.__dict__.items()})
+
 
 def collate(samples: list[Sample], pad_id: int) -> TokenBatch:
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]

@@ -119,7 +119,7 @@ def _run(args) -> int:
 
         policy = HFPolicy(ModelConfig(path=args.model))
         evaluator = Evaluator(load_split(args.data, False), EvalConfig(prompts_per_domain=args.prompts_per_domain),
-                              args.max_new_tokens, seed=0)
+                              args.max_new_tokens, seed=0, device=policy.device)
         print(json.dumps(evaluator.run(LocalEngine(policy), policy.tokenizer, step=0), indent=1))
     elif args.command == "convert":
         from megaopd.data.rows import write_rows

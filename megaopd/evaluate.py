@@ -19,6 +19,7 @@ from megaopd.batch import Sample
 from megaopd.config import EvalConfig
 from megaopd.data.rows import Row
 from megaopd.metrics import per_domain_means
+from megaopd.rollout import sampling_generator
 from megaopd.serving.leader import on_leader
 from megaopd.verifiers import score, verifier_errors
 
@@ -47,8 +48,9 @@ def score_samples(tokenizer, samples: list[Sample]) -> tuple[float, int]:
 class Evaluator:
     """Fixed held-out prompts: a subset per domain during training, all of them (or a stated number) at the end."""
 
-    def __init__(self, rows: list[Row], cfg: EvalConfig, max_new_tokens: int, seed: int):
-        self.cfg, self.seed = cfg, seed
+    def __init__(self, rows: list[Row], cfg: EvalConfig, max_new_tokens: int, seed: int,
+                 device: torch.device | str = "cpu"):
+        self.cfg, self.seed, self.device = cfg, seed, device  # device: the policy's, where sampling draws
         self.max_new_tokens = cfg.max_new_tokens or max_new_tokens
         self.by_domain: dict[str, list[Row]] = defaultdict(list)
         for row in rows:
@@ -68,7 +70,7 @@ class Evaluator:
         modes = [("greedy", 0.0)] + ([("sampled", 1.0)] if self.cfg.sampled else [])
         for mode, temperature in modes:
             # Its own generator, seeded by step: evaluation never moves the training RNG (resume stays exact).
-            generator = torch.Generator().manual_seed(self.seed * 100_003 + step)
+            generator = sampling_generator(self.device, self.seed * 100_003 + step)
             samples = engine.generate(rows, 1, temperature, 1.0, self.max_new_tokens, generator)
             score_samples(tokenizer, samples)
             per_prompt["reward"][mode] = _by_domain(samples, lambda s: _compact(s.reward))

@@ -190,8 +190,8 @@ class HFPolicy:
                 if top_p < 1.0:
                     return sampling_logprobs(logits, top_p).gather(-1, picked).squeeze(-1)
                 return logits.gather(-1, picked).squeeze(-1) - logits.logsumexp(-1)
-            parts.append(self._scatter(self._chunked(hidden, realised, False)[0], where, mb.response_mask.shape).cpu())
-        return torch.cat(parts)
+            parts.append(self._scatter(self._chunked(hidden, realised, False)[0], where, mb.response_mask.shape))
+        return torch.cat(parts).cpu()  # one transfer (a host sync) for the batch, not one per micro-batch
 
     @torch.no_grad()
     def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,
@@ -250,7 +250,8 @@ class HFPolicy:
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(batch, micro_batch_size):
             hidden, where = self._response_hidden(mb)
-            mask = mb.response_mask.to(self.device)
+            mb = mb.to(self.device)  # the loss meets the logprobs on the device
+            mask = mb.response_mask
             targets = self._targets(mb, where, self.device)
             row_term = vocab_term.rows(mb) if vocab_term is not None else None
 
@@ -265,9 +266,11 @@ class HFPolicy:
             loss = (per_token * mask).sum() / total_tokens
             loss.backward()
             for name, value in {"loss": per_token, **metrics}.items():
-                sums[name] = sums.get(name, 0.0) + float((value.detach() * mask).sum() / total_tokens)
+                sums[name] = sums.get(name, 0.0) + (value.detach() * mask).sum() / total_tokens
         grad_norm = self._optimizer_step()
-        return {**sums, "grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0]}
+        # One host sync per step for all the metrics, not one per micro-batch and metric.
+        values = torch.stack([*sums.values(), grad_norm]).tolist() if sums else [float(grad_norm)]
+        return {**dict(zip(sums, values)), "grad_norm": values[-1], "lr": self.scheduler.get_last_lr()[0]}
 
     @staticmethod
     def _accumulate_into(master: torch.Tensor):

@@ -27,6 +27,12 @@ from megaopd.data.rows import Row
 from megaopd.policy import HFPolicy
 
 
+def sampling_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """The generator the sampler draws with, on the device where the logits it samples live: a CUDA tensor refuses a
+    CPU generator, so the trainer and the evaluator both take theirs from here with the policy's device."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample (or take the argmax at temperature 0) and return (token, logprob under the sampling distribution).

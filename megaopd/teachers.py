@@ -123,7 +123,7 @@ class TeacherRouter:
                 raise ValueError(f"teacher {self.paths[route]} cannot give full-vocabulary rows (a server returns "
                                  "at most a top-k): use opd.form=topk or sampled, or a local teacher")
             sub = mb.select(torch.tensor(indices))
-            parts.append((torch.isin(row_sample, torch.tensor(indices)),
+            parts.append((torch.isin(row_sample, torch.tensor(indices, device=row_sample.device)),
                           teacher.full_rows(sub, self.temperature, self.top_p)))
         if len(parts) == 1:
             return parts[0][1]

@@ -41,7 +41,7 @@ from megaopd.methods import method
 from megaopd.objectives import TIS_LEVELS, build_objective, form_label, truncated_is_weights
 from megaopd.plan import check_run
 from megaopd.policy import HFPolicy
-from megaopd.rollout import LocalEngine
+from megaopd.rollout import LocalEngine, sampling_generator
 from megaopd.teachers import TeacherRouter, local_teachers
 
 log = logging.getLogger(__name__)
@@ -157,11 +157,11 @@ class Trainer:
         self.sampler = PromptSampler(load_split(cfg.data.train, cfg.data.strict), cfg.train.prompts_per_step,
                                      cfg.train.seed)
         self.evaluator = Evaluator(load_split(cfg.data.eval, cfg.data.strict), cfg.eval, cfg.rollout.max_new_tokens,
-                                   cfg.train.seed)
+                                   cfg.train.seed, self.policy.device)
         verifiers.check_ready(self.sampler.rows + [r for rows in self.evaluator.by_domain.values() for r in rows],
                               cfg.verifier.sandbox.allow_fallback)
         self.verifier_watch = verifiers.ErrorWatch(cfg.verifier.max_error_share, cfg.verifier.error_steps)
-        self.generator = torch.Generator().manual_seed(cfg.train.seed)  # rollout sampling only
+        self.generator = sampling_generator(self.policy.device, cfg.train.seed)  # rollout sampling only
         self.ledger = Ledger(self.run_dir.name, cfg.counts_as)
         self.ledger.add_upstream("init", cfg.model.path)
 

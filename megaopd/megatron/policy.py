@@ -216,7 +216,7 @@ class MegatronPolicy:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            ids = mb.input_ids.to(self._device())
+            ids = mb.input_ids.to(self.device)
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
             # Right-padded rows need no mask beyond the causal one: padding only follows real tokens.
             output = model(ids, positions, None)
@@ -232,16 +232,12 @@ class MegatronPolicy:
             forward_step_func=forward_step, data_iterator=iter(micro), model=self.model_chunks,
             num_microbatches=len(micro), seq_length=width, micro_batch_size=mbs, forward_only=forward_only)
 
-    def _device(self):
-        return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-
     def _shard(self, logits: torch.Tensor) -> VocabShard:
         return VocabShard(logits[:, :-1], self.vocab_size, self.layout.tp_group)
 
     def _train_loss(self, loss_fn, vocab_term, mb: TokenBatch, logits: torch.Tensor):
         shard = self._shard(logits)
-        mb = TokenBatch(**{k: v.to(logits.device) if isinstance(v, torch.Tensor) else v
-                           for k, v in mb.__dict__.items()})
+        mb = mb.to(logits.device)
         targets, mask = mb.input_ids[:, 1:], mb.response_mask
         vocab = None
         if vocab_term is not None:
@@ -305,7 +301,7 @@ class MegatronPolicy:
                  "logits": (rows, width, self.vocab_size), "topk": (rows, width - 1, 2 * k + 2)}[what]
         # Collectives on the device (NCCL has no CPU tensors), the result to the CPU at the end.
         last = lay.pp_rank == lay.pp - 1
-        local = torch.cat([item["out"] for item in store]) if last else torch.empty(shape, device=self._device())
+        local = torch.cat([item["out"] for item in store]) if last else torch.empty(shape, device=self.device)
         if lay.pp > 1:
             dist.broadcast(local, src=dist.get_global_rank(lay.pp_group, lay.pp - 1), group=lay.pp_group)
         if lay.dp > 1:

@@ -68,7 +68,8 @@ class SGLangEngine:
     def generate(self, rows: list[Row], samples_per_prompt: int, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 64, generator: torch.Generator | None = None) -> list[Sample]:
         # One seed per sample from the trainer's generator (on every rank, so that their generators stay equal).
-        seeds = torch.randint(0, 2**31 - 1, (len(rows) * samples_per_prompt,), generator=generator).tolist()
+        seeds = torch.randint(0, 2**31 - 1, (len(rows) * samples_per_prompt,), generator=generator,
+                              device=generator.device if generator is not None else None).tolist()
         return on_leader(lambda: self._generate(rows, samples_per_prompt, temperature, top_p, max_new_tokens, seeds))
 
     def _generate(self, rows, n, temperature, top_p, max_new_tokens, seeds) -> list[Sample]:
