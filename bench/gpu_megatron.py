@@ -71,7 +71,7 @@ def run(path: Path, fp8: str, args) -> dict:
     perf = step_perf(args.batch * train_flops(policy.shape, args.seq), seconds, devices=1)  # the median step
     result = {"precision": "bf16" if fp8 == "none" else f"fp8-{fp8}", "step_s": seconds,
               "tokens_per_s": args.batch * args.seq / seconds, "tflops_per_device": perf["tflops_per_device"],
-              "mfu": perf.get("mfu"), "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "mfu": perf.get("mfu"), "loss": metrics["loss"], "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
               "params": sum(p.numel() for p in policy.module.parameters())}
     del policy
     torch.cuda.empty_cache()

@@ -66,6 +66,18 @@ def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
     return float(x.mean()), se
 
 
+def linear_trend(values: Sequence[float]) -> tuple[float, float]:
+    """Least-squares slope of values against their index, and its standard error (residual variance over the
+    index's sum of squares, n - 2 degrees of freedom); needs three values or more."""
+    y = np.asarray(values, dtype=float)
+    if y.size < 3:
+        raise ValueError(f"a trend needs at least 3 values, got {y.size}")
+    x = np.arange(y.size) - (y.size - 1) / 2
+    slope = float((x * (y - y.mean())).sum() / (x * x).sum())
+    residual = y - y.mean() - slope * x
+    return slope, float(math.sqrt((residual * residual).sum() / (y.size - 2) / (x * x).sum()))
+
+
 def resample(rng: np.random.Generator, n: int) -> np.ndarray:
     """n indices drawn with replacement from range(n): one bootstrap resample of n items."""
     return rng.integers(0, n, size=n)
