@@ -16,7 +16,8 @@ phase. The formulas, per rank (b = bytes of model.dtype):
   read off the code and checked on CPU against autograd's saved tensors (tests/test_plan.py); with
   model.activation_checkpointing the layer inputs plus one layer's. The Megatron backend uses the same per-token
   figure divided by TP, with PP micro-batches in flight on the first stage (an estimate: TE kernels differ).
-* logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V: the head's output (b), its fp32 copy
+* logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V (Megatron: whole sequences, at least
+  one, every position, x V/tp): the head's output (b), its fp32 copy
   and the fp32 gradient and its cast (GRPO: (2b + 8) bytes per entry); the full-vocabulary KL adds the teacher's
   chunk and the student's log-softmax and its exponential (+12).
 * rollout KV cache (local engine): rollout.batch_prompts x samples x (plan.prompt_tokens + max_new_tokens)
@@ -257,6 +258,8 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
                                                          else ", or model.activation_checkpointing=true"),
                       ("train.micro_batch_size", t.micro_batch_size)))
     chunk = min(t.logit_chunk_rows, rows_per_mb * r.max_new_tokens)
+    if megatron:  # its output layer projects whole sequences, every position (megatron/policy.py _train_loss)
+        chunk = min(max(1, t.logit_chunk_rows // seq), rows_per_mb) * seq
     per_entry = 2 * b + 8 + (12 if spec.full_vocab(cfg) else 0)
     chunk_setting = "lower train.logit_chunk_rows"
     items.append(Item(f"logits/KL workspace ({chunk} rows x {arch.vocab})", "train",

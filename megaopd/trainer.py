@@ -59,7 +59,8 @@ def build_policy(cfg: RunConfig, trainable: bool = True) -> Policy:
         from megaopd.megatron.policy import MegatronPolicy
 
         ckpt = cfg.model.megatron.checkpoint_dir or str(Path(cfg.run_dir) / "megatron_checkpoints")
-        return MegatronPolicy(cfg.model, optim, seed=cfg.train.seed, checkpoint_dir=ckpt, keep=cfg.checkpoint.keep)
+        return MegatronPolicy(cfg.model, optim, seed=cfg.train.seed, checkpoint_dir=ckpt, keep=cfg.checkpoint.keep,
+                              logit_chunk_rows=cfg.train.logit_chunk_rows)
     if cfg.model.backend != "hf":
         raise ValueError(f"model.backend={cfg.model.backend!r} is not available; use 'hf' or 'megatron'")
     return HFPolicy(cfg.model, optim, logit_chunk_rows=cfg.train.logit_chunk_rows)

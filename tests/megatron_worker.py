@@ -123,7 +123,8 @@ def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict
     results = {}
     teacher = AutoModelForCausalLM.from_pretrained(assets / "models" / "qwen3-tiny-seed1", dtype=torch.float32)
     for name, form in (("qwen3-tiny", "topk"), ("llama-tiny", "sampled")):
-        megatron = MegatronPolicy(policy_cfg(assets, name, tp, pp), OPTIM)
+        # One sequence per output-layer chunk (14 positions): the chunked, recomputed vocabulary loss is what is compared.
+        megatron = MegatronPolicy(policy_cfg(assets, name, tp, pp), OPTIM, logit_chunk_rows=14)
         hf = hf_reference(assets, name)
         steps = []
         for step, objective in enumerate((GRPO(GRPOConfig(), group_size=3), OPD(OPDConfig(form=form, topk=TOPK)))):

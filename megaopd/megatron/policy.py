@@ -13,11 +13,14 @@ Log-probabilities come from the vocab-parallel logits (``vocab.VocabShard``). Th
 student's logprobs at the teacher's K ids and its tail mass through the vocab all-reduces, so its KL is the same
 on every TP rank, like the realised-token logprobs. The full-vocabulary form needs the teacher's rows per
 micro-batch inside the schedule, which megatron teachers (collective over the global batch) cannot give: use
-opd.form=topk (K = vocabulary size is exact). The student's [b, s, V/tp] logits are the output layer's, not chunked.
+opd.form=topk (K = vocabulary size is exact). In training the output layer projects a few sequences at a time
+(``train.logit_chunk_rows`` positions, at least one sequence), each chunk recomputed in the backward, so the
+micro-batch's [b, s, V/tp] fp32 logits and their same-size copies never exist whole (``_train_loss``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from functools import partial
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint as recomputed
 
 from megaopd.batch import TokenBatch
 from megaopd.config import ModelConfig, OptimConfig
@@ -59,7 +63,7 @@ def pad_batch(batch: TokenBatch, rows: int, columns: int, pad_id: int) -> TokenB
 
 class MegatronPolicy:
     def __init__(self, cfg: ModelConfig, optim: OptimConfig | None = None, tp: int | None = None, seed: int = 0,
-                 checkpoint_dir: str | Path | None = None, keep: int = 2):
+                 checkpoint_dir: str | Path | None = None, keep: int = 2, logit_chunk_rows: int = 1024):
         from transformers import AutoTokenizer
 
         mcfg = cfg.megatron
@@ -98,6 +102,9 @@ class MegatronPolicy:
         self._version = 0  # bumped by every weight change; the rollout copy refreshes when it moves
         self._rollout_copy = RolloutCopy(self.bridge, self.dtype, self.device)
         self.checkpoint_dir, self.keep = (Path(checkpoint_dir) if checkpoint_dir else None), keep
+        if logit_chunk_rows < 1:
+            raise ValueError(f"train.logit_chunk_rows must be >= 1, got {logit_chunk_rows}")
+        self.logit_chunk_rows = logit_chunk_rows  # positions per output-layer chunk in training (whole sequences)
         if optim is None:
             self.module.eval().requires_grad_(False)
             self.model_chunks = chunks
@@ -183,8 +190,9 @@ class MegatronPolicy:
         lr = self._lr(self.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        store = self._schedule(micro, width, micro[0].size, partial(self._train_loss, loss_fn, vocab_term),
-                               forward_only=False)
+        with self._output_layer_input() as taken:
+            store = self._schedule(micro, width, micro[0].size, partial(self._train_loss, loss_fn, vocab_term, taken),
+                                   forward_only=False)
         _, grad_norm, _ = self.optimizer.step()
         self.steps += 1
         self._version += 1
@@ -232,23 +240,54 @@ class MegatronPolicy:
             forward_step_func=forward_step, data_iterator=iter(micro), model=self.model_chunks,
             num_microbatches=len(micro), seq_length=width, micro_batch_size=mbs, forward_only=forward_only)
 
+    @contextlib.contextmanager
+    def _output_layer_input(self):
+        """While open, the last stage's output layer hands its input (and weight) to ``taken`` and projects none of
+        it: the loss projects it chunk by chunk (the HF backend's pre-hook, on megatron's ColumnParallelLinear)."""
+        taken: dict = {}
+        layer = getattr(self.module, "output_layer", None)  # only the last pipeline stage has one
+
+        def take(module, args, kwargs):
+            taken["hidden"], taken["weight"] = args[0], kwargs.get("weight")  # [s(/tp under SP), b, H]
+            return (args[0][:, :0], *args[1:]), kwargs  # no sequences: the model's forward projects nothing
+        handle = layer.register_forward_pre_hook(take, with_kwargs=True) if layer is not None else None
+        try:
+            yield taken
+        finally:
+            if handle is not None:
+                handle.remove()
+
     def _shard(self, logits: torch.Tensor) -> VocabShard:
         return VocabShard(logits[:, :-1], self.vocab_size, self.layout.tp_group)
 
-    def _train_loss(self, loss_fn, vocab_term, mb: TokenBatch, logits: torch.Tensor):
-        shard = self._shard(logits)
-        mb = mb.to(logits.device)
-        targets, mask = mb.input_ids[:, 1:], mb.response_mask
-        vocab = None
-        if vocab_term is not None:
-            if vocab_term.form != "topk":
-                raise ValueError("the megatron backend computes the top-k OPD form only: set opd.form=topk "
-                                 "(opd.topk=<vocabulary size> is the exact full-vocabulary loss)")
-            ids = mb.teacher_topk_ids
+    def _train_loss(self, loss_fn, vocab_term, taken: dict, mb: TokenBatch, output: torch.Tensor):
+        """``output`` is the model's (empty) logits; the output layer's input is in ``taken``."""
+        if vocab_term is not None and vocab_term.form != "topk":
+            raise ValueError("the megatron backend computes the top-k OPD form only: set opd.form=topk "
+                             "(opd.topk=<vocabulary size> is the exact full-vocabulary loss)")
+        mb = mb.to(output.device)
+        hidden, weight = taken.pop("hidden"), taken.pop("weight")
+        layer = self.module.output_layer
+        rows = max(1, self.logit_chunk_rows // mb.input_ids.shape[1])  # whole sequences per chunk
+
+        def terms(h: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
+            """Realised-token logprobs (and the top-k KL) of sequences [start, start + c) from their hidden states."""
+            logits, _ = layer.forward(h, weight=weight)  # .forward: past the pre-hook that empties its input
+            shard = self._shard(logits.transpose(0, 1))
+            sub = mb.select(slice(start, start + h.shape[1]))
+            logp = shard.token_logprobs(sub.input_ids[:, 1:])
+            if vocab_term is None:
+                return (logp,)
+            ids = sub.teacher_topk_ids
             tail = shard.tail_logprob(ids) if ids.shape[-1] < self.vocab_size else None
-            vocab = coarse_kl(shard.token_logprobs(ids), tail, mb.teacher_topk_logprobs, mb.teacher_tail,
-                              vocab_term.direction)
-        per_token, metrics = loss_fn(shard.token_logprobs(targets), vocab, mb)
+            return logp, coarse_kl(shard.token_logprobs(ids), tail, sub.teacher_topk_logprobs, sub.teacher_tail,
+                                   vocab_term.direction)
+        recompute = hidden.shape[1] > rows  # one chunk holds no more than the bound: no recomputation then
+        parts = [recomputed(terms, hidden[:, i:i + rows], i, use_reentrant=False) if recompute
+                 else terms(hidden[:, i:i + rows], i) for i in range(0, hidden.shape[1], rows)]
+        logp, *vocab = (torch.cat(column) for column in zip(*parts))
+        mask = mb.response_mask
+        per_token, metrics = loss_fn(logp, vocab[0] if vocab else None, mb)
         backprop = (per_token * mask).sum() / self.layout.tp  # the same on every TP rank: each rank owns 1/tp
         sums = torch.stack([(v.detach() * mask).sum() for v in (per_token, *metrics.values())])
         return backprop, mask.sum().to(torch.int), {"names": ["loss", *metrics], "sums": sums}
