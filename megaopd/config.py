@@ -146,6 +146,20 @@ class SFTConfig:
 
 
 @dataclass
+class StopConfig:
+    """When a stage ends (megaopd/stopping.py, docs/budgets.md): train.steps is always the cap."""
+
+    # steps: run train.steps; plateau: stop once the watched metric, smoothed as in the report, has not improved
+    # by min_delta over the last `window` evals
+    rule: Literal["steps", "plateau"] = "steps"
+    # What the stage watches (greedy held-out accuracy): a domain, "mean" (of the domains), or "teacher_gap" (OPD:
+    # the mean over its training domains of how far it is below its teacher's final accuracy there).
+    metric: str = "mean"
+    window: int = 3  # evals (eval.every steps apart)
+    min_delta: float = 0.01  # absolute accuracy
+
+
+@dataclass
 class TrainConfig:
     # grpo_opd: GRPO's advantage plus opd.coef times the OPD term
     algorithm: Literal["sft", "grpo", "opd", "grpo_opd"] = "grpo"
@@ -163,6 +177,7 @@ class TrainConfig:
     tis_cap: float = 2.0
     seed: int = 0
     logit_chunk_rows: int = 1024  # response rows per vocabulary-projection chunk ([rows x V] float32 at most)
+    stop: StopConfig = field(default_factory=StopConfig)
 
 
 @dataclass

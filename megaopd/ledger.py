@@ -34,6 +34,7 @@ class Ledger:
         self.counts_as = counts_as
         self.own = {c: 0.0 for c in COMPONENTS}
         self.upstream: list[dict] = []  # [{"role": "init" | "teacher:<route>", "ledger": <state dict>}]
+        self.stop: dict | None = None  # why the run ended (megaopd/stopping.py), once it has
 
     def add(self, component: str, flops: float) -> None:
         if component not in self.own:
@@ -72,12 +73,13 @@ class Ledger:
 
     def state_dict(self) -> dict:
         return {"run_id": self.run_id, "name": self.name, "counts_as": self.counts_as, "own": dict(self.own),
-                "upstream": self.upstream, "totals": self.totals()}
+                "upstream": self.upstream, "totals": self.totals(), "stop": self.stop}
 
     def load_state_dict(self, state: dict) -> None:
         self.run_id, self.name, self.counts_as = state["run_id"], state["name"], state["counts_as"]
         self.own = dict(state["own"])
         self.upstream = list(state["upstream"])
+        self.stop = state.get("stop")  # ledgers saved before stop reasons were recorded have none
 
     def save(self, model_dir: str | Path) -> None:
         Path(model_dir, LEDGER_FILE).write_text(json.dumps(self.state_dict(), indent=1))

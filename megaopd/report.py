@@ -26,9 +26,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from megaopd.analysis import (FINDING_RULES, INTERVAL_RULE, LENGTH_RULE, LENGTH_WINDOW, MATCH_TOLERANCE,  # noqa: E402
-                              SMALL_SHARE, TARGET_RULE, TOTALS, Stage, analyse_seeds, json_safe, pointer, reached,
-                              study_dirs)
+from megaopd.analysis import (BUDGET_RULE, FINDING_RULES, INTERVAL_RULE, LENGTH_RULE, LENGTH_WINDOW,  # noqa: E402
+                              MATCH_TOLERANCE, SMALL_SHARE, TARGET_RULE, TOTALS, Stage, analyse_seeds,
+                              budget_sensitivity, json_safe, pointer, reached, study_dirs)
 from megaopd.flops import COMPONENTS  # noqa: E402
 from megaopd.stats import NOT_MEASURED, REPLICATES, interval_wording  # noqa: E402
 
@@ -120,6 +120,24 @@ def _check_line(label: str, c: dict) -> str:
             f"{c['op']} {c['threshold']:g}: {c['verdict']}")
 
 
+def budget_line(budget: dict) -> str:
+    """A finding's verdict (and check values) at each cut of BUDGET_RULE, and whether it depends on the budget."""
+    cuts = " / ".join(f"{cut} {r['verdict']} ({', '.join(_f(v, '.3g') for v in r['values'].values()) or '-'})"
+                      for cut, r in budget["cuts"].items())
+    dependent = (f"**budget-dependent** (changes at {budget['changes_at']})" if budget["budget_dependent"]
+                 else "not budget-dependent")
+    return f"  - budget, each stage cut at {cuts}: {dependent}"
+
+
+def _stopped(stop: dict) -> str:
+    """Why a stage ended (megaopd/stopping.py), for the ledger table."""
+    if not stop:
+        return "-"
+    if stop["reason"] == "plateau":
+        return f"plateau ({stop['metric']}) at {stop['step']}"
+    return f"cap {stop['step']}" if stop["reason"] == "max_steps" else f"{stop['reason']} at {stop['step']}"
+
+
 def _seed_markdown(r: dict, fraction: float) -> list[str]:
     md = ["#### OPD vs GRPO (E1-E3): FLOPs to reach a target, on the GRPO stage's domain (the mean when it has none)", "",
           "| OPD stage | GRPO stage | teacher/student FLOPs per token | target | accuracy | GRPO FLOPs | OPD FLOPs "
@@ -144,7 +162,8 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
     md += ["", "#### Multi-teacher OPD (E6)", ""]
     for i, m in enumerate(r["multi_teacher"]):
         md.append(f"- {m['stage']}: distillation {_f(m['distill_flops'])} FLOPs / specialists "
-                  f"{_f(m['specialist_flops'])} = {_pct(m['share'])} (paper: 5.2% / 8.0%)")
+                  f"{_f(m['specialist_flops'])} = {_pct(m['share'])} (paper: 5.2% / 8.0%); specialists up to their "
+                  f"own final accuracy {_f(m['specialist_flops_to_final'])}: {_pct(m['share_experts_to_final'])}")
         for d, v in m["domains"].items():
             path = ("multi_teacher", i, "domains", d)
             md.append(f"  - {d}: student {_f(v['student_acc'], '.3f')}{_ci(r, path + ('student_acc',), '.3f')} vs "
@@ -161,15 +180,19 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
                   f"{_f(s['split_flops'])}{_ci(r, path + ('split_flops',))}; joint "
                   f"{reached(s['joint_flops_to_target'], s['joint_best_smoothed'])}"
                   f"{_ci(r, path + ('joint_flops_to_target',))}; saving 1 - split/joint = {_pct(s['saving'])}"
-                  f"{_ci(r, path + ('saving',), '.1f', 100)} (paper: 42.0%)")
+                  f"{_ci(r, path + ('saving',), '.1f', 100)} (paper: 42.0%); experts up to their own final "
+                  f"accuracy {_f(s['experts_flops_experts_to_final'])}: split "
+                  f"{_f(s['split_flops_experts_to_final'])}, saving {_pct(s['saving_experts_to_final'])}"
+                  f"{_ci(r, path + ('saving_experts_to_final',), '.1f', 100)}")
     if not r["split_vs_joint"]:
         md.append("- no joint_grpo stage (with a multi_teacher_opd stage) in this study")
     md += ["", "#### FLOPs ledger and response length per stage", "",
-           "| stage | method | steps | final mean acc | stage | + teachers | + cold start | external | "
-           + " | ".join(COMPONENTS) + " | length first | length last |", "|---" * (10 + len(COMPONENTS)) + "|"]
+           "| stage | method | steps | stopped | final mean acc | stage | + teachers | + cold start | external | "
+           + " | ".join(COMPONENTS) + " | length first | length last |", "|---" * (11 + len(COMPONENTS)) + "|"]
     for name, s in r["stages"].items():
         form = f" {s['form']}" if s.get("form") and s["form"] != s["algorithm"] else ""  # the OPD form, labelled
-        md.append(f"| {name} | {s['method']}{form} | {s['steps']} | {_f(s['final_mean_acc'], '.3f')}"
+        md.append(f"| {name} | {s['method']}{form} | {s['steps']} | {_stopped(s['stop'])} | "
+                  f"{_f(s['final_mean_acc'], '.3f')}"
                   f"{_ci(r, ('stages', name, 'final_mean_acc'), '.3f')} | "
                   + " | ".join(_f(s["totals"][k]) for k in TOTALS) + " | "
                   + " | ".join(_f(s["components"][c]) for c in COMPONENTS)
@@ -186,6 +209,9 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
     out.mkdir(parents=True, exist_ok=True)
     loaded, seeds, _, spread, overall = analyse_seeds(dirs, metric, target_fraction, window, x, length_window,
                                                       replicates)
+    for f, budget in zip(overall, budget_sensitivity(dirs, loaded, metric, target_fraction, window, x,
+                                                     length_window)):
+        f["budget"] = budget
     domains = sorted({d for _, stages in loaded for s in stages for d in s.domains(metric)})
     plots = []
     # The first seed's targets on the mean plot: where each curve has to get to.
@@ -200,7 +226,8 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
         "x_axis": f"flops/total_{x}", "metric": metric, "target_fraction": target_fraction, "window": window,
         "length_window": length_window, "replicates": replicates,
         "rules": {"flops_to_target": TARGET_RULE, "length": LENGTH_RULE, "findings": FINDING_RULES,
-                  "intervals": INTERVAL_RULE, "interval": interval_wording(len(seeds)), "match_tolerance": MATCH_TOLERANCE, "small_share": SMALL_SHARE},
+                  "intervals": INTERVAL_RULE, "interval": interval_wording(len(seeds)), "budget": BUDGET_RULE,
+                  "match_tolerance": MATCH_TOLERANCE, "small_share": SMALL_SHARE},
         "single_seed": len(seeds) == 1, "findings": overall, "spread": spread, "seeds": seeds, "plots": plots})
     (out / "report.json").write_text(json.dumps(report, indent=1))
 
@@ -219,7 +246,8 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
           f"- {TARGET_RULE} window = {window}.",
           f"- response length first/last: {LENGTH_RULE}, length_window = {length_window}.",
           f"- {INTERVAL_RULE} replicates = {replicates}; intervals are printed in brackets after their number.",
-          f"- findings: {FINDING_RULES} Tolerance {MATCH_TOLERANCE}; small share <= {SMALL_SHARE}.", "",
+          f"- findings: {FINDING_RULES} Tolerance {MATCH_TOLERANCE}; small share <= {SMALL_SHARE}.",
+          f"- {BUDGET_RULE} Why each stage stopped: the ledger tables (docs/budgets.md).", "",
           "## Findings of the paper, checked against this study", ""]
     if len(seeds) == 1:
         md += ["One seed: these intervals resample the held-out prompts only. Training noise (another seed, or another "
@@ -231,7 +259,7 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
         md.append(f"- ({f['id']}) {f['claim']}: **{f['verdict']}**"
                   + (f" (reproduced in {f['seeds_reproduced']} seeds)"
                      if len(seeds) > 1 and f["verdict"] != NOT_MEASURED else ""))
-        md += [_check_line(label, c) for label, c in f["checks"].items()]
+        md += [_check_line(label, c) for label, c in f["checks"].items()] + [budget_line(f["budget"])]
     md += ["", "## Headline numbers" + (" (single seed)" if len(seeds) == 1 else
                                         " across seeds (mean [interval], min-max)"), ""]
     md += [f"- {k}: {v['mean']:.4g}"
@@ -257,7 +285,8 @@ def finding_line(finding: dict) -> str:
                        + f" {c['op']} {c['threshold']:g}" for label, c in finding["checks"].items())
     seeds = (f" (reproduced in {finding['seeds_reproduced']} seeds)"
              if finding["n_seeds"] > 1 and finding["verdict"] != NOT_MEASURED else "")
-    return f"({finding['id']}) {finding['verdict']}{seeds}: {finding['claim']}" + (f": {checks}" if checks else "")
+    return (f"({finding['id']}) {finding['verdict']}{seeds}: {finding['claim']}" + (f": {checks}" if checks else "")
+            + "\n" + budget_line(finding["budget"]))
 
 
 def main(argv: list[str] | None = None) -> int:

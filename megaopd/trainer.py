@@ -36,12 +36,13 @@ from megaopd.data.synthetic import corrupt
 from megaopd.errors import DataError, require_file
 from megaopd.evaluate import Evaluator, score_samples
 from megaopd.ledger import Ledger
-from megaopd.metrics import MetricsLogger, rollout_metrics
+from megaopd.metrics import MetricsLogger, read_metrics, rollout_metrics
 from megaopd.methods import method
 from megaopd.objectives import TIS_LEVELS, build_objective, form_label, truncated_is_weights
 from megaopd.plan import check_run
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine, sampling_generator
+from megaopd.stopping import StopRule
 from megaopd.teachers import TeacherRouter, local_teachers
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,8 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
         self.start_step = self._resume()
         self.metrics = MetricsLogger(self.run_dir, self.start_step)
+        self.stop = StopRule(cfg, self.sampler.domains(), sorted(self.evaluator.by_domain),
+                             read_metrics(self.run_dir))  # a resumed run's evals so far
         self.preempted = False
 
     def _on_preempt(self, signum, frame) -> None:
@@ -284,15 +287,18 @@ class Trainer:
     def _fit(self) -> dict:
         cfg = self.cfg
         if self.start_step == 0:
-            self.metrics.log(0, self._eval(0) | self._flop_metrics())
+            first = self._eval(0)
+            self.stop.observe(first)  # the plateau rule's baseline
+            self.metrics.log(0, first | self._flop_metrics())
         stopped_early = False
         step = self.start_step
-        for step in tqdm(range(self.start_step + 1, cfg.train.steps + 1), desc=f"{cfg.train.algorithm} {self.run_dir}",
-                         initial=self.start_step, total=cfg.train.steps, mininterval=5):
+        last = self.start_step if self.stop.reason else cfg.train.steps  # a resumed run that had already stopped
+        for step in tqdm(range(self.start_step + 1, last + 1), desc=f"{cfg.train.algorithm} {self.run_dir}",
+                         initial=self.start_step, total=last, mininterval=5):
             metrics = self.step_fn(step)
             if step % cfg.eval.every == 0 or step == cfg.train.steps:
                 metrics |= self._eval(step)
-                stopped_early = self._sft_band_reached(metrics)
+                stopped_early = self.stop.observe(metrics, sft_band=self._sft_band_reached(metrics))
             self.metrics.log(step, metrics | self._flop_metrics())
             self.checkpointer.maybe_save(step, lambda: self._state(step), force=stopped_early or self.preempted)
             if self.preempted:
@@ -340,13 +346,14 @@ class Trainer:
         out = self.run_dir / FINAL_DIR
         tmp = self.run_dir / f".tmp_{FINAL_DIR}"
         self.policy.save_hf(tmp)
+        self.ledger.stop = self.stop.record(step)
         self.ledger.save(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
         summary = {"run_dir": str(self.run_dir), "algorithm": self.cfg.train.algorithm,
                    "form": form_label(self.cfg.train.algorithm, self.cfg.opd), "steps": step,
-                   "final": final_metrics, "ledger": self.ledger.state_dict()}
+                   "stop": self.ledger.stop, "final": final_metrics, "ledger": self.ledger.state_dict()}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 

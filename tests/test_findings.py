@@ -27,7 +27,8 @@ def multi(gaps: dict[str, float | None] | None = None, distill: float = 50.0, sp
     domains = {d: {"expert": f"expert_{d}", "expert_acc": None if g is None else 0.8,
                    "student_acc": 0.8 + (g or 0.0), "gap": g} for d, g in (gaps or {}).items()}
     return {"stage": "multi", "domains": domains, "distill_flops": distill, "specialist_flops": specialist,
-            "share": distill / specialist}
+            "share": distill / specialist, "specialist_flops_to_final": specialist / 2,
+            "share_experts_to_final": 2 * distill / specialist}
 
 
 def split(merge: float | None, joint: float, experts: float = 1000.0) -> dict:
@@ -36,7 +37,8 @@ def split(merge: float | None, joint: float, experts: float = 1000.0) -> dict:
     return {"joint": "joint", "merge": "multi", "target": 0.6, "experts_flops": experts,
             "merge_flops_to_target": merge, "merge_best_smoothed": 0.55, "split_flops": total,
             "joint_flops_to_target": joint, "joint_best_smoothed": 0.6,
-            "saving": 1 - total / joint if total is not None and joint else None}
+            "saving": 1 - total / joint if total is not None and joint else None,
+            "saving_experts_to_final": 1 - (total - experts / 2) / joint if total is not None and joint else None}
 
 
 def seed(comparisons=(), mts=(), splits=()) -> dict:

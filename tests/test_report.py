@@ -401,3 +401,52 @@ def test_teacher_cost_is_read_from_relative_model_paths_wherever_the_report_runs
     report = write_report([str(study)], tmp_path / "report")
     (ext,) = [c for c in report["seeds"][0]["comparisons"] if c["opd"] == "opd_ext"]
     assert ext["teacher_cost_ratio"] == pytest.approx(shapes["qwen3-base"] / shapes["qwen3-tiny"])
+
+
+def budget_study(root):
+    """An expert that reaches its 0.8 at step 10 and stays there, a multi-teacher student that gets to 0.8 only at
+    its final step 30, and a joint GRPO stage still climbing. Window 1: (d) is 0.3 below at 50% of the runs, 0.1
+    below at 75%, matched at 100% (budget-dependent, changing at 100%); (e)'s share is 1% at every cut (not)."""
+    root.mkdir(parents=True)
+    write_stage(root, "expert_add", "grpo", [(f, {"arith_add": a, "mean": a}) for f, a in
+                                             ((0, 0.3), (1000, 0.8), (2000, 0.8), (3000, 0.8))],
+                {"arith_add": 0.8, "mean": 0.8})
+    write_stage(root, "multi", "opd", [(f, {"arith_add": a, "mean": a}) for f, a in
+                                       ((0, 0.3), (10, 0.5), (20, 0.7), (30, 0.8))], {"arith_add": 0.8, "mean": 0.8})
+    write_stage(root, "joint", "grpo", mean_curve([0, 2000, 4000, 6000], [0.3, 0.4, 0.5, 0.6]), {"mean": 0.6})
+    stages = [("expert_add", "expert", "arith_add"), ("multi", "multi_teacher_opd", ""), ("joint", "joint_grpo", "")]
+    study = {"out": str(root), "stages": [{"name": n, "config": "x.yaml", "method": m, "domain": d}
+                                          for n, m, d in stages]}
+    (root / "study.yaml").write_text(yaml.safe_dump(study))
+    return root
+
+
+def test_budget_sensitivity_flags_the_finding_that_flips_under_a_shorter_budget(tmp_path):
+    from megaopd.analysis import cut_stage, load_study
+
+    report = write_report(budget_study(tmp_path / "study"), window=1, length_window=1)
+    by_id = {f["id"]: f for f in report["findings"]}
+    d, e = by_id["d"]["budget"], by_id["e"]["budget"]
+    assert [c["verdict"] for c in d["cuts"].values()] == ["not reproduced", "not reproduced", "reproduced"]
+    assert [c["values"]["multi arith_add"] for c in d["cuts"].values()] == pytest.approx([-0.3, -0.1, 0.0])
+    assert d["budget_dependent"] and d["changes_at"] == "100%"
+    assert not e["budget_dependent"] and e["changes_at"] is None
+    assert [c["values"]["multi"] for c in e["cuts"].values()] == pytest.approx([0.01, 0.01, 0.01])
+    md = (tmp_path / "study" / "report" / "report.md").read_text()
+    assert "**budget-dependent** (changes at 100%)" in md and "not budget-dependent" in md
+    # A cut ends the stage at its last eval within the share of its steps: its FLOPs and "final" are that eval's.
+    (_, stages) = load_study(tmp_path / "study")
+    half = cut_stage(next(s for s in stages if s.name == "multi"), 0.5)
+    assert half.total() == 10 and half.final_acc("arith_add", "greedy") == 0.5 and half.lines[-1]["step"] == 10
+
+
+def test_specialists_cost_both_ways(tmp_path):
+    """The expert's whole run (3000 FLOPs) and the expert up to its own final accuracy (1000, window 1): the share
+    of (e) and the split FLOPs of (f), the merge reaching joint's 0.6 at 15."""
+    seed = write_report(budget_study(tmp_path / "study"), window=1, length_window=1, replicates=0)["seeds"][0]
+    (mt,) = seed["multi_teacher"]
+    assert mt["specialist_flops"] == 3000 and mt["specialist_flops_to_final"] == pytest.approx(1000)
+    assert mt["share_experts_to_final"] == pytest.approx(30 / 1000)
+    (sj,) = seed["split_vs_joint"]
+    assert sj["split_flops"] == pytest.approx(3015) and sj["split_flops_experts_to_final"] == pytest.approx(1015)
+    assert sj["saving_experts_to_final"] == pytest.approx(1 - 1015 / 6000)

@@ -4,12 +4,14 @@ numbers; ``megaopd/report.py`` renders them (markdown, plots, report.json).
 - ``runs``: a study directory's runs (``Stage``) and their bootstrap resample;
 - ``curves``: FLOPs-to-target on smoothed curves and the E1-E7 numbers of one seed (``analyse``);
 - ``findings``: the paper's findings as a table of rules, and their verdicts;
-- ``intervals``: bootstrap intervals over prompts and seeds (``analyse_seeds``).
+- ``intervals``: bootstrap intervals over prompts and seeds (``analyse_seeds``);
+- ``budget``: every finding again with each stage's run cut short (``budget_sensitivity``).
 
-One package of four modules rather than one module: together they are ~600 lines (over the ~400 of one module),
+One package of small modules rather than one module: together they are ~600 lines (over the ~400 of one module),
 and each part has one purpose.
 """
 
+from megaopd.analysis.budget import BUDGET_RULE, CUTS, budget_sensitivity, cut_stage
 from megaopd.analysis.curves import (LENGTH_RULE, LENGTH_WINDOW, TARGET_RULE, TOTALS, accuracy_at, analyse,
                                      flops_to_target, smooth, split_vs_joint)
 from megaopd.analysis.findings import (FINDING_RULES, FINDINGS, MATCH_TOLERANCE, SMALL_SHARE, Finding, findings,
@@ -18,8 +20,8 @@ from megaopd.analysis.intervals import (BOOTSTRAP_SEED, INTERVAL_RULE, aggregate
                                         pointer)
 from megaopd.analysis.runs import Stage, load_study, study_dirs
 
-__all__ = ["BOOTSTRAP_SEED", "FINDINGS", "FINDING_RULES", "INTERVAL_RULE", "LENGTH_RULE", "LENGTH_WINDOW",
-           "MATCH_TOLERANCE", "SMALL_SHARE", "TARGET_RULE", "TOTALS", "Finding", "Stage", "accuracy_at", "aggregate",
-           "analyse", "analyse_seeds", "bootstrap", "findings", "flops_to_target", "json_safe", "judge", "load_study",
-           "pointer",
-           "reached", "smooth", "split_vs_joint", "study_dirs"]
+__all__ = ["BOOTSTRAP_SEED", "BUDGET_RULE", "CUTS", "FINDINGS", "FINDING_RULES", "INTERVAL_RULE", "LENGTH_RULE",
+           "LENGTH_WINDOW", "MATCH_TOLERANCE", "SMALL_SHARE", "TARGET_RULE", "TOTALS", "Finding", "Stage",
+           "accuracy_at", "aggregate", "analyse", "analyse_seeds", "bootstrap", "budget_sensitivity", "cut_stage",
+           "findings", "flops_to_target", "json_safe", "judge", "load_study", "pointer", "reached", "smooth",
+           "split_vs_joint", "study_dirs"]

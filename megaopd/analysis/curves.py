@@ -56,17 +56,29 @@ def accuracy_at(flops: list[float], accuracy: list[float], at: float, window: in
 
 
 def split_vs_joint(expert_flops: list[float], merge_flops: list[float], merge_acc: list[float],
-                   joint_flops: list[float], joint_acc: list[float], target: float, window: int = 3) -> dict:
-    """E7: experts + the multi-teacher OPD FLOPs to reach `target` vs joint GRPO's FLOPs to reach it."""
+                   joint_flops: list[float], joint_acc: list[float], target: float, window: int = 3,
+                   expert_flops_to_final: list[float] | None = None) -> dict:
+    """E7: experts + the multi-teacher OPD FLOPs to reach `target` vs joint GRPO's FLOPs to reach it; with
+    `expert_flops_to_final`, also with each expert counted only up to its own final accuracy."""
     merge = flops_to_target(merge_flops, merge_acc, target, window)
     joint = flops_to_target(joint_flops, joint_acc, target, window)
-    experts = float(sum(expert_flops))
-    split = experts + merge if merge is not None else None
-    saving = 1 - split / joint if split is not None and joint else None
-    return {"target": target, "experts_flops": experts, "merge_flops_to_target": merge,
-            "merge_best_smoothed": max(smooth(merge_acc, window), default=None), "split_flops": split,
-            "joint_flops_to_target": joint, "joint_best_smoothed": max(smooth(joint_acc, window), default=None),
-            "saving": saving}
+    out = {"target": target, "merge_flops_to_target": merge,
+           "merge_best_smoothed": max(smooth(merge_acc, window), default=None), "joint_flops_to_target": joint,
+           "joint_best_smoothed": max(smooth(joint_acc, window), default=None)}
+    ways = {"": expert_flops} | ({"_experts_to_final": expert_flops_to_final}
+                                         if expert_flops_to_final is not None else {})
+    for suffix, experts in ways.items():
+        split = float(sum(experts)) + merge if merge is not None else None
+        out |= {f"experts_flops{suffix}": float(sum(experts)), f"split_flops{suffix}": split,
+                f"saving{suffix}": 1 - split / joint if split is not None and joint else None}
+    return out
+
+
+def flops_to_own_final(stage: Stage, metric: str, window: int = 3) -> float | None:
+    """An expert's FLOPs to its own final smoothed accuracy on its domain (what it needed; its whole run may go on
+    past it); its whole run when it has no curve there."""
+    f, a = stage.curve(stage.domain, metric, "stage")
+    return flops_to_target(f, a, smooth(a, window)[-1], window) if a else stage.total("stage")
 
 
 def compare_opd_grpo(opd: Stage, grpo: Stage, metric: str, fraction: float, window: int, x: str,
@@ -100,16 +112,20 @@ def compare_opd_grpo(opd: Stage, grpo: Stage, metric: str, fraction: float, wind
     return out
 
 
-def multi_teacher(mt: Stage, experts: list[Stage], metric: str) -> dict:
-    """E6: per-domain student vs expert final accuracy; distillation FLOPs over the experts' stage FLOPs."""
+def multi_teacher(mt: Stage, experts: list[Stage], metric: str, window: int = 3) -> dict:
+    """E6: per-domain student vs expert final accuracy; distillation FLOPs over the experts' stage FLOPs (their
+    whole runs, and each only up to its own final accuracy)."""
     own = [e for e in experts if mt.final_acc(e.domain, metric) is not None]
     domains = {e.domain: {"expert": e.name, "expert_acc": e.final_acc(e.domain, metric),
                           "student_acc": mt.final_acc(e.domain, metric)} for e in own}
     for d in domains.values():
         d["gap"] = d["student_acc"] - d["expert_acc"] if d["expert_acc"] is not None else None
     specialist = sum(e.total("stage") for e in own)
-    return {"stage": mt.name, "domains": domains, "distill_flops": mt.total("stage"), "specialist_flops": specialist,
-            "share": mt.total("stage") / specialist if specialist else None, "teacher_cost_ratio": mt.teacher_cost}
+    to_final = sum(flops_to_own_final(e, metric, window) for e in own)
+    distill = mt.total("stage")
+    return {"stage": mt.name, "domains": domains, "distill_flops": distill, "specialist_flops": specialist,
+            "share": distill / specialist if specialist else None, "specialist_flops_to_final": to_final,
+            "share_experts_to_final": distill / to_final if to_final else None, "teacher_cost_ratio": mt.teacher_cost}
 
 
 def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str = "greedy",
@@ -120,7 +136,7 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
     comparisons = [compare_opd_grpo(s, by_name[s.compare_with], metric, target_fraction, window, x, length_window)
                    for s in stages if s.method in OPD_VS_GRPO and s.compare_with in by_name]
     experts = [s for s in stages if s.method == "expert" and s.domain]
-    mts = [multi_teacher(s, experts, metric) for s in stages if s.method == "multi_teacher_opd"]
+    mts = [multi_teacher(s, experts, metric, window) for s in stages if s.method == "multi_teacher_opd"]
     splits = []
     for joint in (s for s in stages if s.method == "joint_grpo"):
         # The multi-teacher stage over the same domains as joint GRPO (the 2-domain mix), else the first one.
@@ -130,11 +146,12 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
             continue
         merge_f, merge_a = by_name[mt["stage"]].curve("mean", metric, "stage")
         target = smooth(joint_a, window)[-1]  # joint GRPO's final accuracy, on the same prompts as the curves
-        expert_flops = [by_name[d["expert"]].total("stage") for d in mt["domains"].values()]
-        splits.append({"joint": joint.name, "merge": mt["stage"],
-                       "experts": [d["expert"] for d in mt["domains"].values()],
-                       **split_vs_joint(expert_flops, merge_f, merge_a, joint_f, joint_a, target, window)})
+        mt_experts = [by_name[d["expert"]] for d in mt["domains"].values()]
+        splits.append({"joint": joint.name, "merge": mt["stage"], "experts": [e.name for e in mt_experts],
+                       **split_vs_joint([e.total("stage") for e in mt_experts], merge_f, merge_a, joint_f, joint_a,
+                                        target, window, [flops_to_own_final(e, metric, window) for e in mt_experts])})
     table = {s.name: {"method": s.method, "algorithm": s.algorithm, "form": s.form, "steps": s.lines[-1]["step"],
+                      "stop": s.stop,
                       "final_mean_acc": s.final_acc("mean", metric),
                       "totals": {k: s.total(k) for k in TOTALS},
                       "components": {c: s.lines[-1].get(f"flops/{c}") for c in COMPONENTS},

@@ -99,7 +99,9 @@ def distillation_share(r: dict) -> Iterator[Check]:
     """(e) distillation FLOPs / the specialists' FLOPs, per multi-teacher stage."""
     for m in r["multi_teacher"]:
         if m["share"] is not None:
-            yield m["stage"], m["share"], f"{m['distill_flops']:.3e} / {m['specialist_flops']:.3e}; share"
+            yield (m["stage"], m["share"], f"{m['distill_flops']:.3e} / {m['specialist_flops']:.3e} (experts' "
+                   f"whole runs; to their own final accuracy {m['specialist_flops_to_final']:.3e}: share "
+                   f"{m['share_experts_to_final']:.3g}); share")
 
 
 def split_saving(r: dict) -> Iterator[Check]:
@@ -109,8 +111,10 @@ def split_saving(r: dict) -> Iterator[Check]:
         if s["saving"] is None and s["split_flops"] is not None:
             continue
         split = reached(s["split_flops"], s["merge_best_smoothed"])
+        to_final = s["saving_experts_to_final"]
         yield (f"{s['merge']} + experts vs {s['joint']}", -math.inf if s["saving"] is None else s["saving"],
-               f"to {s['target']:.3f}: split {split}, joint "
+               f"to {s['target']:.3f}: split {split} (experts' whole runs; to their own final accuracy: saving "
+               f"{'-inf' if to_final is None else format(to_final, '.3g')}), joint "
                f"{reached(s['joint_flops_to_target'], s['joint_best_smoothed'])}; saving")
 
 

@@ -35,6 +35,7 @@ class Stage:
     records: dict = field(default_factory=dict)  # eval step or "final" -> per-prompt results (megaopd/evaluate.py)
     teacher_cost: dict[str, float] = field(default_factory=dict)  # OPD: domain -> teacher/student FLOPs per token
     form: str = ""  # the objective as objectives.form_label names it, e.g. opd:topk(K=16,reverse)
+    stop: dict = field(default_factory=dict)  # why the run ended (megaopd/stopping.py); {} for older runs
 
     @property
     def final(self) -> dict:
@@ -149,7 +150,7 @@ def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
         stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
                             summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),
-                            _teacher_cost(run_dir), summary.get("form", "")))
+                            _teacher_cost(run_dir), summary.get("form", ""), summary.get("stop") or {}))
     return study, [s for s in stages if s.lines]
 
 
