@@ -32,12 +32,13 @@ demo: setup
 # A one-node Slurm cluster for the sbatch tests and a 4-node one (network namespaces) for the multi-node tests:
 # they need root; elsewhere those tests skip (never in CI).
 # One intra-op thread per process: several test processes share 2 cores, and spinning OpenMP threads starve them.
+# Two pytest-xdist workers (tests/conftest.py groups the tests that share a cluster or the image store).
 test: setup setup-sglang
 	bash .ci/slurm_up.sh || [ -z "$$CI" ]
 	PY=$(PY) bash .ci/slurm_multinode_up.sh || [ -z "$$CI" ]
 	MEGAOPD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	MEGAOPD_SGLANG_UNAVAILABLE="$$(cat $(SGLANG_VENV).unavailable 2>/dev/null)" \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q -rs --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; \
 	PY=$(PY) bash .ci/slurm_multinode_down.sh || true; exit $$status
 
 # The images' locked requirement sets (docker/requirements-*.lock) and the versions table in docs/docker.md, from
