@@ -202,11 +202,12 @@ def run_study(study: StudyConfig) -> list[Path]:
         build_assets(one)
     link_shared_stages(study)
     # One task per run directory (a shared stage's links resolve to one), waiting for the run directories it names;
-    # stage by stage across the seeds, so that the last stages of the seeds end side by side.
+    # the shared stages first (each gates a stage of every seed, and they need no per-seed stage), then stage by
+    # stage across the seeds, so that the last stages of the seeds end side by side.
     configs: dict[Path, RunConfig] = {}
     needs: dict[Path, set[Path]] = {}
     deps, stages = dependencies(study), {stage.name: stage for stage in study.stages}
-    for name in submission_order(study):
+    for name in sorted(submission_order(study), key=lambda name: not stages[name].shared):
         for one in seeds:
             run_dir = (Path(one.out) / name).resolve()
             if run_dir not in configs:

@@ -91,6 +91,22 @@ def test_a_shared_stage_is_linked_into_every_later_seed(tmp_path):
         link_shared_stages(study)
 
 
+def test_the_shared_stage_starts_first(tmp_path, monkeypatch):
+    """It gates a stage of every seed (the external teacher: both seeds' OPD from it), so it takes a worker before
+    the seeds' own stages do; negative control: without the rule the seeds' cold starts take both workers first."""
+    import megaopd.study as study_module
+
+    study = load_config(ROOT / "configs/studies/two_domain.yaml", [f"out={tmp_path}", "seeds=[0,1]"],
+                        cls=StudyConfig)
+    monkeypatch.setattr(study_module, "build_assets", lambda one: None)
+    started = []
+    monkeypatch.setattr(study_module, "_run_side_by_side", lambda configs, needs, todo, *a: started.extend(todo))
+    study_module.run_study(study)
+    order = [f"{d.parent.name}/{d.name}" for d in started]
+    assert order[:3] == ["seed_0/teacher_sft", "seed_0/base", "seed_1/base"], order
+    assert len(order) == 2 * len(study.stages) - 1  # the shared stage once
+
+
 def test_shipped_external_teacher_costs_five_times_the_student_per_token():
     from megaopd.embedded import build_model_config
     from megaopd.flops import ModelShape
