@@ -38,7 +38,7 @@ test: setup setup-sglang
 	PY=$(PY) bash .ci/slurm_multinode_up.sh || [ -z "$$CI" ]
 	MEGAOPD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	MEGAOPD_SGLANG_UNAVAILABLE="$$(cat $(SGLANG_VENV).unavailable 2>/dev/null)" \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q -rs --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q -rs --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; \
 	PY=$(PY) bash .ci/slurm_multinode_down.sh || true; exit $$status
 
 # The images' locked requirement sets (docker/requirements-*.lock) and the versions table in docs/docker.md, from

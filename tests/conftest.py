@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,24 +13,32 @@ from megaopd.embedded import build_data, build_model
 # make test runs the suite on two pytest-xdist workers, one per core: one intra-op thread each (run alone: two).
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
-# make test hands the tests out to its workers a file at a time (a module's fixtures, such as a started server, are
-# made once), and the files that share one machine-wide resource as one group, one after another on one worker: the
-# Slurm clusters of .ci/slurm_up.sh and .ci/slurm_multinode_up.sh (and those rehearse and the failover tests use),
-# and podman's image store. Those groups are the longest, so they are handed out first.
+# make test hands the tests out to its two workers a file at a time (a module's fixtures, such as a started server,
+# are made once), and the files that share one machine-wide resource as one unit, one after another on one worker:
+# the Slurm clusters of .ci/slurm_up.sh and .ci/slurm_multinode_up.sh (and those rehearse and the failover tests
+# use), and podman's image store. Those units are the longest, so they are handed out first.
 SHARED = {"slurm": ("test_slurm_cluster.py", "test_slurm_multinode.py", "test_slurm_failover.py", "test_rehearse.py",
                     "test_nemo_run.py"),
           "podman": ("test_docker_images.py",)}
 
 
-def shared_resource(item) -> str | None:
-    return next((group for group, files in SHARED.items() if item.path.name in files), None)
+def shared_resource(path: str) -> str | None:
+    return next((unit for unit, files in SHARED.items() if Path(path).name in files), None)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the group marks
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(shared_resource(item) or item.path.name))
-    items.sort(key=lambda item: shared_resource(item) is None)
+    items.sort(key=lambda item: shared_resource(item.path) is None)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedResourceScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return shared_resource(file) or file
+
+    return SharedResourceScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
