@@ -30,15 +30,24 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: shared_resource(item.path) is None)
 
 
-def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
+class SharedResourceHandOut:
+    """Registered only under xdist (`-p no:xdist` or `-n 0` runs the tests in order without it)."""
 
-    class SharedResourceScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return shared_resource(file) or file
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        from xdist.scheduler import LoadScopeScheduling
 
-    return SharedResourceScheduling(config, log)
+        class ByFileAndSharedResource(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                file = nodeid.split("::", 1)[0]
+                return shared_resource(file) or file
+
+        return ByFileAndSharedResource(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(SharedResourceHandOut())
 
 
 @pytest.fixture(scope="session")
