@@ -29,7 +29,7 @@ from megaopd.errors import UserError
 
 # Subcommands that own their arguments.
 _DELEGATED = {"report": "megaopd.report", "submit": "megaopd.launch.submit", "rehearse": "megaopd.launch.rehearse",
-              "plan": "megaopd.plan"}
+              "plan": "megaopd.study_plan"}
 
 
 def main(argv: list[str] | None = None) -> int:
