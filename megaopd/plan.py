@@ -36,6 +36,7 @@ from megaopd import flops
 from megaopd.config import RunConfig
 from megaopd.errors import UserError
 from megaopd.methods import method
+from megaopd.shapes import REAL_SHAPES, real_model_config, real_shape
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -119,23 +120,20 @@ class Arch:
 
 
 def resolve_arch(path: str, aliases: dict[str, str] | None = None) -> Arch:
-    from megaopd.embedded import REAL_SHAPES, build_model_config, real_shape
-
     path = (aliases or {}).get(path.rstrip("/"), path)
     config = Path(path) / "config.json"
     if config.exists():
         return Arch.from_hf(json.loads(config.read_text()))
     name = Path(path.rstrip("/")).name.lower()
-    if real_shape(name) is not None:
-        key = name
-    else:
+    shape = real_shape(name)
+    if shape is None:
         matches = [k for k in REAL_SHAPES if name.startswith(k)]
         if not matches:
             raise PlanError(f"cannot plan model {path!r}: no config.json there, and its name starts with no known "
                             f"shape ({', '.join(sorted(REAL_SHAPES))}); give a model directory, or a name that "
                             "starts with one of them")
-        key = max(matches, key=len)
-    return Arch.from_hf(build_model_config(key, 0, 0, 0).to_dict())
+        shape = REAL_SHAPES[max(matches, key=len)]
+    return Arch.from_hf(real_model_config(shape, 0, 0, 0).to_dict())
 
 
 @dataclass
