@@ -27,7 +27,7 @@ from megaopd.config import load_config  # noqa: E402
 from megaopd.embedded import build_data, build_model  # noqa: E402
 from megaopd.methods import method  # noqa: E402
 from megaopd.metrics import read_metrics  # noqa: E402
-from megaopd.stats import linear_trend  # noqa: E402
+from megaopd.analysis.stats import linear_trend  # noqa: E402
 
 # The thresholds every check states in the JSON (why each: docs in the note of issue 25).
 TREND_T = 2.0  # a learning curve must move the right way by at least 2 standard errors of its fitted slope
