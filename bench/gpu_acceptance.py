@@ -190,7 +190,7 @@ def sglang_logprob_gap(model: Path, data: Path, work: Path) -> float:
                              "model.dtype=bfloat16", "rollout.engine=sglang", "rollout.sglang.probe_tolerance=5e-2",
                              "rollout.sglang.server_args=[--mem-fraction-static, 0.5]"])
     policy = HFPolicy(cfg.model)
-    engine = SGLangEngine(cfg, policy)
+    engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
     try:
         rows = load_rows(str(data / "arith_add" / "train.jsonl"))[0][:64]
         samples = engine.generate(rows, 4, 1.0, 1.0, 64, sampling_generator(policy.device, 1))

@@ -21,25 +21,24 @@ from pathlib import Path
 import torch
 
 from megaopd.batch import TokenBatch
-from megaopd.config import RunConfig
+from megaopd.config import SGLangConfig
 from megaopd.flops import ModelShape
 from megaopd.serving.leader import on_leader
 from megaopd.serving.pool import ServerPool
 
 
 class SGLangTeacher:
-    def __init__(self, path: str, urls: list[str], cfg: RunConfig, name: str):
+    def __init__(self, path: str, urls: list[str], servers: SGLangConfig, dtype: str, run_dir: str | Path, name: str):
         from transformers import AutoConfig, AutoTokenizer
 
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
         self.pool = None  # set on rank 0 only (see leader.py); a failed start stops every rank
-        on_leader(lambda: self._start_servers(urls, cfg, name))
+        on_leader(lambda: self._start_servers(urls, servers, dtype, Path(run_dir) / "sglang", name))
 
-    def _start_servers(self, urls: list[str], cfg: RunConfig, name: str) -> None:
-        self.pool = ServerPool.launch_or_attach(self.path, urls, cfg.rollout.sglang, cfg.model.dtype,
-                                                Path(cfg.run_dir) / "sglang", name)
+    def _start_servers(self, urls: list[str], servers: SGLangConfig, dtype: str, log_dir: Path, name: str) -> None:
+        self.pool = ServerPool.launch_or_attach(self.path, urls, servers, dtype, log_dir, name)
 
     def _score(self, batch: TokenBatch, top_k: int, temperature: float, top_p: float) -> list[dict]:
         """The server's answers for each row: response rows only (from the first response token on)."""
