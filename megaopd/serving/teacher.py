@@ -15,13 +15,13 @@ for the wrong distribution. Its ``shape`` (for the ledger) and tokenizer come fr
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
 from megaopd.batch import TokenBatch
 from megaopd.config import SGLangConfig
+from megaopd.distributions import topk_tail
 from megaopd.flops import ModelShape
 from megaopd.serving.leader import on_leader
 from megaopd.serving.pool import ServerPool
@@ -69,7 +69,7 @@ class SGLangTeacher:
 
     def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,
                       top_p: float = 1.0) -> dict[str, torch.Tensor]:
-        """As ``HFPolicy.topk_logprobs``; the tail is log(1 - sum of the K probabilities), -inf when none is left."""
+        """As ``HFPolicy.topk_logprobs``; the tail is log(1 - the K's mass) (``distributions.topk_tail``)."""
         grid = batch.response_mask.shape
         out = {"realised": torch.zeros(grid), "topk_ids": torch.zeros((*grid, k), dtype=torch.long),
                "topk": torch.zeros((*grid, k)), "tail": torch.zeros(grid)}
@@ -80,8 +80,7 @@ class SGLangTeacher:
             out["topk"][i, columns] = top
             out["topk_ids"][i, columns] = torch.tensor([[tok for _, tok in row] for row in scored["top"]],
                                                        dtype=torch.long).reshape(-1, k)
-            left = (1 - top.double().exp().sum(-1)).clamp(min=0)
-            out["tail"][i, columns] = torch.where(left > 0, left.log(), -math.inf).float()
+            out["tail"][i, columns] = topk_tail(top)
         return out
 
     def close(self) -> None:
