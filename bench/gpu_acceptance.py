@@ -27,7 +27,7 @@ from megaopd.config import load_config  # noqa: E402
 from megaopd.embedded import build_data, build_model  # noqa: E402
 from megaopd.methods import method  # noqa: E402
 from megaopd.metrics import read_metrics  # noqa: E402
-from megaopd.stats import linear_trend  # noqa: E402
+from megaopd.analysis.stats import linear_trend  # noqa: E402
 
 # The thresholds every check states in the JSON (why each: docs in the note of issue 25).
 TREND_T = 2.0  # a learning curve must move the right way by at least 2 standard errors of its fitted slope
@@ -190,7 +190,7 @@ def sglang_logprob_gap(model: Path, data: Path, work: Path) -> float:
                              "model.dtype=bfloat16", "rollout.engine=sglang", "rollout.sglang.probe_tolerance=5e-2",
                              "rollout.sglang.server_args=[--mem-fraction-static, 0.5]"])
     policy = HFPolicy(cfg.model)
-    engine = SGLangEngine(cfg, policy)
+    engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
     try:
         rows = load_rows(str(data / "arith_add" / "train.jsonl"))[0][:64]
         samples = engine.generate(rows, 4, 1.0, 1.0, 64, sampling_generator(policy.device, 1))

@@ -33,7 +33,7 @@ def timed_sync(model: str, method: str, run_dir: str, dtype: str = "bfloat16", t
                              f"rollout.sglang.probe_tolerance={tolerance}",
                              f"rollout.sglang.server_args=[--mem-fraction-static, {mem_fraction}]"])
     policy = HFPolicy(cfg.model)
-    engine = SGLangEngine(cfg, policy)
+    engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
     try:
         with torch.no_grad():
             for p in policy.model.parameters():

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
         cfg.rollout.sglang.urls = [a.url] if a.url else []
         policy = HFPolicy(cfg.model)
         policy.model.eval()
-        engines = {"local": LocalEngine(policy), "sglang": SGLangEngine(cfg, policy)}
+        engines = {"local": LocalEngine(policy), "sglang": SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)}
         try:
             print(f"# Rollout throughput: SGLang server (CPU) vs LocalEngine\n\nmachine: {machine()}\n")
             print(f"model {Path(model).name}, {a.max_new} new tokens per sample, {a.threads} thread(s) each side, "

@@ -29,7 +29,7 @@ from megaopd.errors import UserError
 
 # Subcommands that own their arguments.
 _DELEGATED = {"report": "megaopd.report", "submit": "megaopd.launch.submit", "rehearse": "megaopd.launch.rehearse",
-              "plan": "megaopd.plan"}
+              "plan": "megaopd.study_plan"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +57,7 @@ def _main(argv: list[str]) -> int:
     p = sub.add_parser("make-embedded", help="build the tiny default models and synthetic data")
     p.add_argument("--out", required=True)
     p.add_argument("--presets", nargs="*", default=["qwen3-tiny", "llama-tiny"],
-                   help="tiny presets, or real shapes such as qwen3-0.6b:layers=2 (megaopd.embedded.REAL_SHAPES)")
+                   help="tiny presets, or real shapes such as qwen3-0.6b:layers=2 (megaopd.shapes.REAL_SHAPES)")
     p.add_argument("--domains", nargs="*", default=None)
     p.add_argument("--seed", type=int, default=0)
 

@@ -24,6 +24,7 @@ import torch
 
 from megaopd.batch import Sample, TokenBatch
 from megaopd.config import GRPOConfig, OPDConfig, RunConfig
+from megaopd.distributions import TAIL_FLOOR, tail_logprob
 from megaopd.methods import OPD_FORMS, Method, method
 KL_DIRECTIONS = ("reverse", "forward")
 # (student log-softmax of rows [start, start + c) of the micro-batch's response rows, [c, V]; start) -> [c]
@@ -82,15 +83,6 @@ def full_vocab_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
     if direction == "reverse":
         return (student_logprobs.exp() * (student_logprobs - teacher_logprobs)).sum(-1)
     return (teacher_logprobs.exp() * (teacher_logprobs - student_logprobs)).sum(-1)
-
-
-TAIL_FLOOR = -30.0  # log of the smallest tail mass a server's rounded top-k can leave (its sum may reach 1)
-
-
-def tail_logprob(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log of the mass outside ``ids`` of a log-softmax [..., V], computed exactly (not as 1 - sum: cancellation).
-    -inf where the ids cover the vocabulary."""
-    return logprobs.scatter(-1, ids, -torch.inf).logsumexp(-1)
 
 
 def topk_kl(student_logprobs: torch.Tensor, teacher_ids: torch.Tensor, teacher_topk: torch.Tensor,

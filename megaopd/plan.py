@@ -1,8 +1,5 @@
-"""Plan a run's memory per GPU rank and the cost of one step before it starts (`megaopd plan`, and the trainer's
-check before step 1).
-
-    megaopd plan configs/cluster/grpo.yaml model.path=/models/Qwen3-1.7B --memory-gib 141
-    megaopd plan configs/studies/cluster/two_domain_qwen3.yaml [--stage expert_math]
+"""Plan a run's memory per GPU rank and the cost of one step before it starts (the trainer's check before step 1,
+and `megaopd plan`, whose command and study-level planning are in ``megaopd.study_plan``).
 
 A model is read from its directory's config.json, or, when the directory is not on this machine, from the real-shape
 preset its name starts with (``/models/Qwen3-1.7B`` -> ``qwen3-1.7b``; a study stage's ``{out}/<stage>/final`` has
@@ -29,20 +26,17 @@ plan.peak_tflops on every trainer GPU.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-
 from megaopd import flops
-from megaopd.config import ConfigError, RunConfig, load_config
-from megaopd.errors import UserError, require_file
+from megaopd.config import RunConfig
+from megaopd.errors import UserError
 from megaopd.methods import method
+from megaopd.shapes import REAL_SHAPES, real_model_config, real_shape
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -126,23 +120,20 @@ class Arch:
 
 
 def resolve_arch(path: str, aliases: dict[str, str] | None = None) -> Arch:
-    from megaopd.embedded import REAL_SHAPES, build_model_config, real_shape
-
     path = (aliases or {}).get(path.rstrip("/"), path)
     config = Path(path) / "config.json"
     if config.exists():
         return Arch.from_hf(json.loads(config.read_text()))
     name = Path(path.rstrip("/")).name.lower()
-    if real_shape(name) is not None:
-        key = name
-    else:
+    shape = real_shape(name)
+    if shape is None:
         matches = [k for k in REAL_SHAPES if name.startswith(k)]
         if not matches:
             raise PlanError(f"cannot plan model {path!r}: no config.json there, and its name starts with no known "
                             f"shape ({', '.join(sorted(REAL_SHAPES))}); give a model directory, or a name that "
                             "starts with one of them")
-        key = max(matches, key=len)
-    return Arch.from_hf(build_model_config(key, 0, 0, 0).to_dict())
+        shape = REAL_SHAPES[max(matches, key=len)]
+    return Arch.from_hf(real_model_config(shape, 0, 0, 0).to_dict())
 
 
 @dataclass
@@ -343,55 +334,3 @@ def check_run(cfg: RunConfig) -> Plan | None:
         log.error("the plan of %s:\n%s", cfg.run_dir, plan.table())
         raise PlanError(f"refusing to start: {problem}")
     return plan
-
-
-def plan_study(path: str, overrides: list[str], run_overrides: list[str], stage: str = "") -> list[Plan]:
-    """One plan per stage of a study file (or the named stage). A stage's ``{out}/<name>/final`` model has the
-    shape of that stage's own model."""
-    from megaopd.study import StudyConfig, stage_config
-
-    study = load_config(path, overrides, cls=StudyConfig)
-    names = [s.name for s in study.stages]
-    if stage and stage not in names:
-        raise ConfigError(f"no stage {stage!r} in {path}; stages: {', '.join(names)}")
-    configs = {}
-    for s in study.stages:
-        s.overrides = s.overrides + run_overrides
-        configs[s.name] = stage_config(study, s)
-    aliases = {f"{study.out}/{name}/final": c.model.path for name, c in configs.items()}
-    for _ in range(len(configs)):  # a final whose stage itself started from another final
-        aliases = {k: aliases.get(v, v) for k, v in aliases.items()}
-    plans = []
-    for name, c in configs.items():
-        if not stage or name == stage:
-            plans.append(build_plan(c, aliases, device_budget(c), title=f"stage {name}"))
-    return plans
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megaopd plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="a run config, or a study file (every stage is planned)")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value (for a study: study keys, e.g. vars.student=)")
-    parser.add_argument("--stage", default="", help="plan only this stage of a study")
-    parser.add_argument("--memory-gib", type=float, help="memory per GPU (plan.memory_gib)")
-    parser.add_argument("--gpus-per-node", type=int, help="plan.gpus_per_node")
-    parser.add_argument("--nodes", type=int, help="trainer nodes (plan.nodes)")
-    parser.add_argument("--mfu", type=float, help="assumed MFU for the step time (plan.mfu)")
-    args = parser.parse_intermixed_args(argv)
-    flags = {"memory_gib": args.memory_gib, "gpus_per_node": args.gpus_per_node, "nodes": args.nodes,
-             "mfu": args.mfu}
-    run_overrides = [f"plan.{k}={v}" for k, v in flags.items() if v is not None]
-    try:
-        require_file(args.config, "config file", ConfigError)
-        data = yaml.safe_load(Path(args.config).read_text()) or {}
-        if isinstance(data, dict) and "stages" in data:
-            plans = plan_study(args.config, args.overrides, run_overrides, args.stage)
-        else:
-            cfg = load_config(args.config, args.overrides + run_overrides)
-            plans = [build_plan(cfg, budget=device_budget(cfg), title=args.config)]
-    except UserError as e:
-        print(e.line(), file=sys.stderr)
-        return 2
-    print("\n\n".join(plan.table() for plan in plans))
-    return 1 if any(plan.problem() for plan in plans) else 0

@@ -22,7 +22,7 @@ from megaopd.batch import TokenBatch
 from megaopd.config import ModelConfig, OptimConfig
 from megaopd.errors import ModelError
 from megaopd.flops import ModelShape
-from megaopd.objectives import TAIL_FLOOR, tail_logprob
+from megaopd.distributions import TAIL_FLOOR, nucleus, topk_view
 
 # (logprobs [b, S-1], the vocab term per position [b, S-1] (e.g. the KL to the teacher) or None, micro-batch)
 #  -> (per-token loss [b, S-1], per-token metrics)
@@ -34,12 +34,7 @@ def sampling_logprobs(logits: torch.Tensor, top_p: float = 1.0) -> torch.Tensor:
     distribution a sampler with these settings draws from. Tokens outside the nucleus get ``TAIL_FLOOR``, not -inf,
     so a realised token the teacher would not have sampled gives a large, finite penalty."""
     full = logits.log_softmax(-1)
-    if top_p >= 1.0:
-        return full
-    sorted_lp, order = full.sort(-1, descending=True)
-    before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass of the strictly more likely tokens
-    keep = torch.zeros_like(full, dtype=torch.bool).scatter(-1, order, before < top_p)
-    return torch.where(keep, full.masked_fill(~keep, -torch.inf).log_softmax(-1), TAIL_FLOOR)
+    return full if top_p >= 1.0 else nucleus(full, top_p, outside=TAIL_FLOOR)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -208,8 +203,8 @@ class HFPolicy:
             def view(rows, start):
                 full = sampling_logprobs(self._project(rows, temperature), top_p)
                 realised = full.gather(-1, targets[start:start + rows.shape[0], None]).squeeze(-1)
-                topk, ids = full.topk(min(k, full.shape[-1]), dim=-1)
-                return realised, ids, topk, tail_logprob(full, ids)
+                topk, ids, tail = topk_view(full, k)
+                return realised, ids, topk, tail
             values = self._chunked(hidden, view, False)
             for name, value in zip(names, values):
                 grid = (*mb.response_mask.shape, *value.shape[1:])

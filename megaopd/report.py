@@ -7,7 +7,7 @@ Reads a study directory (``study.yaml`` plus one run directory per stage, see ``
 study directories of the same layout are read as seeds (a study run with ``seeds`` is its ``seed_<s>/``): each is
 analysed alone, then each headline number is shown as mean and min-max across them. Every comparison is computed
 from the measured curves; nothing is asserted. Each number computed from held-out accuracy carries a bootstrap
-interval (INTERVAL_RULE; per-prompt results in ``<stage>/evals/``, statistics in ``megaopd/stats.py``), and each
+interval (INTERVAL_RULE; per-prompt results in ``<stage>/evals/``, statistics in ``analysis/stats.py``), and each
 finding's verdict is reproduced, not reproduced or inconclusive by where that interval lies.
 
 This module renders (markdown, plots, report.json, the CLI); every number and verdict comes from
@@ -30,7 +30,7 @@ from megaopd.analysis import (BUDGET_RULE, FINDING_RULES, INTERVAL_RULE, LENGTH_
                               MATCH_TOLERANCE, SMALL_SHARE, TARGET_RULE, TOTALS, Stage, analyse_seeds,
                               budget_sensitivity, json_safe, pointer, reached, study_dirs)
 from megaopd.flops import COMPONENTS  # noqa: E402
-from megaopd.stats import NOT_MEASURED, REPLICATES, interval_wording  # noqa: E402
+from megaopd.analysis.stats import NOT_MEASURED, REPLICATES, interval_wording  # noqa: E402
 
 TARGET_STYLES = (":", "-.", "--")
 
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                              "GRPO/OPD FLOP ratio against response length")
     args = parser.parse_args(argv)
     if args.length_sweep:
-        from megaopd.length_sweep import write_length_sweep
+        from megaopd.analysis.length_sweep import write_length_sweep
 
         out = Path(args.out) if args.out else Path(args.study_dirs[0]).parent / "report"
         sweep = write_length_sweep(args.study_dirs, out, args.target_fraction, args.metric, args.window,

@@ -24,6 +24,7 @@ from megaopd.batch import Sample
 from megaopd.chat import chat_prompt_ids_batch
 from megaopd.decode import FusedDecoder
 from megaopd.data.rows import Row
+from megaopd.distributions import nucleus
 from megaopd.policy import HFPolicy
 
 
@@ -45,10 +46,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
         return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
     logprobs = (logits if temperature == 1.0 else logits / temperature).log_softmax(-1)
     if top_p < 1.0:
-        sorted_lp, order = logprobs.sort(-1, descending=True)
-        drop = sorted_lp.exp().cumsum(-1) - sorted_lp.exp() >= top_p  # keep the smallest set reaching top_p
-        sorted_lp = sorted_lp.masked_fill(drop, -torch.inf)
-        logprobs = torch.full_like(logprobs, -torch.inf).scatter(-1, order, sorted_lp).log_softmax(-1)
+        logprobs = nucleus(logprobs, top_p)
     # Inverse-CDF draw: one uniform per row, the first token whose cumulative probability exceeds it (zero-probability
     # tokens never are). Same distribution as torch.multinomial, which draws an exponential per vocabulary entry.
     cdf = logprobs.exp().cumsum(-1)

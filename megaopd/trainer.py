@@ -73,7 +73,7 @@ def build_engine(cfg: RunConfig, policy):
     if cfg.rollout.engine == "sglang":
         from megaopd.serving.engine import SGLangEngine
 
-        return SGLangEngine(cfg, policy)
+        return SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
     raise ValueError(f"rollout.engine must be 'local' or 'sglang', got {cfg.rollout.engine!r}")
 
 
@@ -104,8 +104,9 @@ def build_teachers(cfg: RunConfig, student_tokenizer) -> TeacherRouter:
     for entry in env_urls("MEGAOPD_TEACHER_URLS"):
         route, _, url = entry.partition("=")
         urls.setdefault(route, []).append(url)
-    return TeacherRouter(cfg.opd.teachers, lambda route, path: SGLangTeacher(path, urls.get(route, []), cfg,
-                                                                           f"teacher_{route}"), student_tokenizer)
+    return TeacherRouter(cfg.opd.teachers, lambda route, path: SGLangTeacher(
+        path, urls.get(route, []), cfg.rollout.sglang, cfg.model.dtype, cfg.run_dir, f"teacher_{route}"),
+        student_tokenizer)
 
 
 def load_split(paths: list[str], strict: bool) -> list:

@@ -28,8 +28,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from megaopd.batch import TokenBatch  # noqa: E402
 from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig, OptimConfig  # noqa: E402
+from megaopd.distributions import tail_logprob  # noqa: E402
 from megaopd.megatron.policy import MegatronPolicy, megatron_teachers  # noqa: E402
-from megaopd.objectives import GRPO, OPD, tail_logprob  # noqa: E402
+from megaopd.objectives import GRPO, OPD  # noqa: E402
 from megaopd.policy import HFPolicy  # noqa: E402
 from megaopd.teachers import TeacherRouter  # noqa: E402
 

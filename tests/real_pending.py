@@ -232,7 +232,7 @@ def test_sglang_server_stops_at_end_of_turn_and_scores_like_the_trainer(assets, 
 
     cfg = attached(assets, tmp_path, smollm2, words, real_server)
     policy = HFPolicy(cfg.model)
-    engine = SGLangEngine(cfg, policy)
+    engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
     end = policy.tokenizer.convert_tokens_to_ids(END)
     rows = word_split("heldout", 4)
     greedy = engine.generate(rows, 1, temperature=0.0, max_new_tokens=96, generator=torch.Generator().manual_seed(0))
@@ -258,7 +258,7 @@ def test_each_weight_sync_method_after_a_real_update(assets, smollm2, words, rea
     cfg = attached(assets, tmp_path, smollm2, words, real_server)
     cfg.optim.lr = 1e-4  # one step that moves the probe's logprobs well past the tolerance
     policy = HFPolicy(cfg.model, cfg.optim)
-    engine = SGLangEngine(cfg, policy)  # verifies the served starting weights first
+    engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)  # verifies the served starting weights first
     batch = collate(worded(policy.tokenizer, word_split("train", 4)), policy.pad_id)
     batch.old_logprobs = policy.logprobs(batch)
     batch.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None] * batch.response_mask

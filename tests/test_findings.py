@@ -9,7 +9,7 @@ import math
 import pytest
 
 from megaopd.analysis import findings, judge
-from megaopd.stats import INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED
+from megaopd.analysis.stats import INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED
 
 
 def pair(method: str, grpo_flops: float, opd_flops: float | None, opd_length=(10.0, 20.0),

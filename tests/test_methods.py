@@ -49,7 +49,7 @@ def test_a_grpo_opd_plan_includes_its_teachers_and_reference(assets, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_every_method_through_plan_submit_and_the_flop_audit(assets, tmp_path, capsys, name):
-    from megaopd import plan
+    from megaopd import study_plan
     from megaopd.flop_audit import audit_step
     from megaopd.launch import submit
 
@@ -63,7 +63,7 @@ def test_every_method_through_plan_submit_and_the_flop_audit(assets, tmp_path, c
     assert ("reference model" in components) == spec.uses_reference(cfg), components
     config = ROOT / "configs" / "embedded" / CONFIGS[name]
     args = [f"{k}={v}" for k, v in over.items()] + [f"model.path={cfg.model.path}"]
-    assert plan.main([str(config), *args]) == 0
+    assert study_plan.main([str(config), *args]) == 0
     assert "one step:" in capsys.readouterr().out
 
     # submit --dry-run: rollout servers for a method that samples, teacher servers for one with a teacher term

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megaopd.batch import collate
 from megaopd.config import GRPOConfig, ModelConfig, OPDConfig, OptimConfig
 from megaopd.data.rows import load_rows
-from megaopd.objectives import GRPO, OPD, GRPOWithOPD, full_vocab_kl, topk_kl, tail_logprob
+from megaopd.distributions import tail_logprob
+from megaopd.objectives import GRPO, OPD, GRPOWithOPD, full_vocab_kl, topk_kl
 from megaopd.policy import HFPolicy, sampling_logprobs
 from megaopd.rollout import LocalEngine
 from megaopd.teachers import TeacherRouter, local_teachers

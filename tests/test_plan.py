@@ -15,7 +15,8 @@ import torch
 from conftest import run_config
 from megaopd.config import load_config
 from megaopd.embedded import build_model, build_model_config, build_tokenizer
-from megaopd.plan import GIB, Arch, PlanError, build_plan, check_run, main
+from megaopd.plan import GIB, Arch, PlanError, build_plan, check_run
+from megaopd.study_plan import main
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine
 from megaopd.data.rows import load_rows

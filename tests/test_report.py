@@ -10,7 +10,7 @@ import yaml
 
 from megaopd.analysis import flops_to_target, smooth, split_vs_joint
 from megaopd.report import main, write_report
-from megaopd.stats import interval_wording
+from megaopd.analysis.stats import interval_wording
 
 
 # ---- the pure functions ----

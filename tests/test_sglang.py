@@ -95,7 +95,7 @@ def rows(assets, n=4):
 def test_rollout_logprobs_equal_the_trainers(fresh, assets, tmp_path):
     cfg = attached(assets, tmp_path, fresh)
     policy = HFPolicy(cfg.model)
-    engine = SGLangEngine(cfg, policy)
+    engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
     samples = engine.generate(rows(assets), 4, temperature=1.0, max_new_tokens=16,
                               generator=torch.Generator().manual_seed(0))
     assert len(samples) == 16 and {s.weight_version for s in samples} == {0}
@@ -125,7 +125,7 @@ def test_grpo_steps_with_sglang_rollouts_and_verified_syncs(fresh, assets, tmp_p
 def test_a_stale_server_is_detected(fresh, assets, tmp_path):
     cfg = attached(assets, tmp_path, fresh)
     policy = HFPolicy(cfg.model, cfg.optim)
-    engine = SGLangEngine(cfg, policy)
+    engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
     with torch.no_grad():  # a policy update the server has not seen yet
         for p in policy.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -149,7 +149,8 @@ def served_teacher_and_local_samples(fresh, assets, tmp_path, seed: int):
     local = HFPolicy(cfg.model)
     samples = LocalEngine(local).generate(rows(assets), 2, max_new_tokens=12,
                                           generator=torch.Generator().manual_seed(seed))
-    return local, samples, collate(samples, local.pad_id), SGLangTeacher(cfg.model.path, [fresh.url], cfg, "teacher")
+    teacher = SGLangTeacher(cfg.model.path, [fresh.url], cfg.rollout.sglang, cfg.model.dtype, cfg.run_dir, "teacher")
+    return local, samples, collate(samples, local.pad_id), teacher
 
 
 def test_teacher_scoring_equals_the_local_teacher(fresh, assets, tmp_path):

@@ -188,7 +188,7 @@ def test_sglang_cpu_server_loads_the_shape_and_takes_a_verified_sync(assets, sha
         cfg.rollout.sglang = sglang
         cfg.rollout.sglang.urls = [server.url]
         policy = HFPolicy(cfg.model)
-        engine = SGLangEngine(cfg, policy)
+        engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
         rows, _ = load_rows(str(assets / "data" / "arith_add" / "train.jsonl"))
         samples = engine.generate(rows[:2], 2, temperature=1.0, max_new_tokens=8,
                                   generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""megaopd/stats.py on numbers with known answers: percentile intervals, the bootstrap of a Bernoulli mean against
+"""analysis/stats.py on numbers with known answers: percentile intervals, the bootstrap of a Bernoulli mean against
 its normal-theory width, the seeds' bootstrap, and the three-way verdict (including intervals that straddle)."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from megaopd.stats import (INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, combine, mean_and_se,
-                           percentile_interval, resample, seed_bootstrap, verdict)
+from megaopd.analysis.stats import (INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, combine,
+                                    mean_and_se, percentile_interval, resample, seed_bootstrap, verdict)
 
 
 def test_percentile_interval_is_order_statistics():

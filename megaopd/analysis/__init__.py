@@ -5,9 +5,11 @@ numbers; ``megaopd/report.py`` renders them (markdown, plots, report.json).
 - ``curves``: FLOPs-to-target on smoothed curves and the E1-E7 numbers of one seed (``analyse``);
 - ``findings``: the paper's findings as a table of rules, and their verdicts;
 - ``intervals``: bootstrap intervals over prompts and seeds (``analyse_seeds``);
-- ``budget``: every finding again with each stage's run cut short (``budget_sensitivity``).
+- ``budget``: every finding again with each stage's run cut short (``budget_sensitivity``);
+- ``stats``: the statistics on numbers underneath (percentile intervals, seed bootstrap, verdicts, interval wording);
+- ``length_sweep``: the response-length sweep (``megaopd report --length-sweep``; not re-exported here).
 
-One package of small modules rather than one module: together they are ~600 lines (over the ~400 of one module),
+One package of small modules rather than one module: together they are ~1,100 lines (over the ~400 of one module),
 and each part has one purpose.
 """
 

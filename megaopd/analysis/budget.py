@@ -12,7 +12,7 @@ import numpy as np
 from megaopd.analysis.curves import LENGTH_WINDOW, analyse
 from megaopd.analysis.findings import judged
 from megaopd.analysis.runs import Stage
-from megaopd.stats import combine
+from megaopd.analysis.stats import combine
 
 CUTS = (0.5, 0.75, 1.0)
 BUDGET_RULE = ("budget sensitivity: every stage's run is cut at the last periodic eval within 50% / 75% of its "

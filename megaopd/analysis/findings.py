@@ -1,6 +1,6 @@
 """The paper's findings as a table of rules: each claim, the number that measures it per pair (or domain, or
 stage), and the threshold that number must pass; ``findings`` evaluates the table on one seed's numbers and
-``judge`` gives each check its verdict from its bootstrap interval (``megaopd/stats.py``: reproduced, not
+``judge`` gives each check its verdict from its bootstrap interval (``stats``: reproduced, not
 reproduced, or inconclusive when the interval straddles the threshold).
 """
 
@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from megaopd.stats import combine, verdict
+from megaopd.analysis.stats import combine, verdict
 
 MATCH_TOLERANCE = 0.05  # (d): a student "matches" its expert when at most this much below it (absolute accuracy)
 SMALL_SHARE = 0.10  # (e): distillation is "a small share" of specialist FLOPs at or below this

@@ -1,6 +1,6 @@
 """Bootstrap intervals for every number of the analysis, and verdicts over one or several seeds (INTERVAL_RULE):
 ``bootstrap`` resamples one study directory's held-out prompts, ``aggregate`` pools seeds, and ``analyse_seeds``
-does both for the report. The statistics themselves are in ``megaopd/stats.py``.
+does both for the report. The statistics themselves are in ``stats``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 from megaopd.analysis.curves import LENGTH_WINDOW, analyse, curve_points
 from megaopd.analysis.findings import judge, judged
 from megaopd.analysis.runs import Stage, load_study, resample_stage
-from megaopd.stats import (LEVEL, MAX_UNDEFINED, NOT_MEASURED, REPLICATES, REPRODUCED, combine, defined_fraction,
-                           percentile_interval, resample, seed_bootstrap)
+from megaopd.analysis.stats import (LEVEL, MAX_UNDEFINED, NOT_MEASURED, REPLICATES, REPRODUCED, combine,
+                                    defined_fraction, percentile_interval, resample, seed_bootstrap)
 
 BOOTSTRAP_SEED = 17  # the resamples are drawn from a fixed seed: the same runs give the same report
 # FLOPs to a target that a replicate never reaches count as infinite (GRPO's to a fraction of its gain above 1).

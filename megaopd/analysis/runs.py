@@ -19,7 +19,7 @@ import yaml
 from megaopd.errors import StudyError, require_file
 from megaopd.flops import ModelShape
 from megaopd.metrics import read_metrics
-from megaopd.stats import mean_and_se, resample
+from megaopd.analysis.stats import mean_and_se, resample
 
 
 @dataclass

@@ -37,13 +37,13 @@ from pathlib import Path
 from megaopd.config import ConfigError, load_config, save_config
 from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_split
-from megaopd.embedded import REAL_SHAPES, RealShape
 from megaopd.errors import UserError
 from megaopd.launch.local_cluster import LocalCluster
 from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_arguments, for_stage, plan,
                                   study_and_launch)
 from megaopd.methods import method
 from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
+from megaopd.shapes import REAL_SHAPES, RealShape
 from megaopd.study import AssetsConfig, StudyConfig, stage_overrides
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -40,7 +40,8 @@ from megaopd.megatron.parallel import init_model_parallel, model_device, student
 from megaopd.megatron.rollout_copy import RolloutCopy
 from megaopd.megatron.vocab import VocabShard
 from megaopd.metrics import device_clock, step_perf
-from megaopd.objectives import coarse_kl, tail_logprob
+from megaopd.distributions import topk_view
+from megaopd.objectives import coarse_kl
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +322,8 @@ class MegatronPolicy:
                 full = _gather_vocab(self._shard(logits).log_softmax.float(), logits.shape[-1], self.vocab_size,
                                      lay.tp_group)
                 realised = full.gather(-1, mb.input_ids[:, 1:, None].to(full.device))
-                top, ids = full.topk(min(k, self.vocab_size), dim=-1)
-                out = torch.cat([realised, top, ids.float(), tail_logprob(full, ids)[..., None]], dim=-1)
+                top, ids, tail = topk_view(full, k)
+                out = torch.cat([realised, top, ids.float(), tail[..., None]], dim=-1)
             elif what == "logits":
                 out = _gather_vocab(logits.float(), logits.shape[-1], self.vocab_size, lay.tp_group)
             elif what == "full":

@@ -43,22 +43,26 @@ def _sum(x: torch.Tensor, group) -> torch.Tensor:
     return _AllReduceSum.apply(x, group) if dist.get_world_size(group) > 1 else x
 
 
+def _logsumexp(local: torch.Tensor, group) -> torch.Tensor:
+    """log-sum-exp over the last dimension of every rank's slice [..., columns] (a slice may be empty): a max and a
+    sum all-reduced over the TP group."""
+    local_max = local.amax(-1) if local.shape[-1] else torch.full(local.shape[:-1], -torch.inf, device=local.device)
+    global_max = local_max.detach()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    return torch.log(_sum((local - global_max.unsqueeze(-1)).exp().sum(-1), group)) + global_max
+
+
 class VocabShard:
     """The log-softmax of one TP rank's vocabulary slice: ``log_softmax`` is [b, s, real columns of the slice]."""
 
     def __init__(self, logits: torch.Tensor, vocab_size: int, group):
-        tp_rank, tp = dist.get_rank(group), dist.get_world_size(group)
         width = logits.shape[-1]
-        self.start = tp_rank * width
+        self.start = dist.get_rank(group) * width
         self.end = min(self.start + width, vocab_size)  # columns past the real vocabulary are padding
         self.group = group
         local = logits[..., : max(self.end - self.start, 0)].float()
-        local_max = local.amax(-1) if local.shape[-1] else torch.full(local.shape[:-1], -torch.inf, device=local.device)
-        global_max = local_max.detach()
-        if tp > 1:
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = local - global_max.unsqueeze(-1)
-        self.logsumexp = torch.log(_sum(shifted.exp().sum(-1), group)) + global_max
+        self.logsumexp = _logsumexp(local, group)
         self.log_softmax = local - self.logsumexp.unsqueeze(-1)
 
     def token_logprobs(self, targets: torch.Tensor) -> torch.Tensor:
@@ -74,12 +78,12 @@ class VocabShard:
         return _sum(torch.where(owned, picked, 0.0), self.group)
 
     def tail_logprob(self, ids: torch.Tensor) -> torch.Tensor:
-        """log of the mass outside ``ids`` [..., K], on every rank: each rank sums its slice's mass outside them."""
-        owned = (ids >= self.start) & (ids < self.end)
-        local = (ids - self.start).clamp(0, max(self.end - self.start - 1, 0))
-        probs = self.log_softmax.exp()
-        if self.end > self.start:  # zero the owned ids' probabilities (scatter of 0 where owned, else keep)
-            keep = torch.ones_like(probs).scatter_reduce(-1, local, torch.where(owned, 0.0, 1.0).to(probs.dtype),
-                                                         reduce="prod")
-            probs = probs * keep
-        return torch.log(_sum(probs.sum(-1), self.group))
+        """log of the mass outside ``ids`` [..., K], on every rank: ``distributions.tail_logprob`` over the TP
+        slices, by the same logsumexp, each rank leaving out the ids it owns (at least one token stays: K < V)."""
+        kept = self.log_softmax
+        if self.end > self.start:  # drop the owned ids (a max of 1 where owned: other ids clamp to any column)
+            owned = (ids >= self.start) & (ids < self.end)
+            local = (ids - self.start).clamp(0, self.end - self.start - 1)
+            drop = torch.zeros_like(kept).scatter_reduce(-1, local, owned.to(kept.dtype), reduce="amax") > 0
+            kept = kept.masked_fill(drop, -torch.inf)
+        return _logsumexp(kept, self.group)

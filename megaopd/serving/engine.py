@@ -20,7 +20,7 @@ import torch
 
 from megaopd.batch import Sample, collate
 from megaopd.chat import chat_prompt_ids, chat_prompt_ids_batch
-from megaopd.config import RunConfig
+from megaopd.config import ModelConfig, RolloutConfig
 from megaopd.data.rows import Row
 from megaopd.serving import weight_sync
 from megaopd.serving.leader import on_leader
@@ -43,15 +43,15 @@ def env_urls(name: str) -> list[str]:
 class SGLangEngine:
     prefix_cached = True  # SGLang's radix cache prefills a group's shared prompt once
 
-    def __init__(self, cfg: RunConfig, policy):
-        self.cfg = cfg.rollout.sglang
+    def __init__(self, rollout: RolloutConfig, model: ModelConfig, run_dir: str | Path, policy):
+        self.cfg = rollout.sglang
         self.tokenizer, self.eos_id = policy.tokenizer, policy.eos_id
         self.weight_version = 0
         self.sync = weight_sync.for_method(self.cfg.sync)
-        self.weights_dir = Path(cfg.run_dir) / "rollout_weights"
+        self.weights_dir = Path(run_dir) / "rollout_weights"
         urls = self.cfg.urls or env_urls("MEGAOPD_ROLLOUT_URLS")
         self.pool = None  # set on rank 0 only (see leader.py); a failed start stops every rank
-        on_leader(lambda: self._start_servers(cfg, urls))
+        on_leader(lambda: self._start_servers(model, Path(run_dir) / "sglang", urls))
         probe_prompt = chat_prompt_ids(self.tokenizer, PROBE_PROMPT)
         probe_response = self.tokenizer.encode(PROBE_RESPONSE, add_special_tokens=False)
         self.probe = collate([Sample(None, 0, probe_prompt, probe_response, [0.0] * len(probe_response), "stop", 0)],
@@ -59,9 +59,8 @@ class SGLangEngine:
         # Attached servers must serve the trainer's starting weights too (a wrong --model-path is common).
         self.verify(policy, version=0)
 
-    def _start_servers(self, cfg: RunConfig, urls: list[str]) -> None:
-        self.pool = ServerPool.launch_or_attach(cfg.model.path, urls, self.cfg, cfg.model.dtype,
-                                                Path(cfg.run_dir) / "sglang", "rollout")
+    def _start_servers(self, model: ModelConfig, log_dir: Path, urls: list[str]) -> None:
+        self.pool = ServerPool.launch_or_attach(model.path, urls, self.cfg, model.dtype, log_dir, "rollout")
         log.info("SGLang rollout servers: %s", ", ".join(self.pool.urls))
 
     # ---- rollouts ----

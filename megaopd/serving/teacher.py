@@ -15,31 +15,30 @@ for the wrong distribution. Its ``shape`` (for the ledger) and tokenizer come fr
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
 from megaopd.batch import TokenBatch
-from megaopd.config import RunConfig
+from megaopd.config import SGLangConfig
+from megaopd.distributions import topk_tail
 from megaopd.flops import ModelShape
 from megaopd.serving.leader import on_leader
 from megaopd.serving.pool import ServerPool
 
 
 class SGLangTeacher:
-    def __init__(self, path: str, urls: list[str], cfg: RunConfig, name: str):
+    def __init__(self, path: str, urls: list[str], servers: SGLangConfig, dtype: str, run_dir: str | Path, name: str):
         from transformers import AutoConfig, AutoTokenizer
 
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
         self.pool = None  # set on rank 0 only (see leader.py); a failed start stops every rank
-        on_leader(lambda: self._start_servers(urls, cfg, name))
+        on_leader(lambda: self._start_servers(urls, servers, dtype, Path(run_dir) / "sglang", name))
 
-    def _start_servers(self, urls: list[str], cfg: RunConfig, name: str) -> None:
-        self.pool = ServerPool.launch_or_attach(self.path, urls, cfg.rollout.sglang, cfg.model.dtype,
-                                                Path(cfg.run_dir) / "sglang", name)
+    def _start_servers(self, urls: list[str], servers: SGLangConfig, dtype: str, log_dir: Path, name: str) -> None:
+        self.pool = ServerPool.launch_or_attach(self.path, urls, servers, dtype, log_dir, name)
 
     def _score(self, batch: TokenBatch, top_k: int, temperature: float, top_p: float) -> list[dict]:
         """The server's answers for each row: response rows only (from the first response token on)."""
@@ -70,7 +69,7 @@ class SGLangTeacher:
 
     def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,
                       top_p: float = 1.0) -> dict[str, torch.Tensor]:
-        """As ``HFPolicy.topk_logprobs``; the tail is log(1 - sum of the K probabilities), -inf when none is left."""
+        """As ``HFPolicy.topk_logprobs``; the tail is log(1 - the K's mass) (``distributions.topk_tail``)."""
         grid = batch.response_mask.shape
         out = {"realised": torch.zeros(grid), "topk_ids": torch.zeros((*grid, k), dtype=torch.long),
                "topk": torch.zeros((*grid, k)), "tail": torch.zeros(grid)}
@@ -81,8 +80,7 @@ class SGLangTeacher:
             out["topk"][i, columns] = top
             out["topk_ids"][i, columns] = torch.tensor([[tok for _, tok in row] for row in scored["top"]],
                                                        dtype=torch.long).reshape(-1, k)
-            left = (1 - top.double().exp().sum(-1)).clamp(min=0)
-            out["tail"][i, columns] = torch.where(left > 0, left.log(), -math.inf).float()
+            out["tail"][i, columns] = topk_tail(top)
         return out
 
     def close(self) -> None:

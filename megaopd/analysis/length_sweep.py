@@ -4,7 +4,7 @@
 
 Each directory is one point of ``configs/studies/length_sweep.sh`` (a self-teacher study whose solutions are worded
 at one length; a point run with ``seeds`` counts as its seeds). Per point: the opd_self stage's GRPO/OPD FLOPs to
-the GRPO checkpoint's final accuracy with its bootstrap interval (megaopd/analysis, INTERVAL_RULE), against the
+the GRPO checkpoint's final accuracy with its bootstrap interval (``intervals``, INTERVAL_RULE), against the
 GRPO checkpoint's mean greedy response length on the final eval. Writes ``length_sweep.json``, ``length_sweep.md``
 and ``ratio_vs_length.png``; the growth of the ratio is the longest point's over the shortest point's, with the
 interval of that quotient: replicate b of one point divides replicate b of the other, and since the points share
@@ -24,9 +24,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from megaopd.analysis import (BOOTSTRAP_SEED, INTERVAL_RULE, LENGTH_WINDOW, TARGET_RULE, analyse_seeds,  # noqa: E402
-                              json_safe, pointer, study_dirs)
-from megaopd.stats import NOT_MEASURED, REPLICATES, percentile_interval, seed_bootstrap, verdict  # noqa: E402
+from megaopd.analysis.curves import LENGTH_WINDOW, TARGET_RULE  # noqa: E402
+from megaopd.analysis.intervals import (BOOTSTRAP_SEED, INTERVAL_RULE, analyse_seeds, json_safe,  # noqa: E402
+                                        pointer)
+from megaopd.analysis.runs import study_dirs  # noqa: E402
+from megaopd.analysis.stats import NOT_MEASURED, REPLICATES, percentile_interval, seed_bootstrap, verdict  # noqa: E402
 
 
 def sweep_point(path: str | Path, target_fraction: float, metric: str, window: int, length_window: int,
