@@ -11,7 +11,8 @@ top-k logprobs (the student's and a megatron teacher's scoring path), one GRPO a
 micro-batches with the chunked, recomputed vocabulary loss. Rank 0 writes OUT/device_<layout>.json.
 
 Workspace, at tp2 for each VOCABxSEQ (a model ASSETS/models/v<VOCAB>): the peak bytes of live [.., V/tp] tensors
-over one GRPO update of 4 rows of SEQ positions, one sequence per output-layer chunk; OUT/workspace_<V>.json.
+over one GRPO and one top-k OPD update of 4 rows of SEQ positions, one sequence per output-layer chunk;
+OUT/workspace_<form>_<V>.json.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def check_device(assets: Path, tp: int, pp: int) -> dict:
     return {"violations": seen.violations, "syncs": dict(seen.syncs), "losses": losses, "not_on_host": host}
 
 
-def measure_workspace(model_dir: Path, seq: int) -> dict:
-    """The peak bytes of [.., V/tp] tensors over one GRPO update of 4 rows x ``seq``, one sequence per chunk."""
+def measure_workspace(model_dir: Path, seq: int, form: str) -> dict:
+    """The peak bytes of [.., V/tp] tensors over one GRPO or top-k OPD update of 4 rows x ``seq``, one sequence
+    per chunk."""
     policy = MegatronPolicy(ModelConfig(path=str(model_dir), backend="megatron", megatron=MegatronConfig(tp=2)),
                             OPTIM, logit_chunk_rows=seq)
     g = torch.Generator().manual_seed(0)
@@ -109,10 +111,18 @@ def measure_workspace(model_dir: Path, seq: int) -> dict:
     response[:, 7:] = 1
     batch = TokenBatch(ids, torch.ones_like(ids), response, torch.zeros(4, seq - 1))
     batch.old_logprobs = policy.logprobs(batch, 4)
-    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * response
+    if form == "topk":  # the student's own top-k as its teacher's: the same allocations as any teacher's
+        objective = OPD(OPDConfig(form="topk", topk=TOPK))
+        view = policy.topk_logprobs(batch, TOPK, 4)
+        batch.teacher_logprobs, batch.teacher_topk_ids = view["realised"], view["topk_ids"]
+        batch.teacher_topk_logprobs, batch.teacher_tail = view["topk"], view["tail"]
+        objective.prepare(batch, [])
+    else:
+        objective = GRPO(GRPOConfig(), 4)
+        batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * response
     width = policy.module.shared_embedding_or_output_weight().shape[0]  # this rank's share of the padded vocabulary
     with VocabBytes({width}) as seen:
-        policy.train_minibatch(batch, GRPO(GRPOConfig(), 4).token_loss, 4)
+        policy.train_minibatch(batch, objective.token_loss, 4, objective.vocab_term)
     return {"width": width, "peak": seen.peak}
 
 
@@ -130,7 +140,8 @@ def main() -> None:
     mpu.initialize_model_parallel(tensor_model_parallel_size=2)
     for shape in shapes:
         vocab, seq = map(int, shape.split("x"))
-        results[f"workspace_{vocab}"] = measure_workspace(assets / "models" / f"v{vocab}", seq)
+        for form in ("grpo", "topk"):
+            results[f"workspace_{form}_{vocab}"] = measure_workspace(assets / "models" / f"v{vocab}", seq, form)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, results)  # the last pipeline stage computes the loss, the first does not
     if dist.get_rank() == 0:

@@ -3,7 +3,8 @@
 One torchrun launch of two CPU processes (gloo) runs tests/megatron_device_worker.py: at TP=2 and at PP=2 it scores
 (realised-token and top-k logprobs) and takes a GRPO and a top-k OPD update, in 3 micro-batches with the chunked,
 recomputed vocabulary loss, on the fake device; then, at TP=2, it measures the peak of [.., V/tp] tensors over a
-GRPO update at two vocabulary sizes, which `megaopd plan` must match within TOLERANCE.
+GRPO and a top-k OPD update (the megatron backend's vocabulary KL) at two vocabulary sizes, which `megaopd plan`
+must match within TOLERANCE.
 """
 
 from __future__ import annotations
@@ -65,16 +66,19 @@ def test_megatron_policy_keeps_every_tensor_on_its_device(results, layout):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("form", ["grpo", "topk"])
 @pytest.mark.parametrize("vocab,seq", SHAPES)
-def test_planned_megatron_logits_workspace_covers_the_measured_one(results, assets, tmp_path, vocab, seq):
-    cfg = run_config(assets, tmp_path, "grpo", **{
+def test_planned_megatron_logits_workspace_covers_the_measured_one(results, assets, tmp_path, vocab, seq, form):
+    opd = {"opd.form": form, "opd.topk": 8, "opd.teachers.*": results["root"] / "models" / f"v{vocab}"} \
+        if form != "grpo" else {}
+    cfg = run_config(assets, tmp_path, "opd" if opd else "grpo", **opd, **{
         "model.path": results["root"] / "models" / f"v{vocab}", "model.backend": "megatron", "model.megatron.tp": 2,
         "plan.nodes": 1, "plan.gpus_per_node": 2, "train.logit_chunk_rows": seq, "train.micro_batch_size": 4,
         "train.prompts_per_step": 1, "rollout.samples_per_prompt": 4, "plan.prompt_tokens": 8,
         "rollout.max_new_tokens": seq - 8})
-    measured = max(rank["peak"] for rank in results[f"workspace_{vocab}"]["ranks"])
+    measured = max(rank["peak"] for rank in results[f"workspace_{form}_{vocab}"]["ranks"])
     planned = planned_vocab_bytes(cfg)
-    print(f"megatron grpo tp2 vocab {vocab} chunk {seq}: planned {planned / 2**20:.2f} MiB, measured "
+    print(f"megatron {form} tp2 vocab {vocab} chunk {seq}: planned {planned / 2**20:.2f} MiB, measured "
           f"{measured / 2**20:.2f} MiB, ratio {planned / measured:.3f}")
     assert measured > 0
     assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured)

@@ -1,5 +1,5 @@
 """`megaopd plan`'s logits / KL workspace against what the HF backend's update allocates on CPU, at two shapes
-(vocabulary and chunk), in GRPO's form and the full-vocabulary OPD form (the teacher's chunk beside the student's):
+(vocabulary and chunk), in GRPO's form and both OPD forms with a vocabulary KL (full, and top-k with its tail):
 the planned bytes must match the measured peak of vocabulary-wide tensors within TOLERANCE. The Megatron backend's
 are in tests/test_megatron_device.py."""
 
@@ -13,11 +13,11 @@ from megaopd.policy import HFPolicy
 from vocab_bytes import TOLERANCE, VocabBytes, model_dir, planned_vocab_bytes
 
 
-@pytest.mark.parametrize("form", ["grpo", "full_vocab"])
+@pytest.mark.parametrize("form", ["grpo", "full_vocab", "topk"])
 @pytest.mark.parametrize("vocab,chunk,dtype", [(4096, 32, "float32"), (12288, 96, "float32"), (4096, 32, "bfloat16")])
 def test_planned_logits_workspace_covers_the_measured_one(assets, tmp_path, form, vocab, chunk, dtype):
     path = model_dir(tmp_path, vocab)
-    opd = {"opd.form": form, "opd.teachers.*": path} if form != "grpo" else {}
+    opd = {"opd.form": form, "opd.topk": 8, "opd.teachers.*": path} if form != "grpo" else {}
     cfg = run_config(assets, tmp_path / "run", "opd" if opd else "grpo", **{
         "model.path": path, "model.dtype": dtype, "train.logit_chunk_rows": chunk, "train.micro_batch_size": 4,
         "train.prompts_per_step": 1, "rollout.samples_per_prompt": 4, "rollout.max_new_tokens": chunk,
@@ -33,8 +33,11 @@ def test_planned_logits_workspace_covers_the_measured_one(assets, tmp_path, form
     batch = TokenBatch(ids, torch.ones_like(ids), response, torch.zeros(4, seq - 1))
     batch.old_logprobs = policy.logprobs(batch, 4)
     if opd:  # the student's own weights as its teacher: the same allocations as any teacher of this vocabulary
-        objective = OPD(cfg.opd, HFPolicy(cfg.model, logit_chunk_rows=chunk))
-        batch.teacher_logprobs = batch.old_logprobs
+        teacher = HFPolicy(cfg.model, logit_chunk_rows=chunk)
+        objective = OPD(cfg.opd, teacher)
+        view = teacher.topk_logprobs(batch, 8, 4)
+        batch.teacher_logprobs, batch.teacher_topk_ids = view["realised"], view["topk_ids"]
+        batch.teacher_topk_logprobs, batch.teacher_tail = view["topk"], view["tail"]
         objective.prepare(batch, [])
     else:
         objective = GRPO(cfg.grpo, 4)
