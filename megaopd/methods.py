@@ -61,9 +61,10 @@ class Method:
     def teacher_servers(self, cfg: RunConfig) -> bool:
         return self.teacher_term and cfg.opd.teacher_engine == "sglang"
 
-    def full_vocab(self, cfg: RunConfig) -> bool:
-        """The full-vocabulary KL: the teacher's [rows x V] chunk beside the student's in the training step."""
-        return self.teacher_term and cfg.opd.form == "full_vocab"
+    def vocab_kl(self, cfg: RunConfig) -> bool:
+        """A KL over the vocabulary in the training step (top-k with its tail, or full): more [rows x V] tensors
+        beside the student's log-softmax in each chunk."""
+        return self.teacher_term and cfg.opd.form != "sampled"
 
     def has_policy_gradient(self, cfg: RunConfig) -> bool:
         """Whether some term weights sampled tokens' policy gradients (what train.tis corrects)."""

@@ -14,9 +14,12 @@ phase. The formulas, per rank (b = bytes of model.dtype):
   model.activation_checkpointing the layer inputs plus one layer's. The Megatron backend uses the same per-token
   figure divided by TP, with PP micro-batches in flight on the first stage (an estimate: TE kernels differ).
 * logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V (Megatron: whole sequences, at least
-  one, every position, x V/tp): the head's output (b), its fp32 copy
-  and the fp32 gradient and its cast (GRPO: (2b + 8) bytes per entry); the full-vocabulary KL adds the teacher's
-  chunk and the student's log-softmax and its exponential (+12).
+  one, every position, x V/tp), at the peak of its backward: the fp32 log-softmax and its gradient, with the head's
+  output and its gradient's cast (2b + 8 bytes per entry), or in fp32 the logits themselves (12); Megatron's
+  vocab-parallel log-softmax keeps the shifted logits and their exponential instead (16, measured in fp32 only);
+  a KL over the vocabulary adds 8 (the full form: the teacher's chunk and the student's exponential; the top-k
+  form: the student's probabilities and the tail's mask or scatter). Measured on CPU
+  (tests/test_plan_workspace.py: fp32 and bf16; tests/test_megatron_device.py).
 * rollout KV cache (local engine): rollout.batch_prompts x samples x (plan.prompt_tokens + max_new_tokens)
   positions, plus the prefill cache the fused decoder is seeded from and its packed weight copies.
 Step FLOPs are the method's (``megaopd.methods``) with every prompt plan.prompt_tokens long, every response at
@@ -251,7 +254,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     chunk = min(t.logit_chunk_rows, rows_per_mb * r.max_new_tokens)
     if megatron:  # its output layer projects whole sequences, every position (megatron/policy.py _train_loss)
         chunk = min(max(1, t.logit_chunk_rows // seq), rows_per_mb) * seq
-    per_entry = 2 * b + 8 + (12 if spec.full_vocab(cfg) else 0)
+    per_entry = (16 if megatron else 2 * b + 8 if b < 4 else 12) + (8 if spec.vocab_kl(cfg) else 0)
     chunk_setting = "lower train.logit_chunk_rows"
     items.append(Item(f"logits/KL workspace ({chunk} rows x {arch.vocab})", "train",
                       chunk * (arch.vocab * per_entry / tp + arch.hidden * b), chunk_setting))

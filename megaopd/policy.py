@@ -252,11 +252,13 @@ class HFPolicy:
 
             def per_row(rows, start):
                 full = self._project(rows).log_softmax(-1)
-                logp = full.gather(-1, targets[start:start + rows.shape[0], None]).squeeze(-1)
-                return (logp, row_term(full, start)) if row_term is not None else logp
-            values = self._chunked(hidden, per_row, torch.is_grad_enabled())
-            logp = self._scatter(values[0], where, mask.shape)
-            vocab = self._scatter(values[1], where, mask.shape) if row_term is not None else None
+                logp = full.gather(-1, targets[start:start + rows.shape[0], None])
+                # One output per chunk: with two, the backward reaches a chunk's log-softmax through each at a
+                # different time and holds its [rows x V] gradient meanwhile, for every chunk of the micro-batch.
+                return torch.cat((logp, row_term(full, start)[:, None]), -1) if row_term is not None else logp
+            values = self._chunked(hidden, per_row, torch.is_grad_enabled())[0]
+            logp = self._scatter(values[:, 0], where, mask.shape)
+            vocab = self._scatter(values[:, 1], where, mask.shape) if row_term is not None else None
             per_token, metrics = loss_fn(logp, vocab, mb)
             loss = (per_token * mask).sum() / total_tokens
             loss.backward()

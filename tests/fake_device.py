@@ -25,6 +25,7 @@ import sys
 from collections import Counter
 
 import torch
+import torch.utils.checkpoint as checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -140,6 +141,10 @@ class DeviceDiscipline(TorchFunctionMode):
 def fake_device(monkeypatch):
     """Run the block with FAKE as the accelerator; yields the DeviceDiscipline that records what it saw."""
     monkeypatch.setattr(torch, "Generator", FakeGenerator)
+    # A backward runs outside the mode (autograd.backward is itself one of its ops), so a chunk that
+    # torch.utils.checkpoint recomputes there reads as a host tensor: compare its shape and dtype only.
+    monkeypatch.setitem(checkpoint._allowed_determinism_checks_to_fns, "default",
+                        lambda x: {"shape": x.shape, "dtype": x.dtype})
     mode = DeviceDiscipline()
     with mode:
         yield mode

@@ -1,6 +1,7 @@
-"""The HF trainer (GRPO, both OPD forms, SFT, eval) and the megatron policy's step on a fake accelerator (see
-tests/fake_device.py): no op mixes device and host tensors, every random draw uses a generator on the device of what
-it fills, nothing on the device goes through numpy or float64, and host syncs stay bounded per step."""
+"""The HF trainer (GRPO, both OPD forms, SFT, eval) on a fake accelerator (see tests/fake_device.py; the megatron
+policy's step: tests/test_megatron_device.py): no op mixes device and host tensors, every random draw uses a
+generator on the device of what it fills, nothing on the device goes through numpy or float64, and host syncs stay
+bounded per step."""
 
 import pytest
 
