@@ -16,7 +16,7 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # make test hands the tests out to its two workers a file at a time (a module's fixtures, such as a started server,
 # are made once), and the files that share one machine-wide resource as one unit, one after another on one worker:
 # the Slurm clusters of .ci/slurm_up.sh and .ci/slurm_multinode_up.sh (and those rehearse and the failover tests
-# use), and podman's image store. Those units are the longest, so they are handed out first.
+# use), and podman's image store.
 SHARED = {"slurm": ("test_slurm_cluster.py", "test_slurm_multinode.py", "test_slurm_failover.py", "test_rehearse.py",
                     "test_nemo_run.py"),
           "podman": ("test_docker_images.py",)}
@@ -27,7 +27,9 @@ def shared_resource(path: str) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: shared_resource(item.path) is None)
+    """The shared units first, then the files with slow tests: a long file handed out last would run alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (shared_resource(item.path) is None, item.path not in slow))
 
 
 class SharedResourceHandOut:

@@ -83,6 +83,7 @@ def kill_server(cluster, node: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # its own waits: 900 s to reach step 2, 600 s to fail, then the resubmission
 def test_killed_rollout_server_stops_the_stage_naming_it_and_a_resubmission_resumes(cluster, tmp_path):
     steps = 6
     out = tmp_path / "out"

@@ -115,8 +115,11 @@ def wait_for(cluster: LocalCluster, ids: list[str], timeout: float) -> None:
     """Until the jobs have left the queue, or only jobs whose dependencies failed are left (cancelled here)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        queued = dict(line.split() for line in cluster.client(["squeue", "-h", "-o", "%i %r", "-j", ",".join(ids)])
-                      .stdout.splitlines())
+        listed = cluster.client(["squeue", "-h", "-o", "%i %r", "-j", ",".join(ids)])
+        if listed.returncode != 0:  # e.g. "Socket timed out on send/recv": a busy slurmctld, ask again
+            time.sleep(1)
+            continue
+        queued = dict(line.split(maxsplit=1) for line in listed.stdout.splitlines())
         if not queued:
             return
         if set(queued.values()) == {"DependencyNeverSatisfied"}:
