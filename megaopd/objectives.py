@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from megaopd.batch import Sample, TokenBatch
-from megaopd.config import GRPOConfig, OPDConfig, RunConfig
+from megaopd.config import ConfigError, GRPOConfig, OPDConfig, RunConfig
 from megaopd.distributions import TAIL_FLOOR, tail_logprob
 from megaopd.methods import OPD_FORMS, Method, method
 KL_DIRECTIONS = ("reverse", "forward")
@@ -65,7 +65,7 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
     elif level != "token":
-        raise ValueError(f"truncated IS level must be token or sequence, got {level!r}")
+        raise ConfigError(f"train.tis must be token or sequence here, got {level!r}; set train.tis=token or sequence")
     weights = log_ratio.exp().clamp(max=cap)
     return torch.where(mask.bool(), weights, 1.0).detach()
 
@@ -150,11 +150,12 @@ def form_label(algorithm: str, opd: OPDConfig) -> str:
 
 def _check_opd(cfg: OPDConfig) -> None:
     if cfg.form not in OPD_FORMS:
-        raise ValueError(f"opd.form must be one of {', '.join(OPD_FORMS)}, got {cfg.form!r}")
+        raise ConfigError(f"opd.form must be one of {', '.join(OPD_FORMS)}, got {cfg.form!r}; set one of them")
     if cfg.kl not in KL_DIRECTIONS:
-        raise ValueError(f"opd.kl must be one of {', '.join(KL_DIRECTIONS)}, got {cfg.kl!r}")
+        raise ConfigError(f"opd.kl must be one of {', '.join(KL_DIRECTIONS)}, got {cfg.kl!r}; set one of them")
     if cfg.form == "topk" and cfg.topk < 1:
-        raise ValueError(f"opd.form=topk needs opd.topk=K >= 1 (teacher logprobs kept per position), got {cfg.topk}")
+        raise ConfigError(f"opd.form=topk needs opd.topk=K >= 1 (teacher logprobs kept per position), got {cfg.topk}; "
+                          "set opd.topk=K (e.g. opd.topk=8)")
 
 
 class GRPO:

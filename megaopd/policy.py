@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megaopd.batch import TokenBatch
-from megaopd.config import ModelConfig, OptimConfig
+from megaopd.config import ConfigError, ModelConfig, OptimConfig
 from megaopd.errors import ModelError
 from megaopd.flops import ModelShape
 from megaopd.distributions import TAIL_FLOOR, nucleus, topk_view
@@ -60,12 +60,13 @@ class HFPolicy:
         self.model.to(self.device)
         # transformers fills a missing weight with random values and only warns: a policy or teacher must be whole.
         if problems := {k: v for k, v in info.items() if v}:  # missing, unexpected, mismatched keys, errors
-            raise ValueError(f"model.path={cfg.path!r} does not hold every weight of its architecture: {problems}")
+            raise ModelError(f"model.path={cfg.path!r} does not hold every weight of its architecture: {problems}; "
+                             "point it at a complete HF model directory")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
         self.shape = ModelShape.from_hf_config(self.model.config)
         self.path = cfg.path
         if logit_chunk_rows < 1:
-            raise ValueError(f"train.logit_chunk_rows must be >= 1, got {logit_chunk_rows}")
+            raise ConfigError(f"train.logit_chunk_rows must be >= 1, got {logit_chunk_rows}; set a positive number")
         self.logit_chunk_rows = logit_chunk_rows  # response rows per [rows x V] vocabulary projection
         self.optimizer = self.scheduler = None
         self.masters: list[torch.Tensor] = []  # the optimizer's weights when they differ from the model's (mixed)
@@ -118,7 +119,7 @@ class HFPolicy:
         where = batch.response_mask.to(self.device).nonzero(as_tuple=True)
         head = self.model.get_output_embeddings()
         if head is None:
-            raise ValueError(f"{self.path}: the model has no output layer to project response rows with")
+            raise ModelError(f"{self.path}: the model has no output layer to project response rows with; use a causal LM")
         taken = []
 
         def take_rows(module, args):

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from megaopd.batch import Sample
+from megaopd.config import ConfigError
 from megaopd.chat import chat_prompt_ids_batch
 from megaopd.decode import FusedDecoder
 from megaopd.data.rows import Row
@@ -64,7 +65,7 @@ class LocalEngine:
         """``batch_prompts``: prompts per generation chunk (``rollout.batch_prompts``); the KV cache of a chunk,
         batch_prompts x samples x (prompt + new tokens) positions, is all that exists at once."""
         if batch_prompts < 1:
-            raise ValueError(f"rollout.batch_prompts must be >= 1, got {batch_prompts}")
+            raise ConfigError(f"rollout.batch_prompts must be >= 1, got {batch_prompts}; set a positive number")
         self.policy = policy
         self.batch_prompts = batch_prompts
         self.weight_version = 0

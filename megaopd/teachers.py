@@ -23,6 +23,7 @@ import torch
 
 from megaopd.batch import Sample, TokenBatch
 from megaopd.config import ConfigError, ModelConfig
+from megaopd.errors import ModelError
 from megaopd.flops import ModelShape
 from megaopd.policy import HFPolicy
 
@@ -50,8 +51,9 @@ class TeacherRouter:
             loaded[path] = load(route, path)
             teacher_tokenizer = loaded[path].tokenizer
             if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
-                raise ValueError(f"teacher {path} has a different vocabulary from the student's: per-token "
-                                 "supervision compares both models' logprobs of the same token ids")
+                raise ModelError(f"teacher {path} has a different vocabulary from the student's: per-token "
+                                 "supervision compares both models' logprobs of the same token ids; use a "
+                                 "teacher of the student's tokenizer")
             # The teacher scores the prompt as the student's chat template renders it; its own template is unused.
             if getattr(teacher_tokenizer, "chat_template", None) != getattr(student_tokenizer, "chat_template", None):
                 log.warning("teacher %s has another chat template than the student: it scores prompts in the "
@@ -120,7 +122,7 @@ class TeacherRouter:
             indices = [i for i, r in enumerate(routes) if r == route]
             teacher = self.teachers[route]
             if not hasattr(teacher, "full_rows"):
-                raise ValueError(f"teacher {self.paths[route]} cannot give full-vocabulary rows (a server returns "
+                raise ConfigError(f"teacher {self.paths[route]} cannot give full-vocabulary rows (a server returns "
                                  "at most a top-k): use opd.form=topk or sampled, or a local teacher")
             sub = mb.select(torch.tensor(indices))
             parts.append((torch.isin(row_sample, torch.tensor(indices, device=row_sample.device)),

@@ -63,7 +63,7 @@ def build_policy(cfg: RunConfig, trainable: bool = True) -> Policy:
         return MegatronPolicy(cfg.model, optim, seed=cfg.train.seed, checkpoint_dir=ckpt, keep=cfg.checkpoint.keep,
                               logit_chunk_rows=cfg.train.logit_chunk_rows)
     if cfg.model.backend != "hf":
-        raise ValueError(f"model.backend={cfg.model.backend!r} is not available; use 'hf' or 'megatron'")
+        raise ConfigError(f"model.backend={cfg.model.backend!r} is not available; use 'hf' or 'megatron'")
     return HFPolicy(cfg.model, optim, logit_chunk_rows=cfg.train.logit_chunk_rows)
 
 
@@ -74,7 +74,7 @@ def build_engine(cfg: RunConfig, policy):
         from megaopd.serving.engine import SGLangEngine
 
         return SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
-    raise ValueError(f"rollout.engine must be 'local' or 'sglang', got {cfg.rollout.engine!r}")
+    raise ConfigError(f"rollout.engine must be 'local' or 'sglang', got {cfg.rollout.engine!r}; set one of them")
 
 
 def build_teachers(cfg: RunConfig, student_tokenizer) -> TeacherRouter:
@@ -86,13 +86,14 @@ def build_teachers(cfg: RunConfig, student_tokenizer) -> TeacherRouter:
             from megaopd.megatron.policy import megatron_teachers
 
             if cfg.opd.form == "full_vocab":
-                raise ValueError("model.backend=megatron computes the top-k OPD form, not full_vocab (docs/opd.md): "
+                raise ConfigError("model.backend=megatron computes the top-k OPD form, not full_vocab (docs/opd.md): "
                                  "set opd.form=topk with opd.topk=K (K = the vocabulary size is the exact full loss)")
             return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer, **sampling)
         return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model, cfg.train.logit_chunk_rows),
                              student_tokenizer, **sampling)
     if cfg.opd.teacher_engine != "sglang":
-        raise ValueError(f"opd.teacher_engine must be 'local' or 'sglang', got {cfg.opd.teacher_engine!r}")
+        raise ConfigError(f"opd.teacher_engine must be 'local' or 'sglang', got {cfg.opd.teacher_engine!r}; "
+                          "set one of them")
     if cfg.opd.form == "full_vocab":
         raise ConfigError("SGLang teachers return at most a top-k per position; set opd.form=topk (opd.topk=K) or "
                          "sampled, or opd.teacher_engine=local for the full-vocabulary form")
@@ -140,7 +141,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.method = spec = method(cfg.train.algorithm)
         if cfg.train.tis not in TIS_LEVELS:
-            raise ValueError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}")
+            raise ConfigError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}; set one of them")
         if cfg.train.tis != "none" and spec.rollouts and not spec.has_policy_gradient(cfg):
             raise ConfigError(f"train.tis={cfg.train.tis} weights the sampled tokens' policy-gradient terms, and "
                              f"opd.form={cfg.opd.form} has none: its loss is the KL over the vocabulary at each "

@@ -68,3 +68,16 @@ def test_user_errors_are_one_line_with_exit_status_2(tmp_path):
 def test_debug_gives_the_traceback(tmp_path):
     result = megaopd(["--debug", "train", str(tmp_path / "missing.yaml")], tmp_path)
     assert "Traceback" in result.stderr and "ConfigError" in result.stderr and result.returncode == 1
+
+
+@pytest.mark.timeout(300)
+def test_settings_checked_once_the_model_is_loaded_are_one_line_too(assets, tmp_path):
+    """The objective's and the backends' own checks (here the top-k form without its K) are user errors as well."""
+    model = assets / "models" / "qwen3-tiny"
+    data = assets / "data" / "arith_add"
+    result = megaopd(["train", str(ROOT / "configs/embedded/opd.yaml"), f"run_dir={tmp_path / 'run'}",
+                      f"model.path={model}", f"opd.teachers.*={model}", f"data.train=[{data / 'train.jsonl'}]",
+                      f"data.eval=[{data / 'heldout.jsonl'}]", "opd.form=topk", "opd.topk=0"], tmp_path)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("megaopd: ")]
+    assert "Traceback" not in result.stderr and result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 1 and LINE.fullmatch(lines[0]) and "opd.form=topk needs opd.topk" in lines[0], lines
