@@ -102,7 +102,7 @@ def test_two_clusters_side_by_side_run_jobs_across_nodes_and_leave_nothing_behin
         a.down(), b.down()
     for c in (a, b):
         assert not list(NETNS_DIR.glob(f"{c.name}-*")) and not Path(f"/etc/netns/{c.head_ns}").exists()
-        assert not c.state_dir.exists()
+        assert not c.state_dir.exists() and not c.spool.exists()
         c.down()  # again, on nothing: no error
 
 

@@ -13,13 +13,13 @@ bridge at ``<subnet>.1`` and slurmctld (hostname ``<name>head``); node k lives i
 hostname ``node<k>``. Every daemon gets its own UTS and mount namespace (``nsenter --net`` + ``unshare``; not
 ``ip netns exec``, whose fresh /sys hides the cgroup tree slurmd needs), so its hostname equals its NodeName
 and it sees the cluster's own /etc/hosts; its jobs inherit both. The cluster has its own munged on its own socket,
-its own ``slurm.conf`` (``.env["SLURM_CONF"]``) and state under ``state_dir``, and GPU GRES backed by stand-in
-char devices so that ``--gpus-per-node`` requests are accepted (steps see ``CUDA_VISIBLE_DEVICES``; there are no
-GPUs). Clients (sbatch, squeue, ``megaopd submit``) run inside the head namespace: the root namespace gets no
-interface and no address, so all traffic stays on loopback or inside these namespaces. ``name`` and ``subnet``
-tell two clusters apart. Slurm has no accounting database here: finished jobs are kept by the controller
-(``scontrol show job``) and recorded in ``jobcomp.txt`` (``.job_records()``). Needs root and Debian's
-``slurmctld slurmd slurm-client munge`` packages.
+its own ``slurm.conf`` (``.env["SLURM_CONF"]``), state under ``state_dir`` (slurmd's spool in
+/tmp/megaopd-spool-<name>), and GPU GRES backed by stand-in char devices so that ``--gpus-per-node`` requests
+are accepted (steps see ``CUDA_VISIBLE_DEVICES``; there are no GPUs). Clients (sbatch, squeue, ``megaopd
+submit``) run inside the head namespace: the root namespace gets no interface and no address, so all traffic
+stays on loopback or inside these namespaces. ``name`` and ``subnet`` tell two clusters apart. Slurm has no
+accounting database here: finished jobs are kept by the controller (``scontrol show job``) and recorded in
+``jobcomp.txt`` (``.job_records()``). Needs root and Debian's ``slurmctld slurmd slurm-client munge`` packages.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 NETNS_DIR = Path("/run/netns")
 HOSTS_DIR = Path("/etc/netns")
 TOOLS = ("slurmctld", "slurmd", "munged", "sinfo", "ip", "nsenter", "unshare")
-STATE_SUBDIRS = ("etc", "munge", "run", "log", "ctld", "spool", "dev")
+STATE_SUBDIRS = ("etc", "munge", "run", "log", "ctld", "dev")
 IFNAMSIZ = 15  # Linux's limit on interface names
 
 
@@ -68,6 +68,10 @@ class LocalCluster:
         self.loopback_hostname = loopback_hostname
         self.conf = self.state_dir / "etc" / "slurm.conf"
         self.jobcomp = self.state_dir / "log" / "jobcomp.txt"
+        # slurmd makes a Unix socket per job step in its spool (node1_<job>.<step>), and a socket path holds 108
+        # bytes at most: under a long state_dir (a test's tmp_path under xdist) the step would fail to launch and
+        # the job be held. So the spool has a short path of its own, one per cluster name (names are unique).
+        self.spool = Path("/tmp") / f"megaopd-spool-{name}"
 
     @property
     def env(self) -> dict[str, str]:
@@ -97,8 +101,8 @@ class LocalCluster:
         for sub in STATE_SUBDIRS:
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
         (self.state_dir / "munge").chmod(0o700)  # munged refuses a key or socket others can write
-        for node in self.node_names:  # slurmd does not create spool/%n itself
-            (self.state_dir / "spool" / node).mkdir(exist_ok=True)
+        for node in self.node_names:  # slurmd does not create its spool/%n itself
+            (self.spool / node).mkdir(parents=True, exist_ok=True)
         key = self.state_dir / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
@@ -135,7 +139,7 @@ class LocalCluster:
             "MailProg=/bin/true",
             "JobCompType=jobcomp/filetxt", f"JobCompLoc={self.jobcomp}",
             f"StateSaveLocation={s}/ctld",
-            f"SlurmdSpoolDir={s}/spool/%n",  # %n: the node name
+            f"SlurmdSpoolDir={self.spool}/%n",  # %n: the node name
             f"SlurmctldPidFile={s}/run/slurmctld.pid", f"SlurmdPidFile={s}/run/slurmd-%n.pid",
             f"SlurmctldLogFile={s}/log/slurmctld.log", f"SlurmdLogFile={s}/log/slurmd-%n.log",
             "GresTypes=gpu",
@@ -250,6 +254,7 @@ class LocalCluster:
             shutil.rmtree(HOSTS_DIR / ns, ignore_errors=True)
         for sub in STATE_SUBDIRS:  # only what up() made: state_dir may hold other things
             shutil.rmtree(self.state_dir / sub, ignore_errors=True)
+        shutil.rmtree(self.spool, ignore_errors=True)
         try:
             self.state_dir.rmdir()
         except OSError:
