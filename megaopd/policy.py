@@ -119,7 +119,8 @@ class HFPolicy:
         where = batch.response_mask.to(self.device).nonzero(as_tuple=True)
         head = self.model.get_output_embeddings()
         if head is None:
-            raise ModelError(f"{self.path}: the model has no output layer to project response rows with; use a causal LM")
+            raise ModelError(f"{self.path}: the model has no output layer to project response rows with; "
+                             "use a causal LM")
         taken = []
 
         def take_rows(module, args):

@@ -141,7 +141,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.method = spec = method(cfg.train.algorithm)
         if cfg.train.tis not in TIS_LEVELS:
-            raise ConfigError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}; set one of them")
+            raise ConfigError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}; "
+                              "set one of them")
         if cfg.train.tis != "none" and spec.rollouts and not spec.has_policy_gradient(cfg):
             raise ConfigError(f"train.tis={cfg.train.tis} weights the sampled tokens' policy-gradient terms, and "
                              f"opd.form={cfg.opd.form} has none: its loss is the KL over the vocabulary at each "
