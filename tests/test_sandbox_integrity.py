@@ -335,7 +335,7 @@ def test_malformed_replies_never_crash_score(mode):
     assert score(row, f"```python\n{FORGER}\n```") == 0.0
 
 
-def test_a_scratch_tree_deeper_than_path_max_is_removed_and_the_uid_released(mode):
+def test_a_scratch_tree_deeper_than_path_max_is_removed_and_the_uid_released(mode, monkeypatch):
     """Deeper than Python's recursion limit and than PATH_MAX (1,200 levels of 5 characters)."""
     body = """
 import os
@@ -353,9 +353,10 @@ for top in (".", "/tmp", "/dev/shm"):
 """
     row = Row("code", [{"role": "user", "content": "q"}], {"inputs": [""], "outputs": ["42\n"]}, ability="code",
               extra_info=dict(LIMITS))
-    before = set(Path("/tmp").glob("megaopd-sandbox-*"))
+    made, mkdtemp = [], sandbox.tempfile.mkdtemp  # its own scratch dir: another xdist worker makes others in /tmp
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", lambda *a, **k: made.append(mkdtemp(*a, **k)) or made[-1])
     assert score(row, f"```python\n{body}\nprint(42)\n```") == 1.0
-    assert set(Path("/tmp").glob("megaopd-sandbox-*")) - before == set()  # its scratch dir is gone
+    assert made and not [d for d in made if Path(d).exists()]  # its scratch dir is gone
     if os.geteuid() == 0:
         assert len(sandbox._slots._free) == sandbox._slots._next  # every uid handed out came back
         uids = uids_of_this_process()
