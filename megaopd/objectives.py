@@ -65,7 +65,7 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
     elif level != "token":
-        raise ConfigError(f"train.tis must be token or sequence here, got {level!r}; set train.tis=token or sequence")
+        raise ValueError(f"truncated IS level must be token or sequence, got {level!r}")
     weights = log_ratio.exp().clamp(max=cap)
     return torch.where(mask.bool(), weights, 1.0).detach()
 

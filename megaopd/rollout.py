@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 
 from megaopd.batch import Sample
-from megaopd.config import ConfigError
 from megaopd.chat import chat_prompt_ids_batch
+from megaopd.config import ConfigError
 from megaopd.decode import FusedDecoder
 from megaopd.data.rows import Row
 from megaopd.distributions import nucleus
