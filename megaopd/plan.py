@@ -20,11 +20,15 @@ phase. The formulas, per rank (b = bytes of model.dtype):
   a KL over the vocabulary adds 8 (the full form: the teacher's chunk and the student's exponential; the top-k
   form: the student's probabilities and the tail's mask or scatter). Measured on CPU
   (tests/test_plan_workspace.py: fp32 and bf16; tests/test_megatron_device.py).
+* full-vocabulary OPD teacher rows (HF backend): every response row's [H] hidden state of its teacher's one forward,
+  kept from scoring to the end of the update (b bytes each, the widest teacher's H). Where they do not fit and the
+  run fits without them, ``check_run`` plans the teacher re-run per micro-batch instead (``Plan.teacher_recompute``;
+  hardware work the ledger does not bill, ``flops.teacher_passes``).
 * rollout KV cache (local engine): rollout.batch_prompts x samples x (plan.prompt_tokens + max_new_tokens)
   positions, plus the prefill cache the fused decoder is seeded from and its packed weight copies.
 Step FLOPs are the method's (``megaopd.methods``) with every prompt plan.prompt_tokens long, every response at
 max_new_tokens and every prompt routed to the costliest teacher (an upper bound), and the time assumes plan.mfu of
-plan.peak_tflops on every trainer GPU.
+plan.peak_tflops on every trainer GPU for them plus the teachers' forced re-runs.
 """
 
 from __future__ import annotations
@@ -160,6 +164,7 @@ class Plan:
     servers: list[str]  # lines about GPUs outside the trainer's (SGLang rollout / teacher servers)
     cfg: RunConfig | None = None  # what it was built from, to search a knob's value that fits
     aliases: dict[str, str] | None = None
+    teacher_recompute: bool = False  # the full form's teacher rows re-run per micro-batch instead of kept
 
     def totals(self) -> dict[str, float]:
         fixed = sum(i.bytes for i in self.items if i.phase == "all")
@@ -209,8 +214,9 @@ def _largest_fitting(cfg: RunConfig, aliases, budget, setting: str, current: int
 
 
 def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: float | None = None,
-               title: str = "") -> Plan:
-    """The per-rank memory plan of one run config; ``budget``: usable bytes per GPU (None: not checked)."""
+               title: str = "", teacher_recompute: bool = False) -> Plan:
+    """The per-rank memory plan of one run config; ``budget``: usable bytes per GPU (None: not checked);
+    ``teacher_recompute``: plan the full form's teacher rows re-run per micro-batch instead of kept for the step."""
     p, t, r, m = cfg.plan, cfg.train, cfg.rollout, cfg.model
     spec = method(t.algorithm)
     n = spec.samples_per_prompt(cfg)
@@ -291,16 +297,30 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
                           else "raise model.megatron.teacher_tp"))
     if spec.uses_reference(cfg):
         items.append(Item("reference model", "all", local * b, fits_more))
+    keeps_rows = keeps_teacher_rows(cfg) and not teacher_recompute
+    if keeps_rows:
+        rows = t.prompts_per_step * n * r.max_new_tokens
+        hidden = max(resolve_arch(v, aliases).hidden for v in spec.teachers(cfg).values())
+        items.append(Item(f"teacher rows kept for the update ({rows} x {hidden})", "train", rows * hidden * b,
+                          "re-run per micro-batch when they do not fit (automatic)"))
 
     prompt_lens = [p.prompt_tokens] * t.prompts_per_step
     response_lens = [r.max_new_tokens] * (t.prompts_per_step * n)
     # Every prompt routed to the costliest teacher: an upper bound, like the lengths.
     shapes = [resolve_arch(v, aliases).flop_shape() for v in spec.teachers(cfg).values()]
     teachers = [max(shapes, key=lambda s: s.matmul_params)] * t.prompts_per_step if shapes else None
-    step = sum(spec.step_flops(cfg, arch.flop_shape(), teachers, prompt_lens, response_lens).values())
-    seconds = step / (world * p.peak_tflops * 1e12 * p.mfu)
+    parts = spec.step_flops(cfg, arch.flop_shape(), teachers, prompt_lens, response_lens)
+    step = sum(parts.values())
+    reruns = flops.teacher_passes(cfg.opd.form, t.epochs, recompute=not keeps_rows) - 1 if spec.teacher_term else 0
+    seconds = (step + reruns * parts["teacher"]) / (world * p.peak_tflops * 1e12 * p.mfu)
     return Plan(title or cfg.run_dir, layout, budget, items, step, t.prompts_per_step * n * seq,
-                seconds, servers, cfg, aliases)
+                seconds, servers, cfg, aliases, teacher_recompute)
+
+
+def keeps_teacher_rows(cfg: RunConfig) -> bool:
+    """Whether the run's teachers keep their full-vocabulary rows for the step (HF in-process teachers)."""
+    return (method(cfg.train.algorithm).local_teachers(cfg) != {} and cfg.opd.form == "full_vocab"
+            and cfg.model.backend == "hf")
 
 
 def _mem_fraction(server_args: list[str]) -> float:
@@ -333,6 +353,12 @@ def check_run(cfg: RunConfig) -> Plan | None:
         log.warning("not planning %s: its config.json has no %s", cfg.model.path, e)
         return None
     problem = plan.problem()
+    if problem and keeps_teacher_rows(cfg):  # the teacher rows may be what does not fit: re-run them instead
+        rerun = build_plan(cfg, budget=budget, teacher_recompute=True)
+        if rerun.problem() is None:
+            log.info("%s: the full-vocabulary teacher rows do not fit beside the update; the teacher re-runs per "
+                     "micro-batch (hardware FLOPs, not billed)", cfg.run_dir)
+            return rerun
     if problem:
         log.error("the plan of %s:\n%s", cfg.run_dir, plan.table())
         raise PlanError(f"refusing to start: {problem}")
