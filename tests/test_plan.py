@@ -7,6 +7,7 @@ real widths and vocabularies (Qwen3-0.6B, Llama-3.2-1B with one layer).
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -112,6 +113,26 @@ def test_a_run_that_does_not_fit_is_refused_before_step_1(assets, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     cfg.rollout.batch_prompts = fits  # the value it names does fit
     assert check_run(cfg) is not None
+
+
+def test_full_vocab_teacher_rows_are_kept_unless_the_budget_forces_a_re_run(assets, tmp_path):
+    """The full form keeps its teacher's [N x H] response rows for the step when they fit (one teacher forward per
+    sample); on a device where only the re-run fits, the plan chooses it (hardware work, not billed); on CPU, keep."""
+    cfg = run_config(assets, tmp_path / "run", "opd", **{
+        "opd.teachers.*": assets / "models" / "qwen3-tiny-seed1", "opd.form": "full_vocab",
+        "train.prompts_per_step": 64, "rollout.samples_per_prompt": 8, "rollout.max_new_tokens": 4096,
+        "train.micro_batch_size": 1, "plan.prompt_tokens": 16, "rollout.batch_prompts": 1})
+    kept, rerun = build_plan(cfg), build_plan(cfg, teacher_recompute=True)
+    rows = item(kept, "teacher rows kept")
+    assert rows == 64 * 8 * 4096 * Arch.from_hf(json.loads((assets / "models" / "qwen3-tiny-seed1" /
+                                                             "config.json").read_text())).hidden * 4
+    assert kept.totals()["train"] - rerun.totals()["train"] == rows
+    assert rerun.step_flops == kept.step_flops and rerun.step_seconds > kept.step_seconds  # same bill, more work
+    assert check_run(cfg) is None  # CPU: nothing to check, the rows are kept
+    cfg.plan.memory_gib = (kept.totals()["train"] + rerun.totals()["train"]) / 2 / cfg.plan.usable / GIB
+    assert check_run(cfg).teacher_recompute
+    cfg.plan.memory_gib = 2 * kept.totals()["train"] / cfg.plan.usable / GIB
+    assert not check_run(cfg).teacher_recompute
 
 
 def test_no_device_memory_means_no_check(assets, tmp_path):
