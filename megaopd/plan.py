@@ -13,7 +13,9 @@ phase. The formulas, per rank (b = bytes of model.dtype):
   read off the code and checked on CPU against autograd's saved tensors (tests/test_plan.py); with
   model.activation_checkpointing the layer inputs plus one layer's. The Megatron backend uses the same per-token
   figure divided by TP, with PP micro-batches in flight on the first stage (an estimate: TE kernels differ).
-* logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V (Megatron: whole sequences, at least
+* logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V (0, the default: the plan picks the whole
+  micro-batch's rows where they fit beside the rest of the train phase, else the most that do; on CPU, without a
+  device budget, the most that fit in CPU_CHUNK_BYTES) (Megatron: whole sequences, at least
   one, every position, x V/tp), at the peak of its backward: the fp32 log-softmax and its gradient, with the head's
   output and its gradient's cast (2b + 8 bytes per entry), or in fp32 the logits themselves (12); Megatron's
   vocab-parallel log-softmax keeps the shifted logits and their exponential instead (16, measured in fp32 only);
@@ -40,13 +42,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megaopd import flops
-from megaopd.config import RunConfig
+from megaopd.config import ConfigError, RunConfig
 from megaopd.errors import UserError
 from megaopd.methods import method
 from megaopd.shapes import REAL_SHAPES, real_model_config, real_shape
 
 log = logging.getLogger(__name__)
 GIB = 2**30
+CPU_CHUNK_BYTES = GIB  # without a device budget (CPU): the room one logits/KL chunk may take
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -165,6 +168,7 @@ class Plan:
     cfg: RunConfig | None = None  # what it was built from, to search a knob's value that fits
     aliases: dict[str, str] | None = None
     teacher_recompute: bool = False  # the full form's teacher rows re-run per micro-batch instead of kept
+    chunk_rows: int = 0  # response rows per vocabulary-projection chunk (train.logit_chunk_rows, or the plan's pick)
 
     def totals(self) -> dict[str, float]:
         fixed = sum(i.bytes for i in self.items if i.phase == "all")
@@ -257,15 +261,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
                       "lower train.micro_batch_size" + ("" if m.activation_checkpointing or megatron
                                                          else ", or model.activation_checkpointing=true"),
                       ("train.micro_batch_size", t.micro_batch_size)))
-    chunk = min(t.logit_chunk_rows, rows_per_mb * r.max_new_tokens)
-    if megatron:  # its output layer projects whole sequences, every position (megatron/policy.py _train_loss)
-        chunk = min(max(1, t.logit_chunk_rows // seq), rows_per_mb) * seq
-    per_entry = (16 if megatron else 2 * b + 8 if b < 4 else 12) + (8 if spec.vocab_kl(cfg) else 0)
-    chunk_setting = "lower train.logit_chunk_rows"
-    items.append(Item(f"logits/KL workspace ({chunk} rows x {arch.vocab})", "train",
-                      chunk * (arch.vocab * per_entry / tp + arch.hidden * b), chunk_setting))
-    items.append(Item("forward workspace (no grad)", "score",
-                      tokens * 3 * arch.ffn * b / tp + chunk * arch.vocab * (b + 8) / tp, chunk_setting))
+    workspace_at = len(items)  # the logits chunk is sized last, from the room everything else leaves
 
     if r.engine == "local" and not megatron:
         prompts = min(r.batch_prompts, t.prompts_per_step)
@@ -304,6 +300,21 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
         items.append(Item(f"teacher rows kept for the update ({rows} x {hidden})", "train", rows * hidden * b,
                           "re-run per micro-batch when they do not fit (automatic)"))
 
+    unit = seq if megatron else 1  # positions per chunk unit: Megatron's output layer projects whole sequences
+    units = rows_per_mb if megatron else rows_per_mb * r.max_new_tokens  # one chunk: the micro-batch unchunked
+    per_entry = (16 if megatron else 2 * b + 8 if b < 4 else 12) + (8 if spec.vocab_kl(cfg) else 0)
+    per_unit = unit * (arch.vocab * per_entry / tp + arch.hidden * b)
+    if t.logit_chunk_rows:  # the override
+        chunk = min(max(1, t.logit_chunk_rows // unit), units) * unit
+    else:  # unchunked where the micro-batch's rows fit beside the rest of the train phase, else the most that do
+        room = budget - sum(i.bytes for i in items if i.phase in ("all", "train")) if budget else CPU_CHUNK_BYTES
+        chunk = min(units, max(1, int(room // per_unit))) * unit
+    chunk_setting = "set train.logit_chunk_rows lower than the plan's pick"
+    items[workspace_at:workspace_at] = [
+        Item(f"logits/KL workspace ({chunk} rows x {arch.vocab})", "train", chunk // unit * per_unit, chunk_setting),
+        Item("forward workspace (no grad)", "score",
+             tokens * 3 * arch.ffn * b / tp + chunk * arch.vocab * (b + 8) / tp, chunk_setting)]
+
     prompt_lens = [p.prompt_tokens] * t.prompts_per_step
     response_lens = [r.max_new_tokens] * (t.prompts_per_step * n)
     # Every prompt routed to the costliest teacher: an upper bound, like the lengths.
@@ -314,7 +325,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     reruns = flops.teacher_passes(cfg.opd.form, t.epochs, recompute=not keeps_rows) - 1 if spec.teacher_term else 0
     seconds = (step + reruns * parts["teacher"]) / (world * p.peak_tflops * 1e12 * p.mfu)
     return Plan(title or cfg.run_dir, layout, budget, items, step, t.prompts_per_step * n * seq,
-                seconds, servers, cfg, aliases, teacher_recompute)
+                seconds, servers, cfg, aliases, teacher_recompute, chunk)
 
 
 def keeps_teacher_rows(cfg: RunConfig) -> bool:
@@ -340,6 +351,21 @@ def device_budget(cfg: RunConfig) -> float | None:
         if torch.cuda.is_available():
             gib = torch.cuda.get_device_properties(torch.device(cfg.model.device)).total_memory / GIB
     return gib * GIB * cfg.plan.usable if gib > 0 else None
+
+
+def chunk_rows(cfg: RunConfig, plan: Plan | None = None) -> int:
+    """The run's rows per vocabulary-projection chunk: train.logit_chunk_rows, else the plan's pick (``plan``, or
+    one built for the run's device)."""
+    if cfg.train.logit_chunk_rows < 0:
+        raise ConfigError(f"train.logit_chunk_rows must be >= 0 (0: the memory plan picks), got "
+                          f"{cfg.train.logit_chunk_rows}; set 0 or a positive number of rows")
+    if cfg.train.logit_chunk_rows or plan is not None:
+        return cfg.train.logit_chunk_rows or plan.chunk_rows
+    try:
+        return build_plan(cfg, budget=device_budget(cfg)).chunk_rows
+    except KeyError as e:  # an architecture the planner cannot read: the bound of a 150k vocabulary in a GiB
+        log.warning("not planning %s (its config.json has no %s): logit chunks of 1024 rows", cfg.model.path, e)
+        return 1024
 
 
 def check_run(cfg: RunConfig) -> Plan | None:

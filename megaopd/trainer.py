@@ -18,6 +18,7 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,7 @@ from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger, read_metrics, rollout_metrics
 from megaopd.methods import method
 from megaopd.objectives import TIS_LEVELS, build_objective, form_label, truncated_is_weights
-from megaopd.plan import check_run
+from megaopd.plan import check_run, chunk_rows
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine, sampling_generator
 from megaopd.stopping import StopRule
@@ -155,8 +156,9 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
-        # Refuses, before any model is loaded, a run that cannot fit the device it is planned for.
+        # Refuses, before any model is loaded, a run that cannot fit the device it is planned for; sizes the chunks.
         self.plan = check_run(cfg)
+        self.cfg = cfg = replace(cfg, train=replace(cfg.train, logit_chunk_rows=chunk_rows(cfg, self.plan)))
         seed_everything(cfg.train.seed)
 
         self.policy = build_policy(cfg)
