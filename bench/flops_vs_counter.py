@@ -115,8 +115,9 @@ def trainer_rows(preset: str, model_dir: Path, teacher_dir: Path, data: Path, ru
             "train.recompute_old_logprobs=true", *extra])
         for component, row in audit_step(cfg).items():
             if row.executed_form:
+                # the analytic side: the billed passes plus the teacher's recomputation (hardware work)
                 out.append((preset, f"{algorithm} step ({group} x R={max_new}): {component}", row.measured,
-                            row.executed_form))
+                            row.executed_form + row.recomputed))
     return out
 
 

@@ -44,6 +44,7 @@ class TokenBatch:
     teacher_topk_logprobs: torch.Tensor | None = None  # [B, S-1, K]
     teacher_tail: torch.Tensor | None = None  # [B, S-1]
     teacher_route: torch.Tensor | None = None  # [B] long: index of each sample's teacher in TeacherRouter.routes
+    teacher_row_start: torch.Tensor | None = None  # [B] long: first row of each sample's kept full-vocab teacher rows
     is_weights: torch.Tensor | None = None  # [B, S-1] truncated importance weights p_trainer / p_rollout (train.tis)
     extras: dict = field(default_factory=dict)
 

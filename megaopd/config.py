@@ -176,7 +176,9 @@ class TrainConfig:
     tis: Literal["none", "token", "sequence"] = "none"  # none | token | sequence
     tis_cap: float = 2.0
     seed: int = 0
-    logit_chunk_rows: int = 1024  # response rows per vocabulary-projection chunk ([rows x V] float32 at most)
+    # Response rows per vocabulary-projection chunk ([rows x V] float32 at most); 0: the memory plan picks
+    # (unchunked where the budget allows, plan.chunk_rows).
+    logit_chunk_rows: int = 0
     stop: StopConfig = field(default_factory=StopConfig)
 
 

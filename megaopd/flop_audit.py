@@ -32,6 +32,9 @@ class Audit:
     executed_form: int  # the ledger's formula for the step's real lengths, attention un-halved (what eager runs)
     ledger_form: int  # the same formula with causal attention halved (the ledger's convention)
     booked: float  # what the trainer added to its ledger
+    # Hardware work beyond the billed passes, in the executed form (the teachers' re-projections and re-runs:
+    # TeacherRouter.recompute_flops); measured == executed_form + recomputed.
+    recomputed: int = 0
 
 
 def audit_step(cfg: RunConfig) -> dict[str, Audit]:
@@ -43,21 +46,27 @@ def audit_step(cfg: RunConfig) -> dict[str, Audit]:
         raise ValueError("the audit runs one step of one prompt (train.prompts_per_step=1), so that no sequence is "
                          "padded")
     measured = dict.fromkeys(flops.COMPONENTS, 0)
+    active: list[str] = []  # the phases counting now, innermost last
 
-    def counted(component, fn, inside=None):
-        """Count fn's FLOPs as `component`; `inside`: a phase whose counter also sees them (nested: taken off it)."""
+    def counted(component, fn):
+        """Count fn's FLOPs as `component`, and off the phase it runs inside (whose counter also sees them)."""
         def run(*args, **kwargs):
-            with FlopCounterMode(display=False) as counter:
-                out = fn(*args, **kwargs)
+            active.append(component)
+            try:
+                with FlopCounterMode(display=False) as counter:
+                    out = fn(*args, **kwargs)
+            finally:
+                active.pop()
             measured[component] += counter.get_total_flops()
-            if inside is not None:
-                measured[inside] -= counter.get_total_flops()
+            if active:
+                measured[active[-1]] -= counter.get_total_flops()
             return out
         return run
 
-    def counted_rows(full_rows):  # full-vocab teacher rows, recomputed inside the update: the teacher's work
+    def counted_rows(rows_fn):  # full-vocab teacher rows: their lookups run inside the update, the teacher's work
         def run(*args, **kwargs):
-            return counted("teacher", counted("teacher", full_rows, "train")(*args, **kwargs), "train")
+            out = counted("teacher", rows_fn)(*args, **kwargs)
+            return (*out[:-1], counted("teacher", out[-1])) if isinstance(out, tuple) else counted("teacher", out)
         return run
 
     # Rollouts never stop early; an SFT target keeps its real EOS.
@@ -91,6 +100,7 @@ def audit_step(cfg: RunConfig) -> dict[str, Audit]:
                     model.full_logprobs = counted(component, model.full_logprobs)
                     if component == "teacher":
                         model.full_rows = counted_rows(model.full_rows)
+                        model.scored_rows = counted_rows(model.scored_rows)
             for policy in [trainer.policy, *frozen["reference"], *frozen["teacher"]]:
                 policy.model.set_attn_implementation("eager")
             before = dict(trainer.ledger.own)
@@ -108,4 +118,6 @@ def audit_step(cfg: RunConfig) -> dict[str, Audit]:
     def formula(causal):
         return trainer.method.step_flops(cfg, trainer.policy.shape, teachers, prompt_lens, response_lens, True, causal)
     executed, ledger = formula(False), formula(True)
-    return {c: Audit(measured[c], executed[c], ledger[c], trainer.ledger.own[c] - before[c]) for c in flops.COMPONENTS}
+    recomputed = {"teacher": trainer.teachers.recompute_flops(causal=False)} if trainer.teachers else {}
+    return {c: Audit(measured[c], executed[c], ledger[c], trainer.ledger.own[c] - before[c], recomputed.get(c, 0))
+            for c in flops.COMPONENTS}

@@ -4,7 +4,8 @@ Implements the conventions of ``docs/flops.md`` (``megaopd.flop_audit`` checks a
 ``megaopd.methods`` says which passes each method runs). In short (state them in every report):
 
 * **1 multiply-accumulate = 2 FLOPs.** Backward = 2x forward, so a training pass = 3x forward.
-* **Model FLOPs, not hardware FLOPs.** Only matmuls count: no activation-recompute forward, no optimizer, no
+* **Model FLOPs, not hardware FLOPs.** Only matmuls count: no activation-recompute forward (nor a teacher's
+  recomputation: ``recompute_flops`` gives that hardware work, logged as ``perf/``), no optimizer, no
   elementwise ops (norms, RoPE, softmax, residuals), and the embedding lookup costs 0. The LM head (2*d*V FLOPs per
   position) is counted even when it is tied to the embedding, **at the positions whose logits are used**: in a
   teacher-forced pass over prompt + response (old-logprob, reference, teacher, training) the R positions that predict
@@ -59,6 +60,8 @@ __all__ = [
     "scoring_flops",
     "grpo_step_flops",
     "opd_step_flops",
+    "teacher_passes",
+    "recompute_flops",
 ]
 
 #: Keys of the per-step component dicts, in ledger order. ``sum(d.values())`` is the step total.
@@ -282,12 +285,23 @@ def grpo_step_flops(
     }
 
 
-def teacher_passes(form: str, epochs: int) -> int:
-    """Teacher forwards per sample in one OPD step: one scoring pass (realised tokens, or the top-k), plus, in the
-    full-vocabulary form, one per epoch inside the training step (its [rows x V] distribution is recomputed per
-    micro-batch instead of stored; docs/opd.md). Each reads the response rows only: on SGLang with
-    ``logprob_start_len = prompt length - 1``, so the server's LM head runs over the R response rows, as billed."""
-    return 1 + (_nonneg("epochs", epochs) if form == "full_vocab" else 0)
+def teacher_passes(form: str, epochs: int, recompute: bool = False) -> int:
+    """Teacher forwards per sample that one OPD step runs: 1 in every form. The full-vocabulary form keeps that
+    forward's response rows (the output layer's input, [N x H], H << V) for the step and projects them again chunk by
+    chunk in the update. Only where the memory plan cannot keep them (``plan.Plan.teacher_recompute``) does it run the
+    teacher again per micro-batch and epoch: 1 + epochs. The ledger bills one pass in every case (model FLOPs); the
+    rest is hardware work (``recompute_flops``), like activation recomputation. Each pass reads the response rows
+    only: on SGLang with ``logprob_start_len = prompt length - 1``, so the server's LM head runs over the R response
+    rows, as billed."""
+    return 1 + (_nonneg("epochs", epochs) if recompute and form == "full_vocab" else 0)
+
+
+def recompute_flops(shape: ModelShape, head_rows: int, seq_lens: Sequence[int], causal: bool = True) -> int:
+    """Hardware FLOPs a teacher spends beyond its one billed pass: its LM head over ``head_rows`` rows projected again
+    (per epoch in the update, and once more where a checkpointed chunk is recomputed in the backward) and, under
+    forced recomputation, the body of one more forward over each sequence of ``seq_lens`` real tokens."""
+    return 2 * shape.head_params * _nonneg("head_rows", head_rows) + sum(
+        forward_flops(shape, s, causal, head_positions=0) for s in seq_lens)
 
 
 def opd_step_flops(
@@ -300,9 +314,9 @@ def opd_step_flops(
     epochs: int = 1,
     prefix_cached: bool = True,
     causal: bool = True,
-    teacher_passes: int = 1,
 ) -> dict[str, int]:
-    """FLOPs of one on-policy-distillation step, by component (``teacher_passes``: see ``teacher_passes``).
+    """FLOPs of one on-policy-distillation step, by component: one teacher pass per sample in every form
+    (``teacher_passes``; recomputation is hardware work, not billed here).
 
     ``teacher`` is one ``ModelShape``, or a sequence with one (routed) teacher shape per prompt, or None when the
     caller bills the teacher itself (e.g. with ``scoring_flops`` per routed group); then "teacher" is 0.
@@ -324,6 +338,6 @@ def opd_step_flops(
         "rollout": rollout_flops(student, prompt_lens, response_lens, g, prefix_cached, causal),
         "old_logprob": fwd if recompute_old else 0,
         "reference": 0,
-        "teacher": _nonneg("teacher_passes", teacher_passes) * teach,
+        "teacher": teach,
         "train": 3 * _nonneg("epochs", epochs) * fwd,
     }

@@ -85,9 +85,8 @@ class Method:
         parts = flops.grpo_step_flops(student, prompt_lens, response_lens, n, use_reference=self.uses_reference(cfg),
                                       **common)
         if self.teacher_term:  # the student's passes as above, plus the teachers'
-            parts["teacher"] = flops.opd_step_flops(student, teachers, prompt_lens, response_lens, n, **common,
-                                                    teacher_passes=flops.teacher_passes(cfg.opd.form, t.epochs)
-                                                    )["teacher"]
+            parts["teacher"] = flops.opd_step_flops(student, teachers, prompt_lens, response_lens, n,
+                                                    **common)["teacher"]
         return parts
 
 

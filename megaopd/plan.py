@@ -13,18 +13,24 @@ phase. The formulas, per rank (b = bytes of model.dtype):
   read off the code and checked on CPU against autograd's saved tensors (tests/test_plan.py); with
   model.activation_checkpointing the layer inputs plus one layer's. The Megatron backend uses the same per-token
   figure divided by TP, with PP micro-batches in flight on the first stage (an estimate: TE kernels differ).
-* logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V (Megatron: whole sequences, at least
+* logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V (0, the default: the plan picks the whole
+  micro-batch's rows where they fit beside the rest of the train phase, else the most that do; on CPU, without a
+  device budget, the most that fit in CPU_CHUNK_BYTES) (Megatron: whole sequences, at least
   one, every position, x V/tp), at the peak of its backward: the fp32 log-softmax and its gradient, with the head's
   output and its gradient's cast (2b + 8 bytes per entry), or in fp32 the logits themselves (12); Megatron's
   vocab-parallel log-softmax keeps the shifted logits and their exponential instead (16, measured in fp32 only);
   a KL over the vocabulary adds 8 (the full form: the teacher's chunk and the student's exponential; the top-k
   form: the student's probabilities and the tail's mask or scatter). Measured on CPU
   (tests/test_plan_workspace.py: fp32 and bf16; tests/test_megatron_device.py).
+* full-vocabulary OPD teacher rows (HF backend): every response row's [H] hidden state of its teacher's one forward,
+  kept from scoring to the end of the update (b bytes each, the widest teacher's H). Where they do not fit and the
+  run fits without them, ``check_run`` plans the teacher re-run per micro-batch instead (``Plan.teacher_recompute``;
+  hardware work the ledger does not bill, ``flops.teacher_passes``).
 * rollout KV cache (local engine): rollout.batch_prompts x samples x (plan.prompt_tokens + max_new_tokens)
   positions, plus the prefill cache the fused decoder is seeded from and its packed weight copies.
 Step FLOPs are the method's (``megaopd.methods``) with every prompt plan.prompt_tokens long, every response at
 max_new_tokens and every prompt routed to the costliest teacher (an upper bound), and the time assumes plan.mfu of
-plan.peak_tflops on every trainer GPU.
+plan.peak_tflops on every trainer GPU for them plus the teachers' forced re-runs.
 """
 
 from __future__ import annotations
@@ -36,13 +42,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megaopd import flops
-from megaopd.config import RunConfig
+from megaopd.config import ConfigError, RunConfig
 from megaopd.errors import UserError
 from megaopd.methods import method
 from megaopd.shapes import REAL_SHAPES, real_model_config, real_shape
 
 log = logging.getLogger(__name__)
 GIB = 2**30
+CPU_CHUNK_BYTES = GIB  # without a device budget (CPU): the room one logits/KL chunk may take
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -160,6 +167,8 @@ class Plan:
     servers: list[str]  # lines about GPUs outside the trainer's (SGLang rollout / teacher servers)
     cfg: RunConfig | None = None  # what it was built from, to search a knob's value that fits
     aliases: dict[str, str] | None = None
+    teacher_recompute: bool = False  # the full form's teacher rows re-run per micro-batch instead of kept
+    chunk_rows: int = 0  # response rows per vocabulary-projection chunk (train.logit_chunk_rows, or the plan's pick)
 
     def totals(self) -> dict[str, float]:
         fixed = sum(i.bytes for i in self.items if i.phase == "all")
@@ -209,8 +218,9 @@ def _largest_fitting(cfg: RunConfig, aliases, budget, setting: str, current: int
 
 
 def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: float | None = None,
-               title: str = "") -> Plan:
-    """The per-rank memory plan of one run config; ``budget``: usable bytes per GPU (None: not checked)."""
+               title: str = "", teacher_recompute: bool = False) -> Plan:
+    """The per-rank memory plan of one run config; ``budget``: usable bytes per GPU (None: not checked);
+    ``teacher_recompute``: plan the full form's teacher rows re-run per micro-batch instead of kept for the step."""
     p, t, r, m = cfg.plan, cfg.train, cfg.rollout, cfg.model
     spec = method(t.algorithm)
     n = spec.samples_per_prompt(cfg)
@@ -251,15 +261,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
                       "lower train.micro_batch_size" + ("" if m.activation_checkpointing or megatron
                                                          else ", or model.activation_checkpointing=true"),
                       ("train.micro_batch_size", t.micro_batch_size)))
-    chunk = min(t.logit_chunk_rows, rows_per_mb * r.max_new_tokens)
-    if megatron:  # its output layer projects whole sequences, every position (megatron/policy.py _train_loss)
-        chunk = min(max(1, t.logit_chunk_rows // seq), rows_per_mb) * seq
-    per_entry = (16 if megatron else 2 * b + 8 if b < 4 else 12) + (8 if spec.vocab_kl(cfg) else 0)
-    chunk_setting = "lower train.logit_chunk_rows"
-    items.append(Item(f"logits/KL workspace ({chunk} rows x {arch.vocab})", "train",
-                      chunk * (arch.vocab * per_entry / tp + arch.hidden * b), chunk_setting))
-    items.append(Item("forward workspace (no grad)", "score",
-                      tokens * 3 * arch.ffn * b / tp + chunk * arch.vocab * (b + 8) / tp, chunk_setting))
+    workspace_at = len(items)  # the logits chunk is sized last, from the room everything else leaves
 
     if r.engine == "local" and not megatron:
         prompts = min(r.batch_prompts, t.prompts_per_step)
@@ -291,16 +293,45 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
                           else "raise model.megatron.teacher_tp"))
     if spec.uses_reference(cfg):
         items.append(Item("reference model", "all", local * b, fits_more))
+    keeps_rows = keeps_teacher_rows(cfg) and not teacher_recompute
+    if keeps_rows:
+        rows = t.prompts_per_step * n * r.max_new_tokens
+        hidden = max(resolve_arch(v, aliases).hidden for v in spec.teachers(cfg).values())
+        items.append(Item(f"teacher rows kept for the update ({rows} x {hidden})", "train", rows * hidden * b,
+                          "re-run per micro-batch when they do not fit (automatic)"))
+
+    unit = seq if megatron else 1  # positions per chunk unit: Megatron's output layer projects whole sequences
+    units = rows_per_mb if megatron else rows_per_mb * r.max_new_tokens  # one chunk: the micro-batch unchunked
+    per_entry = (16 if megatron else 2 * b + 8 if b < 4 else 12) + (8 if spec.vocab_kl(cfg) else 0)
+    per_unit = unit * (arch.vocab * per_entry / tp + arch.hidden * b)
+    if t.logit_chunk_rows:  # the override
+        chunk = min(max(1, t.logit_chunk_rows // unit), units) * unit
+    else:  # unchunked where the micro-batch's rows fit beside the rest of the train phase, else the most that do
+        room = budget - sum(i.bytes for i in items if i.phase in ("all", "train")) if budget else CPU_CHUNK_BYTES
+        chunk = min(units, max(1, int(room // per_unit))) * unit
+    chunk_setting = "set train.logit_chunk_rows lower than the plan's pick"
+    items[workspace_at:workspace_at] = [
+        Item(f"logits/KL workspace ({chunk} rows x {arch.vocab})", "train", chunk // unit * per_unit, chunk_setting),
+        Item("forward workspace (no grad)", "score",
+             tokens * 3 * arch.ffn * b / tp + chunk * arch.vocab * (b + 8) / tp, chunk_setting)]
 
     prompt_lens = [p.prompt_tokens] * t.prompts_per_step
     response_lens = [r.max_new_tokens] * (t.prompts_per_step * n)
     # Every prompt routed to the costliest teacher: an upper bound, like the lengths.
     shapes = [resolve_arch(v, aliases).flop_shape() for v in spec.teachers(cfg).values()]
     teachers = [max(shapes, key=lambda s: s.matmul_params)] * t.prompts_per_step if shapes else None
-    step = sum(spec.step_flops(cfg, arch.flop_shape(), teachers, prompt_lens, response_lens).values())
-    seconds = step / (world * p.peak_tflops * 1e12 * p.mfu)
+    parts = spec.step_flops(cfg, arch.flop_shape(), teachers, prompt_lens, response_lens)
+    step = sum(parts.values())
+    reruns = flops.teacher_passes(cfg.opd.form, t.epochs, recompute=not keeps_rows) - 1 if spec.teacher_term else 0
+    seconds = (step + reruns * parts["teacher"]) / (world * p.peak_tflops * 1e12 * p.mfu)
     return Plan(title or cfg.run_dir, layout, budget, items, step, t.prompts_per_step * n * seq,
-                seconds, servers, cfg, aliases)
+                seconds, servers, cfg, aliases, teacher_recompute, chunk)
+
+
+def keeps_teacher_rows(cfg: RunConfig) -> bool:
+    """Whether the run's teachers keep their full-vocabulary rows for the step (HF in-process teachers)."""
+    return (method(cfg.train.algorithm).local_teachers(cfg) != {} and cfg.opd.form == "full_vocab"
+            and cfg.model.backend == "hf")
 
 
 def _mem_fraction(server_args: list[str]) -> float:
@@ -322,6 +353,21 @@ def device_budget(cfg: RunConfig) -> float | None:
     return gib * GIB * cfg.plan.usable if gib > 0 else None
 
 
+def chunk_rows(cfg: RunConfig, plan: Plan | None = None) -> int:
+    """The run's rows per vocabulary-projection chunk: train.logit_chunk_rows, else the plan's pick (``plan``, or
+    one built for the run's device)."""
+    if cfg.train.logit_chunk_rows < 0:
+        raise ConfigError(f"train.logit_chunk_rows must be >= 0 (0: the memory plan picks), got "
+                          f"{cfg.train.logit_chunk_rows}; set 0 or a positive number of rows")
+    if cfg.train.logit_chunk_rows or plan is not None:
+        return cfg.train.logit_chunk_rows or plan.chunk_rows
+    try:
+        return build_plan(cfg, budget=device_budget(cfg)).chunk_rows
+    except KeyError as e:  # an architecture the planner cannot read: the bound of a 150k vocabulary in a GiB
+        log.warning("not planning %s (its config.json has no %s): logit chunks of 1024 rows", cfg.model.path, e)
+        return 1024
+
+
 def check_run(cfg: RunConfig) -> Plan | None:
     """The trainer's start-up check: raises PlanError when the run cannot fit the device it is planned for."""
     budget = device_budget(cfg)
@@ -333,6 +379,12 @@ def check_run(cfg: RunConfig) -> Plan | None:
         log.warning("not planning %s: its config.json has no %s", cfg.model.path, e)
         return None
     problem = plan.problem()
+    if problem and keeps_teacher_rows(cfg):  # the teacher rows may be what does not fit: re-run them instead
+        rerun = build_plan(cfg, budget=budget, teacher_recompute=True)
+        if rerun.problem() is None:
+            log.info("%s: the full-vocabulary teacher rows do not fit beside the update; the teacher re-runs per "
+                     "micro-batch (hardware FLOPs, not billed)", cfg.run_dir)
+            return rerun
     if problem:
         log.error("the plan of %s:\n%s", cfg.run_dir, plan.table())
         raise PlanError(f"refusing to start: {problem}")

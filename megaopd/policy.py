@@ -2,7 +2,8 @@
 
 A policy owns a model, its tokenizer and (when trainable) its optimizer. The trainer talks to it through
 ``logprobs`` (no grad, micro-batched), ``train_minibatch`` (forward, backward and one optimizer step over
-micro-batches with a token-mean loss) and ``save_hf``; a teacher also through ``topk_logprobs`` and ``full_rows``.
+micro-batches with a token-mean loss) and ``save_hf``; a teacher also through ``topk_logprobs``, ``scored_rows``
+and ``full_rows``.
 The Megatron backend implements the same calls.
 
 Memory: only the response rows are projected to the vocabulary, ``logit_chunk_rows`` rows at a time (checkpointed
@@ -173,12 +174,15 @@ class HFPolicy:
 
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch, micro_batch_size: int = 64, temperature: float = 1.0,
-                 top_p: float = 1.0) -> torch.Tensor:
+                 top_p: float = 1.0, keep: list | None = None) -> torch.Tensor:
         """Per-token logprob of each realised token, [B, S-1], masked to the response (0 elsewhere); a teacher
-        passes the rollout's temperature / top-p to score under the student's sampling settings."""
+        passes the rollout's temperature / top-p to score under the student's sampling settings. ``keep``: a list
+        that gets each micro-batch's response rows [n, H] (``scored_rows``)."""
         parts = []
         for mb in self._micro_batches(batch, micro_batch_size):
             hidden, where = self._response_hidden(mb)
+            if keep is not None:
+                keep.append(hidden)
             targets = self._targets(mb, where, self.device)
 
             def realised(rows, start):
@@ -217,7 +221,19 @@ class HFPolicy:
     def full_rows(self, batch: TokenBatch, temperature: float = 1.0, top_p: float = 1.0):
         """The log-softmax at a batch's response rows, on demand: returns ``rows(index) -> [len(index), V]`` (rows in
         ``response_mask.nonzero()`` order). One forward now ([N, H] kept); the vocabulary projection per call."""
-        hidden, _ = self._response_hidden(batch)
+        return self._rows_lookup(self._response_hidden(batch)[0], temperature, top_p)
+
+    @torch.no_grad()
+    def scored_rows(self, batch: TokenBatch, micro_batch_size: int = 64, temperature: float = 1.0,
+                    top_p: float = 1.0):
+        """``logprobs`` and, from the same forward, ``full_rows``'s lookup over the whole batch's response rows:
+        (realised [B, S-1], rows(index) -> [len(index), V]). The full OPD form's one teacher forward per sample per
+        step: the [N, H] rows are kept, each call projects its rows again."""
+        kept = []
+        realised = self.logprobs(batch, micro_batch_size, temperature, top_p, keep=kept)
+        return realised, self._rows_lookup(torch.cat(kept), temperature, top_p)
+
+    def _rows_lookup(self, hidden: torch.Tensor, temperature: float, top_p: float):
         return lambda index: sampling_logprobs(self._project(hidden[index], temperature), top_p)
 
     @torch.no_grad()

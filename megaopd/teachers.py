@@ -2,14 +2,17 @@
 
 ``opd.teachers`` maps a domain (``extra_info.domain``, else ``data_source``) to an HF directory; ``"*"`` serves every
 domain not named. A domain with no teacher is an error before the first step, not a silent skip. A teacher is
-anything with ``tokenizer``, ``shape``, ``logprobs`` and ``topk_logprobs`` (and ``full_rows`` for the
-full-vocabulary form): an in-process ``HFPolicy``, or an ``SGLangTeacher`` (``megaopd.serving.teacher``);
+anything with ``tokenizer``, ``shape``, ``logprobs`` and ``topk_logprobs`` (and ``scored_rows`` / ``full_rows`` for
+the full-vocabulary form): an in-process ``HFPolicy``, or an ``SGLangTeacher`` (``megaopd.serving.teacher``);
 ``load(route, path)`` builds one per distinct directory.
 
 What the batch holds per form (docs/opd.md): sampled, the teacher's logprob of each realised token [B, S-1]; topk,
 also its top-K ids and logprobs [B, S-1, K] and the log of its remaining mass [B, S-1]; full_vocab, only the
-realised tokens' logprobs: the full distribution is recomputed per micro-batch inside the training step
-(``full_rows``: one teacher forward, then the vocabulary projection per chunk of rows), never stored as [B, S-1, V].
+realised tokens' logprobs, never the [B, S-1, V] distribution: one teacher forward per sample (``scored_rows``) gives
+the realised logprobs and the response rows' [N, H] hidden states, kept for the step, which the training step
+projects to the vocabulary chunk by chunk (``full_rows``). Where the memory plan cannot keep them
+(``recompute``), the teacher runs again per micro-batch inside the training step; every re-projection and re-run is
+hardware work (``recompute_flops``), never billed in the ledger (``flops.teacher_passes``).
 All of them are scored under the rollout's temperature (and top-p on local teachers) when ``opd.match_sampling``.
 """
 
@@ -24,7 +27,7 @@ import torch
 from megaopd.batch import Sample, TokenBatch
 from megaopd.config import ConfigError, ModelConfig
 from megaopd.errors import ModelError
-from megaopd.flops import ModelShape
+from megaopd.flops import ModelShape, recompute_flops
 from megaopd.policy import HFPolicy
 
 log = logging.getLogger(__name__)
@@ -39,11 +42,14 @@ def local_teachers(model_cfg: ModelConfig, logit_chunk_rows: int = 1024) -> Call
 
 class TeacherRouter:
     def __init__(self, teachers: dict[str, str], load: Callable[[str, str], object], student_tokenizer,
-                 temperature: float = 1.0, top_p: float = 1.0):
+                 temperature: float = 1.0, top_p: float = 1.0, recompute: bool = False):
         if not teachers:
             raise ConfigError("OPD needs at least one teacher; set opd.teachers.<domain>=<HF dir> (or '*')")
         self.paths = dict(teachers)
         self.temperature, self.top_p = temperature, top_p  # the sampling settings the teachers score under
+        self.recompute = recompute  # the memory plan's call: full-vocabulary rows re-run per micro-batch, not kept
+        self.kept: dict[str, Callable] = {}  # route -> this step's full-vocabulary rows(index) (one forward/sample)
+        self.work: dict[str, list] = {}  # route -> [rows re-projected, sequence lengths re-run] this step
         loaded: dict[str, object] = {}
         for route, path in self.paths.items():
             if path in loaded:
@@ -92,11 +98,20 @@ class TeacherRouter:
         The batch keeps each sample's route, so that ``full_rows`` asks the right teacher later."""
         groups = self._groups(samples)
         sampling = dict(temperature=self.temperature, top_p=self.top_p)
+        self.release()
+        self.work = {route: [0, []] for route in groups}
         batch.teacher_logprobs = torch.zeros_like(batch.response_mask)
         batch.teacher_topk_ids = batch.teacher_topk_logprobs = batch.teacher_tail = None  # sized by the first view
         batch.teacher_route = torch.tensor([self.routes.index(self.route(s.row.domain)) for s in samples])
+        batch.teacher_row_start = torch.zeros(len(samples), dtype=torch.long)
         for route, indices in groups.items():
             sub, teacher = batch.select(torch.tensor(indices)), self.teachers[route]
+            if form == "full_vocab" and not self.recompute:
+                batch.teacher_logprobs[indices], self.kept[route] = self._full(route, "scored_rows").scored_rows(
+                    sub, micro_batch_size, **sampling)
+                rows = sub.response_mask.sum(1).long()
+                batch.teacher_row_start[indices] = rows.cumsum(0) - rows  # each sample's first row in the route's
+                continue
             if form != "topk":
                 batch.teacher_logprobs[indices] = teacher.logprobs(sub, micro_batch_size, **sampling)
                 continue
@@ -114,19 +129,15 @@ class TeacherRouter:
 
     def full_rows(self, mb: TokenBatch):
         """Each routed teacher's log-softmax at a micro-batch's response rows, on demand (``VocabTerm``): returns
-        ``rows(slice) -> [rows, V]``; one teacher forward per route now, one vocabulary projection per call."""
+        ``rows(slice) -> [rows, V]``, from the rows ``score`` kept (or, under ``recompute``, one teacher forward per
+        route now), one vocabulary projection per call."""
         routes = [self.routes[i] for i in mb.teacher_route.tolist()]
         row_sample = mb.response_mask.nonzero(as_tuple=True)[0]
         parts = []  # (route's rows among the micro-batch's, route's row lookup)
         for route in sorted(set(routes)):
             indices = [i for i, r in enumerate(routes) if r == route]
-            teacher = self.teachers[route]
-            if not hasattr(teacher, "full_rows"):
-                raise ConfigError(f"teacher {self.paths[route]} cannot give full-vocabulary rows (a server returns "
-                                 "at most a top-k): use opd.form=topk or sampled, or a local teacher")
-            sub = mb.select(torch.tensor(indices))
             parts.append((torch.isin(row_sample, torch.tensor(indices, device=row_sample.device)),
-                          teacher.full_rows(sub, self.temperature, self.top_p)))
+                          self._rows(route, mb.select(torch.tensor(indices)))))
         if len(parts) == 1:
             return parts[0][1]
 
@@ -144,3 +155,35 @@ class TeacherRouter:
                 out[chunk_mine.to(out.device)] = values
             return out
         return rows
+
+    def _rows(self, route: str, sub: TokenBatch) -> Callable:
+        """One route's rows of a micro-batch (its samples ``sub``), each call's projection counted as hardware work."""
+        work = self.work.setdefault(route, [0, []])
+        if route in self.kept:
+            counts = sub.response_mask.sum(1).long().tolist()
+            index = torch.cat([torch.arange(s, s + c) for s, c in zip(sub.teacher_row_start.tolist(), counts)])
+            index, kept = index.to(sub.response_mask.device), self.kept[route]
+        else:
+            work[1] += sub.attention_mask.sum(1).tolist()
+            index, kept = None, self._full(route, "full_rows").full_rows(sub, self.temperature, self.top_p)
+
+        def counted(rows):
+            out = kept(rows if index is None else index[rows])
+            work[0] += out.shape[0]
+            return out
+        return counted
+
+    def _full(self, route: str, call: str):
+        teacher = self.teachers[route]
+        if not hasattr(teacher, call):
+            raise ConfigError(f"teacher {self.paths[route]} cannot give full-vocabulary rows (a server returns "
+                              "at most a top-k): use opd.form=topk or sampled, or a local teacher")
+        return teacher
+
+    def release(self) -> None:
+        """Free the step's kept full-vocabulary rows (after the update: the rollout's KV cache needs the room)."""
+        self.kept = {}
+
+    def recompute_flops(self, causal: bool = True) -> int:
+        """The teachers' hardware FLOPs of the last step beyond their billed pass (``flops.recompute_flops``)."""
+        return sum(recompute_flops(self.shape(route), rows, seqs, causal) for route, (rows, seqs) in self.work.items())

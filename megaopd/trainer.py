@@ -18,6 +18,7 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,7 @@ from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger, read_metrics, rollout_metrics
 from megaopd.methods import method
 from megaopd.objectives import TIS_LEVELS, build_objective, form_label, truncated_is_weights
-from megaopd.plan import check_run
+from megaopd.plan import check_run, chunk_rows
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine, sampling_generator
 from megaopd.stopping import StopRule
@@ -77,9 +78,10 @@ def build_engine(cfg: RunConfig, policy):
     raise ConfigError(f"rollout.engine must be 'local' or 'sglang', got {cfg.rollout.engine!r}; set one of them")
 
 
-def build_teachers(cfg: RunConfig, student_tokenizer) -> TeacherRouter:
+def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False) -> TeacherRouter:
     """The OPD teachers: in-process models of the student's backend, or SGLang servers (launched per teacher, or
-    attached by route). They score under the rollout's temperature / top-p when ``opd.match_sampling``."""
+    attached by route). They score under the rollout's temperature / top-p when ``opd.match_sampling``.
+    ``recompute``: the memory plan cannot keep the full form's teacher rows for the step (Plan.teacher_recompute)."""
     sampling = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p) if cfg.opd.match_sampling else {}
     if cfg.opd.teacher_engine == "local":
         if cfg.model.backend == "megatron":  # frozen megatron models at model.megatron.teacher_tp
@@ -90,7 +92,7 @@ def build_teachers(cfg: RunConfig, student_tokenizer) -> TeacherRouter:
                                  "set opd.form=topk with opd.topk=K (K = the vocabulary size is the exact full loss)")
             return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer, **sampling)
         return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model, cfg.train.logit_chunk_rows),
-                             student_tokenizer, **sampling)
+                             student_tokenizer, **sampling, recompute=recompute)
     if cfg.opd.teacher_engine != "sglang":
         raise ConfigError(f"opd.teacher_engine must be 'local' or 'sglang', got {cfg.opd.teacher_engine!r}; "
                           "set one of them")
@@ -154,7 +156,9 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
-        check_run(cfg)  # refuses, before any model is loaded, a run that cannot fit the device it is planned for
+        # Refuses, before any model is loaded, a run that cannot fit the device it is planned for; sizes the chunks.
+        self.plan = check_run(cfg)
+        self.cfg = cfg = replace(cfg, train=replace(cfg.train, logit_chunk_rows=chunk_rows(cfg, self.plan)))
         seed_everything(cfg.train.seed)
 
         self.policy = build_policy(cfg)
@@ -172,7 +176,7 @@ class Trainer:
 
         self.teachers = self.reference = None
         if spec.teacher_term:
-            self.teachers = build_teachers(cfg, self.policy.tokenizer)
+            self.teachers = build_teachers(cfg, self.policy.tokenizer, bool(self.plan and self.plan.teacher_recompute))
             self.teachers.check_domains(self.sampler.domains())
             for route, path in spec.teachers(cfg).items():
                 self.ledger.add_upstream(f"teacher:{route}", path)
@@ -224,14 +228,19 @@ class Trainer:
         metrics |= {f"train/{k}": v for k, v in merge_updates(updates).items()}
         self.engine.sync_weights(policy)
 
-        self._book_flops(rows, samples, self.engine.prefix_cached)
+        model_flops = self._book_flops(rows, samples, self.engine.prefix_cached)
+        if self.teachers:  # the teachers' recomputation is hardware work, beside the ledger's model FLOPs
+            self.teachers.release()
+            recomputed = self.teachers.recompute_flops()
+            metrics |= {"perf/teacher_recompute_flops": recomputed, "perf/hardware_flops": model_flops + recomputed}
         metrics |= rollout_metrics(samples, batch, routes, cfg.train.tis_cap)
         metrics["rollout/verifier_errors"] = verifier_errors
         metrics |= {"perf/rollout_seconds": t_rollout - t0, "perf/verifier_seconds": verifier_seconds,
                     "perf/step_seconds": time.perf_counter() - t0}
         return metrics
 
-    def _book_flops(self, rows, samples: list[Sample], prefix_cached: bool = True) -> None:
+    def _book_flops(self, rows, samples: list[Sample], prefix_cached: bool = True) -> int:
+        """Books the step's model FLOPs by component in the ledger; returns their sum."""
         n = self.method.samples_per_prompt(self.cfg)
         prompt_lens = [len(samples[i * n].prompt_ids) for i in range(len(rows))]
         teachers = [self.teachers.shape(self.teachers.route(row.domain)) for row in rows] if self.teachers else None
@@ -239,6 +248,7 @@ class Trainer:
                                        [len(s.response_ids) for s in samples], prefix_cached)
         for component in self.method.components:
             self.ledger.add(component, parts[component])
+        return sum(parts[c] for c in self.method.components)
 
     # ---- one SFT step (cold start): teacher-forced NLL on worked solutions, a share of them corrupted ----
     def sft_step(self, step: int) -> dict[str, float]:

@@ -13,6 +13,7 @@ What FlopCounterMode measures (torch 2.13, checked in these tests):
   and their backward counts 5 score-sized matmuls (recompute of QK^T) instead of 4.)
 """
 
+import json
 import math
 
 import pytest
@@ -26,7 +27,9 @@ from megaopd.flops import (
     grpo_step_flops,
     opd_step_flops,
     prefill_flops,
+    recompute_flops,
     scoring_flops,
+    teacher_passes,
     train_flops,
 )
 
@@ -121,6 +124,11 @@ def test_formulas_small_cases():
     routed = opd_step_flops(s, [t, s], [3, 4], [1, 2, 3, 4], 2)
     assert routed["teacher"] == scoring_flops(t, [3], [1, 2], 2) + scoring_flops(s, [4], [3, 4], 2)
     assert opd_step_flops(s, None, [3, 4], [1, 2, 3, 4], 2)["teacher"] == 0
+    # one teacher forward per sample in every form; only a plan-forced re-run adds one per epoch (hardware work)
+    assert {f: teacher_passes(f, 3) for f in ("sampled", "topk", "full_vocab")} == dict.fromkeys(
+        ("sampled", "topk", "full_vocab"), 1)
+    assert teacher_passes("full_vocab", 3, recompute=True) == 4 and teacher_passes("topk", 3, recompute=True) == 1
+    assert recompute_flops(t, 5, [7]) == 2 * t.head_params * 5 + forward_flops(t, 7, head_positions=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -318,22 +326,35 @@ def test_measured_generation_kv_cache(family, tied):
                                 + decode_flops(shape, GEN_P, GEN_R))
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "opd"])
-def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm,recompute", [("grpo", False), ("opd", False), ("opd", True)])
+def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeypatch, algorithm, recompute):
     """One real ``Trainer.rl_step`` (LocalEngine rollout, old-logprob recompute, reference or full-vocabulary teacher,
-    update), counted phase by phase under FlopCounterMode (``megaopd.flop_audit``), against the ledger."""
+    update over 2 epochs), counted phase by phase under FlopCounterMode (``megaopd.flop_audit``), against the ledger
+    (model FLOPs: one teacher pass) and the hardware work beside it (the teacher's rows projected again in the update,
+    and with ``recompute``, as the plan forces it when the kept rows do not fit, its forward re-run per micro-batch)."""
+    from megaopd import trainer as trainer_module
     from megaopd.flop_audit import audit_step
+    from megaopd.plan import build_plan
     from tests.conftest import run_config
 
     extra = ({"grpo.kl_coef": 0.01} if algorithm == "grpo" else
              {"opd.teachers.*": assets / "models" / "qwen3-tiny-seed1", "opd.form": "full_vocab"})
     cfg = run_config(assets, tmp_path / "run", algorithm, **{
-        "train.prompts_per_step": 1, "rollout.samples_per_prompt": 4, "train.recompute_old_logprobs": True, **extra})
+        "train.prompts_per_step": 1, "rollout.samples_per_prompt": 4, "train.recompute_old_logprobs": True,
+        "train.epochs": 2, "train.micro_batch_size": 2, **extra})
+    if recompute:
+        monkeypatch.setattr(trainer_module, "check_run", lambda c: build_plan(c, teacher_recompute=True))
     audit = audit_step(cfg)
     idle = {"grpo": "teacher", "opd": "reference"}[algorithm]
     assert audit[idle].measured == audit[idle].booked == 0
     for component, row in audit.items():
         assert row.booked == row.ledger_form, component  # the trainer billed the formula for its real lengths
         if component != idle:
-            assert row.measured == row.executed_form, component
+            assert row.measured == row.executed_form + row.recomputed, component
+    if algorithm == "opd":  # one teacher pass billed; each of the 2 epochs re-projects its rows (and re-runs it)
+        teacher, shape = audit["teacher"], ModelShape.from_hf_config(
+            json.loads((assets / "models" / "qwen3-tiny-seed1" / "config.json").read_text()))
+        head = 2 * shape.head_params * 4 * cfg.rollout.max_new_tokens  # the LM head over the step's 4 x R rows
+        assert teacher.recomputed == 2 * (head + (teacher.executed_form - head if recompute else 0))
+        assert teacher.measured > teacher.executed_form  # the hardware did more than the ledger bills
 

@@ -7,15 +7,16 @@ real widths and vocabularies (Qwen3-0.6B, Llama-3.2-1B with one layer).
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 
 from conftest import run_config
-from megaopd.config import load_config
+from megaopd.config import ConfigError, load_config
 from megaopd.embedded import build_model, build_model_config, build_tokenizer
-from megaopd.plan import GIB, Arch, PlanError, build_plan, check_run
+from megaopd.plan import CPU_CHUNK_BYTES, GIB, Arch, PlanError, build_plan, check_run, chunk_rows
 from megaopd.study_plan import main
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine
@@ -112,6 +113,48 @@ def test_a_run_that_does_not_fit_is_refused_before_step_1(assets, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     cfg.rollout.batch_prompts = fits  # the value it names does fit
     assert check_run(cfg) is not None
+
+
+def test_full_vocab_teacher_rows_are_kept_unless_the_budget_forces_a_re_run(assets, tmp_path):
+    """The full form keeps its teacher's [N x H] response rows for the step when they fit (one teacher forward per
+    sample); on a device where only the re-run fits, the plan chooses it (hardware work, not billed); on CPU, keep."""
+    cfg = run_config(assets, tmp_path / "run", "opd", **{
+        "opd.teachers.*": assets / "models" / "qwen3-tiny-seed1", "opd.form": "full_vocab",
+        "train.prompts_per_step": 64, "rollout.samples_per_prompt": 8, "rollout.max_new_tokens": 4096,
+        "train.micro_batch_size": 1, "plan.prompt_tokens": 16, "rollout.batch_prompts": 1})
+    kept, rerun = build_plan(cfg), build_plan(cfg, teacher_recompute=True)
+    rows = item(kept, "teacher rows kept")
+    assert rows == 64 * 8 * 4096 * Arch.from_hf(json.loads((assets / "models" / "qwen3-tiny-seed1" /
+                                                             "config.json").read_text())).hidden * 4
+    assert kept.totals()["train"] - rerun.totals()["train"] == rows
+    assert rerun.step_flops == kept.step_flops and rerun.step_seconds > kept.step_seconds  # same bill, more work
+    assert check_run(cfg) is None  # CPU: nothing to check, the rows are kept
+    cfg.plan.memory_gib = (kept.totals()["train"] + rerun.totals()["train"]) / 2 / cfg.plan.usable / GIB
+    assert check_run(cfg).teacher_recompute
+    cfg.plan.memory_gib = 2 * kept.totals()["train"] / cfg.plan.usable / GIB
+    assert not check_run(cfg).teacher_recompute
+
+
+def test_the_plan_sizes_the_logit_chunks_unless_the_setting_does(assets, tmp_path):
+    """train.logit_chunk_rows=0: one chunk for a small model's micro-batch; a 152k vocabulary bounded (on CPU by
+    CPU_CHUNK_BYTES, on a device by the room the train phase leaves); a positive value overrides."""
+    tiny = run_config(assets, tmp_path / "tiny", "opd", **{
+        "opd.teachers.*": assets / "models" / "qwen3-tiny-seed1", "opd.form": "full_vocab"})
+    assert chunk_rows(tiny) == 8 * 12  # the micro-batch's 8 rows x 12 new tokens, unchunked
+    big = run_config(assets, tmp_path / "big", **{"model.path": "/models/Qwen3-1.7B", "rollout.max_new_tokens": 4096})
+    rows = chunk_rows(big)
+    per_row = item(build_plan(big), "logits/KL workspace") / rows
+    assert rows < 8 * 4096 and rows * per_row <= CPU_CHUNK_BYTES < (rows + 1) * per_row
+    big.train.logit_chunk_rows = 1
+    rest = build_plan(big).totals()["train"] - per_row  # the train phase without its chunk
+    big.train.logit_chunk_rows, big.plan.memory_gib = 0, (rest + 1000.5 * per_row) / big.plan.usable / GIB
+    fitted = check_run(big)  # a device with room for 1000 rows beside the rest
+    assert fitted.chunk_rows == 1000 and fitted.totals()["train"] <= fitted.budget
+    big.plan.memory_gib, big.train.logit_chunk_rows = 0.0, 100
+    assert chunk_rows(big) == 100 and build_plan(big).chunk_rows == 100
+    big.train.logit_chunk_rows = -1
+    with pytest.raises(ConfigError, match="train.logit_chunk_rows must be >= 0"):
+        chunk_rows(big)
 
 
 def test_no_device_memory_means_no_check(assets, tmp_path):

@@ -106,9 +106,9 @@ def test_grpo_ledger_equals_a_hand_count_of_the_step(assets, tmp_path):
         "old_logprob": scored, "reference": scored, "teacher": 0, "train": 3 * 2 * scored}
 
 
-def test_full_vocab_teacher_is_billed_for_every_forward_it_runs(assets, tmp_path):
-    """The full-vocabulary teacher runs once to score and once more per epoch inside the update (its rows are
-    recomputed, not stored): its rows are counted as they go through the teacher model, then billed by hand."""
+def test_full_vocab_teacher_runs_once_per_sample_and_is_billed_once(assets, tmp_path):
+    """The full-vocabulary teacher runs once per sample per step, also over 2 epochs (the update projects the rows
+    its scoring forward kept): its rows are counted as they go through the teacher model, then billed by hand."""
     from megaopd.trainer import Trainer
 
     init = Trainer.__init__
@@ -127,7 +127,7 @@ def test_full_vocab_teacher_is_billed_for_every_forward_it_runs(assets, tmp_path
     finally:
         Trainer.__init__ = init
     passes = sum(rows) / len(samples)
-    assert passes == 3  # the scoring pass and one per epoch
+    assert passes == 1  # the scoring pass only: no forward in the update's 2 epochs
     score, _ = hand_count(trainer.teachers.teachers["*"].model)
     assert trainer.ledger.own["teacher"] == passes * sum(score(len(s.prompt_ids), len(s.response_ids))
                                                          for s in samples)

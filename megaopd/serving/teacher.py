@@ -2,7 +2,8 @@
 
 Only the response rows are scored: ``logprob_start_len`` is set at the prompt's end, so the server runs its LM head
 and log-softmax over the R response positions instead of all P + R (what the FLOP ledger bills: ``flops.
-teacher_passes``). ``topk_logprobs`` asks for ``top_logprobs_num: K``; the tail bucket is the mass the K leave.
+teacher_passes``, one per sample). ``topk_logprobs`` asks for ``top_logprobs_num: K``; the tail bucket is the mass
+the K leave.
 A server cannot give the full distribution (opd.form=full_vocab needs a local teacher).
 
 Indexing (SGLang 0.5.23, measured): with ``logprob_start_len = L`` the answer has one entry per token L..n-1 and the
