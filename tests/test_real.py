@@ -146,10 +146,10 @@ def test_local_engine_stops_at_end_of_turn_and_the_verifier_reads_real_answers(s
     assert len(runaway.response_ids) == 16 and runaway.finish_reason == "length", "went on past <|im_end|>"
     assert set_stop_tokens(policy.tokenizer) == [end, 0] and policy.eos_id == end  # the importer's repair
 
-    # Two held-out problems the model, greedy, answers in under 56 tokens, one of them right (most of the others
-    # ramble on past 64 tokens: measured on the first 8, 5 stopped and 2 were right).
-    rows = word_split("heldout", 7)[5:]
-    samples = greedy(rows, 56)
+    # Three held-out problems the model, greedy, answers within 64 tokens, one of them right ("#### 42"; the "57"
+    # has an empty \boxed{}, which scores 0). Of the first 8, 3 others ramble on past 64 tokens.
+    rows = word_split("heldout", 8)[5:]
+    samples = greedy(rows, 64)
     texts = [policy.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     print("\n".join(f"{s.row.ground_truth} {s.finish_reason}: {t!r}" for s, t in zip(samples, texts)))
     assert all(s.finish_reason == "stop" and s.response_ids[-1] == end and s.response_ids.count(end) == 1
@@ -297,7 +297,8 @@ def test_a_broken_tied_embedding_mapping_is_detected(megatron_real):
     """Negative control at PP=2 (the output layer on the last stage, apart from the embedding): mbridge's own Llama
     mapping reads the output layer from lm_head.weight, which a tied checkpoint does not have."""
     control = megatron_real["pp2"]["negative_control"]
-    assert "broken_tie_error" in control or control["broken_tie_logprobs"] > 1e3 * TOL, control
+    assert "lm_head.weight" in control.get("broken_tie_error", "") or control["broken_tie_logprobs"] > 1e3 * TOL, \
+        control
 
 
 # ------------------------------------------------------------------------------------------ an SGLang CPU server
@@ -342,7 +343,7 @@ def test_sglang_server_stops_at_end_of_turn_and_scores_like_the_trainer(assets, 
     policy = HFPolicy(cfg.model)
     engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
     end = policy.tokenizer.convert_tokens_to_ids(END)
-    rows = word_split("heldout", 7)[5:]  # the two the local engine, greedy, answers in under 56 tokens
+    rows = word_split("heldout", 7)[5:]  # two the local engine, greedy, answers in under 56 tokens
     greedy = engine.generate(rows, 1, temperature=0.0, max_new_tokens=64, generator=torch.Generator().manual_seed(0))
     assert all(s.finish_reason == "stop" and s.response_ids[-1] == end and s.response_ids.count(end) == 1
                for s in greedy), [policy.tokenizer.decode(s.response_ids) for s in greedy]
@@ -350,7 +351,7 @@ def test_sglang_server_stops_at_end_of_turn_and_scores_like_the_trainer(assets, 
     batch = collate(sampled, policy.pad_id)
     gap = (policy.logprobs(batch) - batch.rollout_logprobs).abs()[batch.response_mask.bool()]
     print(f"SGLang vs trainer logprobs over {gap.numel()} sampled tokens: max {gap.max():.3g}, mean {gap.mean():.3g}")
-    assert gap.max() < 5e-2 and gap.mean() < 5e-3, (gap.max(), gap.mean())
+    assert gap.max() < 1e-3 and gap.mean() < 1e-4, (gap.max(), gap.mean())  # measured 5.1e-5 and 1.7e-5
 
 
 @pytest.mark.real
