@@ -33,9 +33,9 @@ from megaopd.trainer import Trainer
 from megaopd.verifiers import score
 from conftest import run_config
 
-# Generous limits: the first test of the tier also imports the model (~1.5 min on an idle machine, several when
-# loaded), and each later one loads a 0.13B-parameter policy.
-pytestmark = pytest.mark.timeout(1200)
+# Generous limits: the first test of the tier also imports the model (~1 min on an idle machine, several when
+# loaded), and each later one loads a 0.13B-parameter policy. Slow: conftest hands this long file out first.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 END = "<|im_end|>"
 QUESTION = [{"role": "user", "content": "What is 23 + 45? Put the final answer in \\boxed{}."}]
 
