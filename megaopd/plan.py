@@ -13,9 +13,9 @@ phase. The formulas, per rank (b = bytes of model.dtype):
   read off the code and checked on CPU against autograd's saved tensors (tests/test_plan.py); with
   model.activation_checkpointing the layer inputs plus one layer's. The Megatron backend uses the same per-token
   figure divided by TP, with PP micro-batches in flight on the first stage (an estimate: TE kernels differ).
-* logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V (0, the default: the plan picks the whole
-  micro-batch's rows where they fit beside the rest of the train phase, else the most that do; on CPU, without a
-  device budget, the most that fit in CPU_CHUNK_BYTES) (Megatron: whole sequences, at least
+* logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V (0, the default: the most rows that fit
+  beside the rest of the train phase, so the whole micro-batch unchunked wherever it fits; on CPU, without a device
+  budget, the most that fit in CPU_CHUNK_BYTES) (Megatron: whole sequences, at least
   one, every position, x V/tp), at the peak of its backward: the fp32 log-softmax and its gradient, with the head's
   output and its gradient's cast (2b + 8 bytes per entry), or in fp32 the logits themselves (12); Megatron's
   vocab-parallel log-softmax keeps the shifted logits and their exponential instead (16, measured in fp32 only);
@@ -168,7 +168,7 @@ class Plan:
     cfg: RunConfig | None = None  # what it was built from, to search a knob's value that fits
     aliases: dict[str, str] | None = None
     teacher_recompute: bool = False  # the full form's teacher rows re-run per micro-batch instead of kept
-    chunk_rows: int = 0  # response rows per vocabulary-projection chunk (train.logit_chunk_rows, or the plan's pick)
+    chunk_rows: int = 0  # most response rows per vocabulary projection (train.logit_chunk_rows, or what fits)
 
     def totals(self) -> dict[str, float]:
         fixed = sum(i.bytes for i in self.items if i.phase == "all")
@@ -305,10 +305,13 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     per_entry = (16 if megatron else 2 * b + 8 if b < 4 else 12) + (8 if spec.vocab_kl(cfg) else 0)
     per_unit = unit * (arch.vocab * per_entry / tp + arch.hidden * b)
     if t.logit_chunk_rows:  # the override
-        chunk = min(max(1, t.logit_chunk_rows // unit), units) * unit
-    else:  # unchunked where the micro-batch's rows fit beside the rest of the train phase, else the most that do
+        bound = max(1, t.logit_chunk_rows // unit) * unit
+    else:  # the most rows that fit beside the rest of the train phase: the micro-batch unchunked where it fits
         room = budget - sum(i.bytes for i in items if i.phase in ("all", "train")) if budget else CPU_CHUNK_BYTES
-        chunk = min(units, max(1, int(room // per_unit))) * unit
+        bound = max(1, int(room // per_unit)) * unit
+    # The plan's own micro-batch takes `chunk` rows; the policy splits only past `bound`, so responses longer than
+    # rollout.max_new_tokens (SFT targets) still project in one chunk while they fit.
+    chunk = min(bound, units * unit)
     chunk_setting = "set train.logit_chunk_rows lower than the plan's pick"
     items[workspace_at:workspace_at] = [
         Item(f"logits/KL workspace ({chunk} rows x {arch.vocab})", "train", chunk // unit * per_unit, chunk_setting),
@@ -325,7 +328,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     reruns = flops.teacher_passes(cfg.opd.form, t.epochs, recompute=not keeps_rows) - 1 if spec.teacher_term else 0
     seconds = (step + reruns * parts["teacher"]) / (world * p.peak_tflops * 1e12 * p.mfu)
     return Plan(title or cfg.run_dir, layout, budget, items, step, t.prompts_per_step * n * seq,
-                seconds, servers, cfg, aliases, teacher_recompute, chunk)
+                seconds, servers, cfg, aliases, teacher_recompute, bound)
 
 
 def keeps_teacher_rows(cfg: RunConfig) -> bool:
