@@ -172,12 +172,14 @@ def test_each_trainer_node_runs_one_torchrun_agent_and_its_share_of_ranks(cluste
     the rendezvous, and the job ended FAILED."""
     state, workers, log = run_probe_stage(cluster, tmp_path, nodes=2, gpus_per_node=2, rollout_nodes=1,
                                           socket_ifname="eth0", ib_hca="mlx5_0")
-    assert state["NodeList"] == "node[1-3]" and "rollout on node3" in log
+    # Slurm picks any 3 free nodes (one may still be completing an earlier test's job): the first 2 train.
+    first, second, rollout = cluster.client(["scontrol", "show", "hostnames", state["NodeList"]]).stdout.split()
+    assert f"rollout on {rollout}" in log
     # Each trainer node: exactly one torchrun agent and its 2 workers; the rollout node none.
-    assert Counter(w["host"] for w in workers) == {"node1": 2, "node2": 2}, workers
-    assert agents_per_host(workers) == {"node1": 1, "node2": 1}
+    assert Counter(w["host"] for w in workers) == {first: 2, second: 2}, workers
+    assert agents_per_host(workers) == {first: 1, second: 1}
     assert sorted((w["rank"], w["host"], w["local_rank"]) for w in workers) == [
-        (0, "node1", 0), (1, "node1", 1), (2, "node2", 0), (3, "node2", 1)]
+        (0, first, 0), (1, first, 1), (2, second, 0), (3, second, 1)]
     assert all(w["host"] == w["node"] for w in workers)
     assert all(w["servers_reached"] for w in workers), "a trainer worker could not reach the rollout server"
     # Gloo ran over the named interface; the step had the node's 2 CPUs (not srun's default of 1), one thread per
@@ -185,7 +187,7 @@ def test_each_trainer_node_runs_one_torchrun_agent_and_its_share_of_ranks(cluste
     for w in workers:
         assert (w["GLOO_SOCKET_IFNAME"], w["NCCL_SOCKET_IFNAME"], w["NCCL_IB_HCA"]) == ("eth0", "eth0", "mlx5_0")
         assert (w["SLURM_CPUS_PER_TASK"], w["OMP_NUM_THREADS"]) == (str(cluster.cpus), str(max(cluster.cpus // 2, 1)))
-    assert {w["sync_address"] for w in workers} == {"10.77.0.11"}
+    assert {w["sync_address"] for w in workers} == {f"{cluster.subnet}.{10 + int(first.removeprefix('node'))}"}
 
 
 @pytest.mark.slow
