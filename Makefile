@@ -5,7 +5,7 @@ EXTRAS ?= dev,verifiers,cluster,nemo,bench,megatron,real
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup setup-sglang demo test lock
+.PHONY: setup setup-sglang slurm-up demo test lock
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -33,13 +33,18 @@ demo: setup
 # they need root; elsewhere those tests skip (never in CI).
 # One intra-op thread per process: several test processes share 2 cores, and spinning OpenMP threads starve them.
 # Two pytest-xdist workers (tests/conftest.py groups the tests that share a cluster or the image store).
-test: setup setup-sglang
-	bash .ci/slurm_up.sh || [ -z "$$CI" ]
+# The two environments and the one-node cluster's Debian packages install side by side: pip and apt wait on the disk
+# and the registries more than on the cores (minutes off a fresh machine's run). The 4-node cluster needs $(PY).
+test:
+	$(MAKE) -j3 setup setup-sglang slurm-up
 	PY=$(PY) bash .ci/slurm_multinode_up.sh || [ -z "$$CI" ]
 	MEGAOPD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	MEGAOPD_SGLANG_UNAVAILABLE="$$(cat $(SGLANG_VENV).unavailable 2>/dev/null)" \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q -rs --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; \
 	PY=$(PY) bash .ci/slurm_multinode_down.sh || true; exit $$status
+
+slurm-up:
+	bash .ci/slurm_up.sh || [ -z "$$CI" ]
 
 # The images' locked requirement sets (docker/requirements-*.lock) and the versions table in docs/docker.md, from
 # pip's resolver on this Python (3.11, the images' own); minutes: see docs/docker.md.
