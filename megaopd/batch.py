@@ -35,7 +35,11 @@ class TokenBatch:
     response_mask: torch.Tensor  # [B, S-1] float: 1 where the target token belongs to the response
     rollout_logprobs: torch.Tensor  # [B, S-1] float, 0 outside the response
     advantages: torch.Tensor | None = None  # [B, S-1] per-token advantage (GRPO broadcasts per sample)
-    old_logprobs: torch.Tensor | None = None  # [B, S-1] policy logprobs before this step's update
+    old_logprobs: torch.Tensor | None = None  # [B, S-1] policy logprobs before this step's update (temperature 1)
+    # [B, S-1] the same policy's logprobs under the distribution the engine reports its logprobs at (the rollout's
+    # temperature / top-p: rollout.reported_sampling); the IS ratio and the mismatch metrics compare these with
+    # rollout_logprobs. The old logprobs themselves at 1 / 1.
+    sampling_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None  # [B, S-1] reference policy, for the KL penalty
     teacher_logprobs: torch.Tensor | None = None  # [B, S-1] teacher logprob of each realised token
     # opd.form=topk: the teacher's K most likely tokens at each response position, their logprobs, and the log of
@@ -45,7 +49,8 @@ class TokenBatch:
     teacher_tail: torch.Tensor | None = None  # [B, S-1]
     teacher_route: torch.Tensor | None = None  # [B] long: index of each sample's teacher in TeacherRouter.routes
     teacher_row_start: torch.Tensor | None = None  # [B] long: first row of each sample's kept full-vocab teacher rows
-    is_weights: torch.Tensor | None = None  # [B, S-1] truncated importance weights p_trainer / p_rollout (train.tis)
+    # [B, S-1] policy-gradient weights from p_trainer / p_rollout: truncated IS (train.tis) x mask (train.is_mask)
+    is_weights: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
 
     @property

@@ -168,13 +168,21 @@ class TrainConfig:
     micro_batch_size: int = 64  # sequences per forward/backward; gradients accumulate over the rest
     epochs: int = 1  # optimisation passes over each step's rollouts
     minibatches: int = 1  # optimizer steps per pass: the step's rollouts split into this many minibatches
-    recompute_old_logprobs: bool = True  # recompute with the trainer instead of trusting rollout logprobs
-    # Truncated importance sampling against the train/rollout mismatch (e.g. SGLang kernels vs the trainer's):
-    # policy-gradient terms weighted by min(p_trainer / p_rollout, tis_cap), per token or per sequence. The KL
-    # forms of OPD (full_vocab, topk) have no such term: with algorithm=opd tis is refused, with grpo_opd it
-    # weights the GRPO term only.
+    # Recompute with the trainer instead of trusting rollout logprobs (false needs rollout logprobs at temperature
+    # 1, top-p 1: they become the PPO ratio's old logprobs, which must be the loss's own distribution).
+    recompute_old_logprobs: bool = True
+    # Corrections of the train/rollout mismatch (e.g. SGLang kernels vs the trainer's), on the ratio p_trainer /
+    # p_rollout of each sampled token, both under the rollout's sampling distribution (docs/serving.md). Only the
+    # policy-gradient terms are weighted: GRPO's surrogate, OPD's sampled form; under grpo_opd the GRPO term only.
+    # The KL forms of OPD (full_vocab, topk) have no such term: with algorithm=opd the corrections are refused.
+    # Truncated IS: weight min(ratio, tis_cap), per token or per sequence (the product over the response).
     tis: Literal["none", "token", "sequence"] = "none"  # none | token | sequence
     tis_cap: float = 2.0
+    # Two-sided mask (IcePop; verl's rollout_rs): a token (token) or a whole response (sequence: the product)
+    # whose ratio lies outside [is_mask_low, is_mask_high] gets weight 0. The defaults are IcePop's.
+    is_mask: Literal["none", "token", "sequence"] = "none"  # none | token | sequence
+    is_mask_low: float = 0.5
+    is_mask_high: float = 5.0
     seed: int = 0
     # Response rows per vocabulary-projection chunk ([rows x V] float32 at most); 0: the memory plan picks
     # (unchunked where the budget allows, plan.chunk_rows).

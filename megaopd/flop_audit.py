@@ -84,6 +84,9 @@ def audit_step(cfg: RunConfig) -> dict[str, Audit]:
 
             trainer.engine.generate = generate
             trainer.policy.logprobs = counted("old_logprob", trainer.policy.logprobs)
+            # At T != 1 the old logprobs and the sampling-distribution ones come from one forward (logprobs_under;
+            # HFPolicy.logprobs goes through it too, counted once: the nested phase is the same component).
+            trainer.policy.logprobs_under = counted("old_logprob", trainer.policy.logprobs_under)
             update, batches = counted("train", trainer.policy.train_minibatch), []
 
             def train_minibatch(batch, *args, **kwargs):  # keeps the batch: an SFT step's lengths come from it

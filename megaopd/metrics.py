@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from megaopd.batch import Sample, TokenBatch
+    from megaopd.objectives import ISCorrection
 
 
 def per_domain_means(samples: list[Sample], value: Callable[[Sample], float]) -> dict[str, float]:
@@ -31,8 +32,13 @@ def per_domain_means(samples: list[Sample], value: Callable[[Sample], float]) ->
     return {domain: sum(v) / len(v) for domain, v in sorted(sums.items())}
 
 
-def rollout_metrics(samples: list[Sample], batch: TokenBatch, routes: dict, tis_cap: float) -> dict[str, float]:
-    """One RL step's ``rollout/`` scalars, and per teacher route its KL and token share (``train/teacher/``)."""
+def rollout_metrics(samples: list[Sample], batch: TokenBatch, routes: dict,
+                    correction: ISCorrection | None = None) -> dict[str, float]:
+    """One RL step's ``rollout/`` scalars, and per teacher route its KL and token share (``train/teacher/``).
+
+    The mismatch scalars compare the engine's logprobs with the trainer's under the same distribution
+    (``batch.sampling_logprobs``: the rollout's temperature / top-p as the engine reports them), so a rollout at
+    T != 1 measures the trainer/engine mismatch, not the temperature."""
     metrics = {
         "rollout/reward": sum(s.reward for s in samples) / len(samples),
         "rollout/response_length": sum(len(s.response_ids) for s in samples) / len(samples),
@@ -40,13 +46,24 @@ def rollout_metrics(samples: list[Sample], batch: TokenBatch, routes: dict, tis_
         "rollout/weight_version": max(s.weight_version for s in samples),  # which weights sampled this step
     }
     # Train/rollout mismatch: |trainer - engine| logprob of the sampled tokens (0 when not recomputed).
-    gap = (batch.old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask
-    metrics["rollout/logprob_gap"] = float(gap.sum() / batch.response_mask.sum().clamp(min=1))
+    response = batch.response_mask.bool()
+    tokens = batch.response_mask.sum().clamp(min=1)
+    gap = (batch.sampling_logprobs - batch.rollout_logprobs).abs() * batch.response_mask
+    metrics["rollout/logprob_gap"] = float(gap.sum() / tokens)
     metrics["rollout/logprob_gap_max"] = float(gap.max())
-    if batch.is_weights is not None:
-        weights = batch.is_weights[batch.response_mask.bool()]
-        metrics["rollout/tis_weight_mean"] = float(weights.mean())
-        metrics["rollout/tis_truncated_share"] = float((weights >= tis_cap).float().mean())
+    # KL(behaviour || trainer) over the response tokens, k3 with samples from the behaviour (the engine): r - 1 -
+    # log r, r = p_trainer / p_engine; unbiased, and >= 0 token by token unlike k1. In float64: at a mismatch of
+    # 1e-3 the float32 cancellation in r - 1 - log r alone is ~20% of each token's value.
+    from megaopd.objectives import k3_kl  # here: the report reads metrics without torch
+
+    k3 = k3_kl(batch.rollout_logprobs.double(), batch.sampling_logprobs.double()) * batch.response_mask
+    metrics["rollout/behaviour_kl"] = float(k3.sum() / tokens)
+    if correction is not None:
+        metrics["rollout/tis_weight_mean"] = float(correction.weights[response].mean())
+        if correction.truncated is not None:
+            metrics["rollout/tis_truncated_share"] = float(correction.truncated[response].float().mean())
+        if correction.masked is not None:
+            metrics["rollout/is_masked_share"] = float(correction.masked[response].float().mean())
     for domain, reward in per_domain_means(samples, lambda s: s.reward).items():
         metrics[f"rollout/{domain}/reward"] = reward
     total_tokens = float(batch.response_mask.sum().clamp(min=1))

@@ -18,14 +18,17 @@ response rows [c, V] to one differentiable number per row, so no [rows x V] tens
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from megaopd.batch import Sample, TokenBatch
-from megaopd.config import ConfigError, GRPOConfig, OPDConfig, RunConfig
+from megaopd.config import ConfigError, GRPOConfig, OPDConfig, RunConfig, TrainConfig
 from megaopd.distributions import TAIL_FLOOR, tail_logprob
 from megaopd.methods import OPD_FORMS, Method, method
+from megaopd.rollout import reported_sampling
+
 KL_DIRECTIONS = ("reverse", "forward")
 # (student log-softmax of rows [start, start + c) of the micro-batch's response rows, [c, V]; start) -> [c]
 RowTerm = Callable[[torch.Tensor, int], torch.Tensor]
@@ -51,7 +54,19 @@ def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
 
 
-TIS_LEVELS = ("none", "token", "sequence")
+IS_LEVELS = ("none", "token", "sequence")  # train.tis, train.is_mask
+
+
+def _log_ratio(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+               level: str) -> torch.Tensor:
+    """log p_trainer / p_rollout per token (``token``), or summed over the response and broadcast to its tokens
+    (``sequence``); 0 outside the response."""
+    log_ratio = (trainer_logp - rollout_logp) * mask
+    if level == "sequence":
+        return log_ratio.sum(-1, keepdim=True).expand_as(mask)
+    if level != "token":
+        raise ValueError(f"an importance-ratio level must be token or sequence, got {level!r}")
+    return log_ratio
 
 
 def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, level: str,
@@ -61,13 +76,77 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     ``token``: one ratio per token. ``sequence``: the product over the response, broadcast to its tokens (unbiased
     for sequence-level rewards, higher variance). 1 outside the response.
     """
-    log_ratio = (trainer_logp - rollout_logp) * mask
-    if level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
-    elif level != "token":
-        raise ValueError(f"truncated IS level must be token or sequence, got {level!r}")
-    weights = log_ratio.exp().clamp(max=cap)
+    weights = _log_ratio(trainer_logp, rollout_logp, mask, level).exp().clamp(max=cap)
     return torch.where(mask.bool(), weights, 1.0).detach()
+
+
+def ratio_mask(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, level: str, low: float,
+               high: float) -> torch.Tensor:
+    """IcePop's two-sided mask: 0 at response tokens whose ratio p_trainer / p_rollout (per token, or the product
+    over the response) lies outside [low, high], 1 elsewhere. Masked tokens leave the policy-gradient term and
+    stay in the token-mean's denominator (the loss's aggregation does not change with the mask)."""
+    ratio = _log_ratio(trainer_logp, rollout_logp, mask, level).exp()
+    outside = mask.bool() & ((ratio < low) | (ratio > high))
+    return torch.where(outside, 0.0, 1.0)
+
+
+@dataclass
+class ISCorrection:
+    """One step's policy-gradient weights (train.tis x train.is_mask) and the response tokens each one touched."""
+
+    weights: torch.Tensor  # [B, S-1], detached; 1 off the response
+    truncated: torch.Tensor | None  # [B, S-1] bool: response tokens whose weight is tis_cap (None: train.tis=none)
+    masked: torch.Tensor | None  # [B, S-1] bool: response tokens outside the band (None: train.is_mask=none)
+
+
+def is_correction(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                  train: TrainConfig) -> ISCorrection | None:
+    """The weights from the trainer's and the engine's logprobs of the sampled tokens, both taken under the same
+    (sampling) distribution; None when both corrections are off."""
+    if train.tis == "none" and train.is_mask == "none":
+        return None
+    response = mask.bool()
+    weights, truncated, masked = torch.ones_like(mask), None, None
+    if train.tis != "none":
+        weights = truncated_is_weights(trainer_logp, rollout_logp, mask, train.tis, train.tis_cap)
+        truncated = response & (weights >= train.tis_cap)
+    if train.is_mask != "none":
+        keep = ratio_mask(trainer_logp, rollout_logp, mask, train.is_mask, train.is_mask_low, train.is_mask_high)
+        weights, masked = weights * keep, keep == 0
+    return ISCorrection(weights.detach(), truncated, masked)
+
+
+def check_is_correction(cfg: RunConfig, spec: Method) -> None:
+    """Refuses, before any model loads, IS settings that would be dropped, ill-formed, or compare unlike logprobs."""
+    train = cfg.train
+    for name in ("tis", "is_mask"):
+        level = getattr(train, name)
+        if level not in IS_LEVELS:
+            raise ConfigError(f"train.{name} must be one of {', '.join(IS_LEVELS)}, got {level!r}; set one of them")
+        if level != "none" and spec.rollouts and not spec.has_policy_gradient(cfg):
+            raise ConfigError(f"train.{name}={level} weights the sampled tokens' policy-gradient terms, and "
+                              f"opd.form={cfg.opd.form} has none: its loss is the KL over the vocabulary at each "
+                              f"response position, so the weights would be dropped; set train.{name}=none, or "
+                              "opd.form=sampled (with train.algorithm=grpo_opd they weight the GRPO term)")
+    if train.tis != "none" and not train.tis_cap > 0:
+        raise ConfigError(f"train.tis_cap must be > 0 (the largest IS weight), got {train.tis_cap:g}; set e.g. 2")
+    if train.is_mask != "none" and not 0 <= train.is_mask_low < 1 < train.is_mask_high:
+        raise ConfigError(f"train.is_mask keeps ratios in [train.is_mask_low, train.is_mask_high], which must hold 1 "
+                          f"(0 <= low < 1 < high), got [{train.is_mask_low:g}, {train.is_mask_high:g}]; set e.g. "
+                          "train.is_mask_low=0.5 train.is_mask_high=5 (IcePop's)")
+    if not spec.rollouts:
+        return
+    rollout = cfg.rollout
+    reported = reported_sampling(rollout.engine, rollout.temperature, rollout.top_p)
+    if not train.recompute_old_logprobs and reported != (1.0, 1.0):
+        raise ConfigError(f"train.recompute_old_logprobs=false makes the rollout logprobs the PPO ratio's old "
+                          f"logprobs, but at rollout.temperature={rollout.temperature:g} rollout.top_p="
+                          f"{rollout.top_p:g} they are of the sampling distribution, not the loss's (temperature 1); "
+                          "set train.recompute_old_logprobs=true, or roll out at temperature 1, top_p 1")
+    if train.recompute_old_logprobs and cfg.model.backend == "megatron" and reported[1] < 1.0:
+        raise ConfigError(f"model.backend=megatron scores at a temperature only, and the local engine's logprobs are "
+                          f"cut to rollout.top_p={rollout.top_p:g}'s nucleus, so the trainer cannot take its own "
+                          "like-for-like; set rollout.top_p=1, or rollout.engine=sglang (its logprobs skip the cut)")
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -173,9 +252,13 @@ class GRPO:
         return {"zero_variance_groups": zero_var, "zero_variance_share": zero_var / (len(samples) / self.group_size)}
 
     def token_loss(self, logp, vocab, mb: TokenBatch):
+        return self.surrogate(logp, mb, mb.is_weights)
+
+    def surrogate(self, logp, mb: TokenBatch, weights: torch.Tensor | None):
+        """The clipped surrogate of ``mb.advantages``, times the IS weights when given, plus the k3 KL."""
         loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip_low, self.cfg.clip_high)
-        if mb.is_weights is not None:
-            loss = loss * mb.is_weights
+        if weights is not None:
+            loss = loss * weights
         metrics = {"clip_fraction": clipped}
         if self.cfg.kl_coef > 0:
             kl = k3_kl(logp, mb.ref_logprobs)
@@ -212,6 +295,10 @@ class GRPOWithOPD:
     Sampled form: A_t = A_group + coef * -(logp_s_old(y_t) - logp_t(y_t)) in GRPO's clipped surrogate. KL forms: the
     GRPO surrogate plus coef * KL(student, teacher) at each position. coef = 0 is GRPO exactly; all-zero rewards
     (every group has zero variance) leave the OPD term alone, which is OPD exactly when grpo's clip equals opd.clip.
+
+    IS weights w_t (train.tis, train.is_mask) weight the GRPO term only: A_t = w_t * A_group + coef * A_opd in the
+    sampled form (one clipped surrogate of the combined advantage, as unweighted; a token masked to w = 0 keeps its
+    OPD part); w_t * surrogate(A_group) + coef * KL in the KL forms. w = 1 is the unweighted loss bit for bit.
     """
 
     def __init__(self, grpo: GRPOConfig, opd: OPDConfig, group_size: int, teachers=None):
@@ -224,13 +311,15 @@ class GRPOWithOPD:
         group = batch.advantages
         self.opd.prepare(batch, samples)
         opd_advantage = batch.advantages
-        batch.advantages = group + (self.coef * opd_advantage if self.vocab_term is None else 0.0)
+        weighted = group if batch.is_weights is None or self.vocab_term is not None else batch.is_weights * group
+        batch.advantages = weighted + (self.coef * opd_advantage if self.vocab_term is None else 0.0)
         tokens = batch.response_mask.sum().clamp(min=1)
         return metrics | {"opd_advantage": float((self.coef * opd_advantage).abs().sum() / tokens),
                           "group_advantage": float(group.abs().sum() / tokens)}
 
     def token_loss(self, logp, vocab, mb: TokenBatch):
-        loss, metrics = self.grpo.token_loss(logp, vocab, mb)
+        # The sampled form carries the IS weights in its advantage (prepare); a KL form weights the surrogate.
+        loss, metrics = self.grpo.surrogate(logp, mb, mb.is_weights if self.vocab_term is not None else None)
         if self.vocab_term is not None:
             loss = loss + self.coef * vocab
             metrics[f"{self.opd.cfg.kl}_kl"] = vocab.detach()

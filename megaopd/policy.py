@@ -38,6 +38,14 @@ def sampling_logprobs(logits: torch.Tensor, top_p: float = 1.0) -> torch.Tensor:
     return full if top_p >= 1.0 else nucleus(full, top_p, outside=TAIL_FLOOR)
 
 
+def realised_logprobs(logits: torch.Tensor, picked: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """log p of the ``picked`` token [c, 1] of each row of float32 logits [c, V] under (temperature, top_p)."""
+    logits = logits / temperature if temperature != 1.0 else logits
+    if top_p < 1.0:
+        return sampling_logprobs(logits, top_p).gather(-1, picked).squeeze(-1)
+    return logits.gather(-1, picked).squeeze(-1) - logits.logsumexp(-1)
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) for every position, without materialising the full log-softmax twice."""
     logits = logits[:, :-1].float()
@@ -178,6 +186,14 @@ class HFPolicy:
         """Per-token logprob of each realised token, [B, S-1], masked to the response (0 elsewhere); a teacher
         passes the rollout's temperature / top-p to score under the student's sampling settings. ``keep``: a list
         that gets each micro-batch's response rows [n, H] (``scored_rows``)."""
+        return self.logprobs_under(batch, micro_batch_size, [(temperature, top_p)], keep)[0]
+
+    @torch.no_grad()
+    def logprobs_under(self, batch: TokenBatch, micro_batch_size: int, settings: list[tuple[float, float]],
+                       keep: list | None = None) -> list[torch.Tensor]:
+        """``logprobs`` under each (temperature, top_p) of ``settings``, from one forward and one vocabulary
+        projection: the settings differ only after the projection (the division by the temperature, the
+        log-softmax, the nucleus), so a second setting costs no matmul."""
         parts = []
         for mb in self._micro_batches(batch, micro_batch_size):
             hidden, where = self._response_hidden(mb)
@@ -186,13 +202,13 @@ class HFPolicy:
             targets = self._targets(mb, where, self.device)
 
             def realised(rows, start):
-                logits = self._project(rows, temperature)
+                logits = self._project(rows)
                 picked = targets[start:start + rows.shape[0], None]
-                if top_p < 1.0:
-                    return sampling_logprobs(logits, top_p).gather(-1, picked).squeeze(-1)
-                return logits.gather(-1, picked).squeeze(-1) - logits.logsumexp(-1)
-            parts.append(self._scatter(self._chunked(hidden, realised, False)[0], where, mb.response_mask.shape))
-        return torch.cat(parts).cpu()  # one transfer (a host sync) for the batch, not one per micro-batch
+                return tuple(realised_logprobs(logits, picked, temperature, top_p) for temperature, top_p in settings)
+            parts.append([self._scatter(values, where, mb.response_mask.shape)
+                          for values in self._chunked(hidden, realised, False)])
+        # One transfer (a host sync) per setting for the batch, not one per micro-batch.
+        return [torch.cat(column).cpu() for column in zip(*parts)]
 
     @torch.no_grad()
     def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,

@@ -56,6 +56,18 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def reported_sampling(engine: str, temperature: float, top_p: float) -> tuple[float, float]:
+    """The (temperature, top_p) under which an engine's reported logprobs are taken, for a rollout at these settings:
+    what the trainer's logprobs must be taken at to compare like with like (the IS ratio, ``rollout/behaviour_kl``).
+
+    At temperature 0 both engines report the policy's own logprobs (1, 1). The local engine reports the
+    distribution it samples from (``sample_tokens``: tempered, cut to the nucleus, renormalised); SGLang (0.5.23,
+    ``Sampler.forward``) reports log softmax(logits / T), taken before its top-p cut, so its top-p is 1."""
+    if temperature == 0:
+        return 1.0, 1.0
+    return temperature, top_p if engine == "local" else 1.0
+
+
 class LocalEngine:
     """Batched KV-cache sampling with the trainer's own model (no copy, so no weight sync to get wrong)."""
 

@@ -39,10 +39,10 @@ from megaopd.evaluate import Evaluator, score_samples
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger, read_metrics, rollout_metrics
 from megaopd.methods import method
-from megaopd.objectives import TIS_LEVELS, build_objective, form_label, truncated_is_weights
+from megaopd.objectives import build_objective, check_is_correction, form_label, is_correction
 from megaopd.plan import check_run, chunk_rows
 from megaopd.policy import HFPolicy
-from megaopd.rollout import LocalEngine, sampling_generator
+from megaopd.rollout import LocalEngine, reported_sampling, sampling_generator
 from megaopd.stopping import StopRule
 from megaopd.teachers import TeacherRouter, local_teachers
 
@@ -142,14 +142,7 @@ def merge_updates(updates: list[tuple[dict[str, float], float]]) -> dict[str, fl
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.method = spec = method(cfg.train.algorithm)
-        if cfg.train.tis not in TIS_LEVELS:
-            raise ConfigError(f"train.tis must be one of {', '.join(TIS_LEVELS)}, got {cfg.train.tis!r}; "
-                              "set one of them")
-        if cfg.train.tis != "none" and spec.rollouts and not spec.has_policy_gradient(cfg):
-            raise ConfigError(f"train.tis={cfg.train.tis} weights the sampled tokens' policy-gradient terms, and "
-                             f"opd.form={cfg.opd.form} has none: its loss is the KL over the vocabulary at each "
-                             "response position, so the weights would be dropped; set train.tis=none, or "
-                             "opd.form=sampled (with train.algorithm=grpo_opd they weight the GRPO term)")
+        check_is_correction(cfg, spec)
         for path in cfg.data.train + cfg.data.eval:  # before any model is loaded
             require_file(path, "data file", DataError)
         self.cfg = cfg
@@ -209,10 +202,18 @@ class Trainer:
         batch = collate(samples, policy.pad_id)
 
         mbs = cfg.train.micro_batch_size
-        batch.old_logprobs = policy.logprobs(batch, mbs) if cfg.train.recompute_old_logprobs else batch.rollout_logprobs
-        if cfg.train.tis != "none":  # the engine sampled from slightly different numbers than the trainer computes
-            batch.is_weights = truncated_is_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
-                                                    cfg.train.tis, cfg.train.tis_cap)
+        # The PPO ratio's old logprobs are the loss's own distribution (temperature 1); the mismatch with the engine
+        # is measured under the distribution its logprobs are reported at: both from one forward.
+        reported = reported_sampling(cfg.rollout.engine, cfg.rollout.temperature, cfg.rollout.top_p)
+        if not cfg.train.recompute_old_logprobs:  # refused unless the engine reports at 1 / 1 (check_is_correction)
+            batch.old_logprobs = batch.sampling_logprobs = batch.rollout_logprobs
+        elif reported == (1.0, 1.0):
+            batch.old_logprobs = batch.sampling_logprobs = policy.logprobs(batch, mbs)
+        else:
+            batch.old_logprobs, batch.sampling_logprobs = policy.logprobs_under(batch, mbs, [(1.0, 1.0), reported])
+        # The engine sampled from slightly different numbers than the trainer computes.
+        correction = is_correction(batch.sampling_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.train)
+        batch.is_weights = correction.weights if correction else None
         if self.reference is not None:
             batch.ref_logprobs = self.reference.logprobs(batch, mbs)
         routes = self.teachers.score(batch, samples, cfg.opd.form, mbs, cfg.opd.topk) if self.teachers else {}
@@ -233,7 +234,7 @@ class Trainer:
             self.teachers.release()
             recomputed = self.teachers.recompute_flops()
             metrics |= {"perf/teacher_recompute_flops": recomputed, "perf/hardware_flops": model_flops + recomputed}
-        metrics |= rollout_metrics(samples, batch, routes, cfg.train.tis_cap)
+        metrics |= rollout_metrics(samples, batch, routes, correction)
         metrics["rollout/verifier_errors"] = verifier_errors
         metrics |= {"perf/rollout_seconds": t_rollout - t0, "perf/verifier_seconds": verifier_seconds,
                     "perf/step_seconds": time.perf_counter() - t0}

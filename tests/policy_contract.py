@@ -80,8 +80,11 @@ def run_contract(policy, model_dir: str | Path, work: Path) -> dict:
     logp = policy.logprobs(batch, MBS)
     out["logprobs"] = _diff(logp, token_ref)
     out["logprobs_off_response"] = float(logp[~mask].abs().max())
-    out["logprobs_t2"] = _diff(policy.logprobs(batch, MBS, temperature=2.0),
-                               realised(reference_logprobs(model_dir, batch, 2.0), batch))
+    logp_t2 = policy.logprobs(batch, MBS, temperature=2.0)
+    out["logprobs_t2"] = _diff(logp_t2, realised(reference_logprobs(model_dir, batch, 2.0), batch))
+    # the trainer's old logprobs and its sampling-distribution ones from one forward: each as on its own
+    under = policy.logprobs_under(batch, MBS, [(1.0, 1.0), (2.0, 1.0)])
+    out["logprobs_under"] = max(_diff(under[0], logp), _diff(under[1], logp_t2))
     full = policy.full_logprobs(batch, MBS)
     out["full_logprobs"] = _diff(full[mask], full_ref[mask])
     topk = policy.topk_logprobs(batch, TOPK, MBS)

@@ -28,7 +28,7 @@ def check(result: dict) -> None:
     assert result["shape_matches"]
     for key in ("logprobs", "logprobs_t2", "full_logprobs", "topk", "topk_realised", "topk_tail"):
         assert result[key] < TOL, (key, result[key])
-    assert result["logprobs_off_response"] == 0.0
+    assert result["logprobs_off_response"] == 0.0 and result["logprobs_under"] == 0.0
     assert result["topk_ids_agree"] == 1.0
     # the reported loss is the token-mean over the whole minibatch, and one step lowers it
     assert result["loss_reported"] == pytest.approx(result["loss_before"], abs=TOL)

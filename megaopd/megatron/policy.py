@@ -150,15 +150,23 @@ class MegatronPolicy:
     def logprobs(self, batch: TokenBatch, micro_batch_size: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0) -> torch.Tensor:
         """Per-token logprob of each realised token, [B, S-1], masked to the response (at a teacher's temperature)."""
-        self._check_top_p(top_p)
-        return self._forward_only(batch, micro_batch_size, "token", temperature=temperature) * batch.response_mask
+        return self.logprobs_under(batch, micro_batch_size, [(temperature, top_p)])[0]
+
+    @torch.no_grad()
+    def logprobs_under(self, batch: TokenBatch, micro_batch_size: int,
+                       settings: list[tuple[float, float]]) -> list[torch.Tensor]:
+        """``logprobs`` at each (temperature, top_p = 1) of ``settings`` from one forward and one projection."""
+        for _, top_p in settings:
+            self._check_top_p(top_p)
+        packed = self._forward_only(batch, micro_batch_size, "token", temperatures=[t for t, _ in settings])
+        return [packed[..., i] * batch.response_mask for i in range(len(settings))]
 
     @torch.no_grad()
     def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,
                       top_p: float = 1.0) -> dict[str, torch.Tensor]:
         """As ``HFPolicy.topk_logprobs``: per micro-batch the vocabulary is gathered over TP, cut to its top-K."""
         self._check_top_p(top_p)
-        packed = self._forward_only(batch, micro_batch_size, "topk", temperature=temperature, k=k)
+        packed = self._forward_only(batch, micro_batch_size, "topk", temperatures=[temperature], k=k)
         mask = batch.response_mask
         return {"realised": packed[..., 0] * mask, "topk": packed[..., 1:k + 1] * mask[..., None],
                 "topk_ids": (packed[..., k + 1:2 * k + 1] * mask[..., None]).long(),
@@ -307,17 +315,19 @@ class MegatronPolicy:
                                        group=lay.pp_group)
         return result[0]
 
-    def _forward_only(self, batch: TokenBatch, mbs: int, what: str, temperature: float = 1.0,
+    def _forward_only(self, batch: TokenBatch, mbs: int, what: str, temperatures: list[float] = (1.0,),
                       k: int = 0) -> torch.Tensor:
-        """Per-token logprobs ("token"), full log-softmax ("full"), logits ("logits"), or the top-k view packed as
-        [realised, K logprobs, K ids, tail] ("topk"), on every rank."""
+        """Per-token logprobs at each of ``temperatures`` ("token", [..., len(temperatures)]), full log-softmax
+        ("full"), logits ("logits"), or the top-k view packed as [realised, K logprobs, K ids, tail] ("topk", at the
+        first temperature), on every rank."""
         lay = self.layout
         micro, width = self._local_micro_batches(batch, mbs)
         for chunk in self.model_chunks:
             chunk.eval()
 
         def collect(mb, logits):
-            logits = logits / temperature if temperature != 1.0 else logits
+            scaled = [logits / t if t != 1.0 else logits for t in temperatures]
+            logits = scaled[0]
             if what == "topk":  # one micro-batch's vocabulary at a time, never the whole batch's
                 full = _gather_vocab(self._shard(logits).log_softmax.float(), logits.shape[-1], self.vocab_size,
                                      lay.tp_group)
@@ -330,14 +340,15 @@ class MegatronPolicy:
                 out = _gather_vocab(self._shard(logits).log_softmax.float(), logits.shape[-1], self.vocab_size,
                                     lay.tp_group)
             else:
-                out = self._shard(logits).token_logprobs(mb.input_ids[:, 1:].to(logits.device))
+                targets = mb.input_ids[:, 1:].to(logits.device)
+                out = torch.stack([self._shard(each).token_logprobs(targets) for each in scaled], -1)
             return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), {"out": out}
 
         store = self._schedule(micro, width, micro[0].size, collect, forward_only=True)
         for chunk in self.model_chunks:
             chunk.train(self.optimizer is not None)
         rows = len(micro) * micro[0].size
-        shape = {"token": (rows, width - 1), "full": (rows, width - 1, self.vocab_size),
+        shape = {"token": (rows, width - 1, len(temperatures)), "full": (rows, width - 1, self.vocab_size),
                  "logits": (rows, width, self.vocab_size), "topk": (rows, width - 1, 2 * k + 2)}[what]
         # Collectives on the device (NCCL has no CPU tensors), the result to the CPU at the end.
         last = lay.pp_rank == lay.pp - 1

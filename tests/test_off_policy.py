@@ -1,0 +1,146 @@
+"""Off-policy correction (docs/serving.md, "Train/rollout mismatch"): the IS ratio compares like with like (the
+trainer's logprobs under the rollout's sampling distribution against the engine's), the two-sided mask, which terms
+the weights touch under grpo_opd, the metrics, and the settings refused at start-up."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megaopd.batch import TokenBatch
+from megaopd.config import ConfigError, GRPOConfig, OPDConfig, TrainConfig, load_config
+from megaopd.methods import method
+from megaopd.objectives import (GRPOWithOPD, check_is_correction, clipped_pg_loss, is_correction, ratio_mask,
+                                truncated_is_weights)
+from megaopd.rollout import reported_sampling
+
+
+def test_the_mask_zeroes_tokens_outside_the_band_and_keeps_the_rest():
+    trainer = torch.tensor([[0.0, -1.0, -2.0, -0.5, 0.0]])
+    rollout = torch.tensor([[0.0, -1.5, -0.5, -0.4, -9.0]])  # ratios e^0.5 = 1.65, e^-1.5 = 0.22, e^-0.1 = 0.90
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]])  # a prompt target, three response tokens, padding
+    token = ratio_mask(trainer, rollout, mask, "token", low=0.5, high=2.0)
+    assert token.tolist() == [[1.0, 1.0, 0.0, 1.0, 1.0]]  # only the 0.22 token leaves; off the response stays 1
+    # sequence: the product e^-1.1 = 0.33 is outside [0.5, 2]: the whole response goes, inside [0.3, 2] it stays
+    assert ratio_mask(trainer, rollout, mask, "sequence", 0.5, 2.0).tolist() == [[1.0, 0.0, 0.0, 0.0, 1.0]]
+    assert ratio_mask(trainer, rollout, mask, "sequence", 0.3, 2.0).tolist() == [[1.0] * 5]
+    # with truncation: a kept token keeps its truncated weight, a masked one gets 0, and the stats say which
+    train = TrainConfig(tis="token", tis_cap=1.5, is_mask="token", is_mask_low=0.5, is_mask_high=2.0)
+    correction = is_correction(trainer, rollout, mask, train)
+    assert torch.allclose(correction.weights, torch.tensor([[1.0, 1.5, 0.0, math.exp(-0.1), 1.0]]))
+    assert correction.truncated.tolist() == [[False, True, False, False, False]]
+    assert correction.masked.tolist() == [[False, False, True, False, False]]
+    # truncation alone is today's weights exactly; nothing on: no weights at all
+    alone = is_correction(trainer, rollout, mask, TrainConfig(tis="token", tis_cap=1.5))
+    assert torch.equal(alone.weights, truncated_is_weights(trainer, rollout, mask, "token", 1.5))
+    assert alone.masked is None and is_correction(trainer, rollout, mask, TrainConfig()) is None
+
+
+def test_grpo_opd_sampled_form_weights_the_group_term_only():
+    """A_t = w_t * A_group + coef * A_opd inside the one clipped surrogate; w = 1 is the unweighted loss bit for
+    bit, and a token masked to w = 0 keeps its OPD signal (weighting the whole loss would zero it)."""
+    torch.manual_seed(0)
+    mask = torch.ones(4, 5)
+    old, teacher = -torch.rand(4, 5), -torch.rand(4, 5)
+    logp = old + 0.1 * torch.randn(4, 5)  # ratios around 1, some clipped
+    samples = [SimpleNamespace(reward=r) for r in (1.0, 0.0, 0.0, 1.0)]
+
+    def loss_with(weights):
+        batch = TokenBatch(torch.zeros(4, 6, dtype=torch.long), torch.ones(4, 6, dtype=torch.long), mask,
+                           torch.zeros(4, 5), old_logprobs=old, teacher_logprobs=teacher, is_weights=weights)
+        objective = GRPOWithOPD(GRPOConfig(), OPDConfig(form="sampled", coef=0.5), group_size=2)
+        objective.prepare(batch, samples)
+        return objective.token_loss(logp, None, batch)[0], batch.advantages
+
+    plain, plain_advantages = loss_with(None)
+    assert torch.equal(loss_with(torch.ones(4, 5))[0], plain)
+    weights = torch.rand(4, 5) + 0.5
+    weights[0, 0] = 0.0
+    weighted, advantages = loss_with(weights)
+    group = torch.tensor([1.0, -1.0, -1.0, 1.0])[:, None].expand(4, 5)  # each group of 2: rewards (1, 0), (0, 1)
+    opd = -(old - teacher)
+    assert torch.allclose(plain_advantages, group + 0.5 * opd, atol=1e-5)
+    assert torch.allclose(advantages, weights * group + 0.5 * opd, atol=1e-5)
+    assert torch.equal(weighted, clipped_pg_loss(logp, old, advantages, 0.2, 0.2)[0])
+    assert float(weighted[0, 0]) == pytest.approx(float(clipped_pg_loss(logp, old, 0.5 * opd, 0.2, 0.2)[0][0, 0]))
+    assert float(weighted[0, 0]) != 0.0 and not torch.allclose(weighted, plain * weights)
+
+
+def checked(*overrides, algorithm="grpo"):
+    cfg = load_config(None, [f"train.algorithm={algorithm}", *overrides])
+    check_is_correction(cfg, method(algorithm))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.tis=token", "train.tis_cap=0"], r"^train\.tis_cap must be > 0 .*; set e\.g\. 2$"),
+    (["train.is_mask=token", "train.is_mask_low=1.2"], r"^train\.is_mask keeps ratios in .* got \[1\.2, 5\]; set"),
+    (["train.is_mask=sequence", "train.is_mask_high=1"], r"must hold 1 \(0 <= low < 1 < high\), got \[0\.5, 1\]"),
+    (["train.recompute_old_logprobs=false", "rollout.temperature=0.7"],
+     r"^train\.recompute_old_logprobs=false makes .* rollout\.temperature=0\.7 rollout\.top_p=1 .*; set train\."),
+    (["train.recompute_old_logprobs=false", "rollout.top_p=0.9"], r"rollout\.top_p=0\.9 they are of the sampling"),
+    (["model.backend=megatron", "rollout.top_p=0.9"], r"^model\.backend=megatron scores at a temperature only"),
+])
+def test_ill_formed_or_unlike_corrections_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        checked(*overrides)
+
+
+def test_settings_that_compare_like_with_like_pass():
+    checked("train.recompute_old_logprobs=false")  # 1 / 1: the rollout logprobs are the loss's distribution
+    checked("train.recompute_old_logprobs=false", "rollout.temperature=0")  # greedy: both engines report T = 1
+    checked("train.recompute_old_logprobs=false", "rollout.engine=sglang", "rollout.top_p=0.9")  # before its cut
+    checked("model.backend=megatron", "rollout.engine=sglang", "rollout.top_p=0.9", "rollout.temperature=0.7")
+    checked("train.is_mask=token", "train.is_mask_low=0", "train.is_mask_high=inf")
+    assert reported_sampling("local", 0.7, 0.9) == (0.7, 0.9) and reported_sampling("sglang", 0.7, 0.9) == (0.7, 1.0)
+    with pytest.raises(ConfigError, match=r"^train\.is_mask=token weights .* opd\.form=topk has none"):
+        checked("train.is_mask=token", "opd.form=topk", algorithm="opd")
+
+
+@pytest.mark.timeout(120)
+def test_at_temperature_07_the_ratio_compares_like_with_like(assets, tmp_path):
+    """The local engine samples with the trainer's own model: under the sampling distribution (T = 0.7) the IS
+    weights are 1 and KL(behaviour || trainer) is 0 up to float rounding, while the old T = 1 ratio is far from 1."""
+    from conftest import run_config
+    from megaopd.objectives import k3_kl
+    from megaopd.trainer import Trainer
+
+    cfg = run_config(assets, tmp_path / "run", "grpo", **{
+        "rollout.temperature": 0.7, "train.tis": "token", "train.is_mask": "token", "train.is_mask_low": 0.9,
+        "train.is_mask_high": 1.1, "train.prompts_per_step": 2})
+    trainer = Trainer(cfg)
+    batches, prepare = [], trainer.objective.prepare
+    trainer.objective.prepare = lambda batch, samples: batches.append(batch) or prepare(batch, samples)
+    try:
+        metrics = trainer.rl_step(1)
+    finally:
+        trainer.close()
+    assert metrics["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["rollout/is_masked_share"] == 0.0 and metrics["rollout/tis_truncated_share"] == 0.0
+    assert 0 <= metrics["rollout/behaviour_kl"] < 1e-6 and metrics["rollout/logprob_gap_max"] < 1e-4
+    (batch,) = batches
+    mask = batch.response_mask
+    # the old T = 1 logprobs are another distribution: their ratio to the engine's measures the temperature
+    # (measured on this near-uniform tiny model: mean |log ratio| 0.075, k3 0.0059, 16% outside [0.9, 1.1])
+    response = mask.bool()
+    old_ratio = truncated_is_weights(batch.old_logprobs, batch.rollout_logprobs, mask, "token", math.inf)
+    assert float(old_ratio[response].log().abs().mean()) > 0.03
+    assert float((k3_kl(batch.rollout_logprobs, batch.old_logprobs) * mask).sum() / mask.sum()) > 1e-3
+    assert float(ratio_mask(batch.old_logprobs, batch.rollout_logprobs, mask, "token", 0.9, 1.1)[response]
+                 .mean()) < 0.95
+
+
+@pytest.mark.timeout(120)
+def test_the_second_temperature_costs_no_flops_the_audit_does_not_see(assets, tmp_path):
+    """At T != 1 the old logprobs and the sampling-distribution ones come from one forward and one projection: the
+    audit measures the old-logprob phase as exactly the one pass the ledger books."""
+    from conftest import run_config
+    from megaopd.flop_audit import audit_step
+
+    cfg = run_config(assets, tmp_path / "run", "grpo", **{
+        "train.prompts_per_step": 1, "rollout.samples_per_prompt": 2, "rollout.temperature": 0.7,
+        "rollout.top_p": 0.9, "train.tis": "sequence", "train.micro_batch_size": 2})
+    old = audit_step(cfg)["old_logprob"]
+    assert old.measured == old.executed_form and old.booked == old.ledger_form > 0
