@@ -97,7 +97,15 @@ class RolloutConfig:
     # Prompts per local-engine generation chunk: the KV cache holds batch_prompts x samples x (prompt + new tokens)
     # at once. `megaopd plan` prints the largest that fits the device.
     batch_prompts: int = 64
+    # Bounded staleness: batches for steps k..k+K exist before step k trains, so each trains K weight versions after
+    # the one that generated it (0: the synchronous loop). SGLang servers generate ahead while the trainer updates.
+    max_staleness: int = 0
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+    def __post_init__(self):
+        if self.max_staleness < 0:
+            raise ConfigError(f"rollout.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}; "
+                              "set a non-negative number of weight versions")
 
 
 @dataclass

@@ -7,6 +7,7 @@ The interface every engine implements:
     engine.sync_weights(policy)     # after each update (version: default the next); the local engine shares the
                                     # trainer's weights, so it only counts
     engine.weight_version           # stamped on every sample
+    engine.shares_policy_weights    # True: samples from the trainer's own model (megaopd.rollout_pipeline)
     engine.close()                  # stop what the engine started
 
 The local engine prefills each distinct prompt once and shares its KV cache across the group
@@ -72,6 +73,7 @@ class LocalEngine:
     """Batched KV-cache sampling with the trainer's own model (no copy, so no weight sync to get wrong)."""
 
     prefix_cached = True
+    shares_policy_weights = True  # generating while the trainer updates would sample half-updated weights
 
     def __init__(self, policy: HFPolicy, batch_prompts: int = 64):
         """``batch_prompts``: prompts per generation chunk (``rollout.batch_prompts``); the KV cache of a chunk,

@@ -2,6 +2,9 @@
 
     prompts -> rollouts -> rewards -> teacher logprobs -> loss / update -> weight sync -> ledger
 
+(prompts -> rollouts through ``megaopd.rollout_pipeline``, which generates up to ``rollout.max_staleness`` steps
+ahead)
+
 and ``fit`` for what happens around every step (eval, metrics, checkpoint) and at the end (final eval, HF export
 with the ledger beside the weights, ``summary.json``).
 
@@ -43,6 +46,7 @@ from megaopd.objectives import build_objective, check_is_correction, form_label,
 from megaopd.plan import check_run, chunk_rows
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine, reported_sampling, sampling_generator
+from megaopd.rollout_pipeline import RolloutPipeline
 from megaopd.stopping import StopRule
 from megaopd.teachers import TeacherRouter, local_teachers
 
@@ -164,6 +168,13 @@ class Trainer:
                               cfg.verifier.sandbox.allow_fallback)
         self.verifier_watch = verifiers.ErrorWatch(cfg.verifier.max_error_share, cfg.verifier.error_steps)
         self.generator = sampling_generator(self.policy.device, cfg.train.seed)  # rollout sampling only
+        r = cfg.rollout
+        self.rollouts = RolloutPipeline(
+            self.engine, self.sampler,
+            lambda rows: self.engine.generate(rows, r.samples_per_prompt, r.temperature, r.top_p, r.max_new_tokens,
+                                              self.generator),
+            lambda rows, samples: self._book_flops(rows, samples, self.engine.prefix_cached, ("rollout",)),
+            r.max_staleness, cfg.train.steps)
         self.ledger = Ledger(self.run_dir.name, cfg.counts_as)
         self.ledger.add_upstream("init", cfg.model.path)
 
@@ -193,10 +204,8 @@ class Trainer:
     def rl_step(self, step: int) -> dict[str, float]:
         cfg, policy = self.cfg, self.policy
         t0 = time.perf_counter()
-        rows = self.sampler.next_batch()
-        samples = self.engine.generate(rows, cfg.rollout.samples_per_prompt, cfg.rollout.temperature,
-                                       cfg.rollout.top_p, cfg.rollout.max_new_tokens, self.generator)
-        t_rollout = time.perf_counter()
+        rollouts = self.rollouts.take(step)  # generated up to rollout.max_staleness weight versions ago
+        rows, samples = rollouts.rows, rollouts.samples
         verifier_seconds, verifier_errors = score_samples(policy.tokenizer, samples)  # errors: each scored 0
         self.verifier_watch.check(verifier_errors, len(samples))  # a broken verifier stops the run here
         batch = collate(samples, policy.pad_id)
@@ -227,29 +236,36 @@ class Trainer:
                 updates.append((policy.train_minibatch(part, self.objective.token_loss, mbs, self.objective.vocab_term),
                                 float(part.response_mask.sum())))
         metrics |= {f"train/{k}": v for k, v in merge_updates(updates).items()}
-        self.engine.sync_weights(policy)
+        self.rollouts.sync_weights(policy)  # once the generation in flight (if any) is done
 
-        model_flops = self._book_flops(rows, samples, self.engine.prefix_cached)
+        # The rollout FLOPs were billed when generated (the batches generated during this step); the rest here.
+        pipeline_metrics, rollout_flops = self.rollouts.step_end()
+        trained = tuple(c for c in self.method.components if c != "rollout")
+        model_flops = rollout_flops + self._book_flops(rows, samples, self.engine.prefix_cached, trained)
         if self.teachers:  # the teachers' recomputation is hardware work, beside the ledger's model FLOPs
             self.teachers.release()
             recomputed = self.teachers.recompute_flops()
             metrics |= {"perf/teacher_recompute_flops": recomputed, "perf/hardware_flops": model_flops + recomputed}
         metrics |= rollout_metrics(samples, batch, routes, correction)
         metrics["rollout/verifier_errors"] = verifier_errors
-        metrics |= {"perf/rollout_seconds": t_rollout - t0, "perf/verifier_seconds": verifier_seconds,
+        metrics |= pipeline_metrics
+        metrics |= {"perf/rollout_seconds": rollouts.seconds, "perf/verifier_seconds": verifier_seconds,
                     "perf/step_seconds": time.perf_counter() - t0}
         return metrics
 
-    def _book_flops(self, rows, samples: list[Sample], prefix_cached: bool = True) -> int:
-        """Books the step's model FLOPs by component in the ledger; returns their sum."""
+    def _book_flops(self, rows, samples: list[Sample], prefix_cached: bool = True,
+                    components: tuple[str, ...] | None = None) -> int:
+        """Books the model FLOPs of these samples in the ledger, of `components` (default: every one the method
+        books); returns their sum."""
         n = self.method.samples_per_prompt(self.cfg)
         prompt_lens = [len(samples[i * n].prompt_ids) for i in range(len(rows))]
         teachers = [self.teachers.shape(self.teachers.route(row.domain)) for row in rows] if self.teachers else None
         parts = self.method.step_flops(self.cfg, self.policy.shape, teachers, prompt_lens,
                                        [len(s.response_ids) for s in samples], prefix_cached)
-        for component in self.method.components:
+        components = self.method.components if components is None else components
+        for component in components:
             self.ledger.add(component, parts[component])
-        return sum(parts[c] for c in self.method.components)
+        return sum(parts[c] for c in components)
 
     # ---- one SFT step (cold start): teacher-forced NLL on worked solutions, a share of them corrupted ----
     def sft_step(self, step: int) -> dict[str, float]:
@@ -294,6 +310,7 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the servers this run launched (SGLang rollout and teacher servers); a no-op for local ones."""
+        self.rollouts.close()
         self.engine.close()
         if self.teachers is not None:
             self.teachers.close()
@@ -335,9 +352,11 @@ class Trainer:
         return out | {f"flops/total_{k}": v for k, v in self.ledger.totals().items()}
 
     def _state(self, step: int) -> dict:
+        # The rollouts generated ahead first: the sampler's and the generator's states are after their draws.
+        rollouts = self.rollouts.state_dict()
         return {"step": step, "policy": self.policy.state_dict(), "ledger": self.ledger.state_dict(),
                 "sampler": self.sampler.state_dict(), "rng": rng_state(), "generator": self.generator.get_state(),
-                "weight_version": self.engine.weight_version}
+                "weight_version": self.engine.weight_version, "rollouts": rollouts}
 
     def _resume(self) -> int:
         state = self.checkpointer.latest()
@@ -346,6 +365,7 @@ class Trainer:
         self.policy.load_state_dict(state["policy"])
         self.ledger.load_state_dict(state["ledger"])
         self.sampler.load_state_dict(state["sampler"])
+        self.rollouts.load_state_dict(state.get("rollouts", []), state["step"])  # none in older checkpoints
         set_rng_state(state["rng"])
         self.generator.set_state(state["generator"])
         # Servers (if any) start from the initial weights: push the resumed ones under their version.

@@ -122,6 +122,20 @@ def test_grpo_steps_with_sglang_rollouts_and_verified_syncs(fresh, assets, tmp_p
     assert not (tmp_path / "run" / "rollout_weights").exists()  # exported weights are removed at close
 
 
+def test_grpo_with_rollouts_generated_one_version_ahead_on_the_server(fresh, assets, tmp_path):
+    """rollout.max_staleness=1: batch k+1 is generated on the pipeline's thread while step k trains; the sync after
+    the update waits for it, so every served sample still carries the version the engine had pushed."""
+    cfg = attached(assets, tmp_path / "run", fresh, **{"train.steps": 3, "eval.every": 3,
+                                                        "rollout.max_staleness": 1})
+    trainer = Trainer(cfg)
+    assert trainer.rollouts.background
+    trainer.fit()
+    steps = [m for m in read_metrics(tmp_path / "run") if "rollout/staleness_max" in m]
+    assert [m["rollout/weight_version"] for m in steps] == [0, 0, 1]
+    assert [m["rollout/staleness_max"] for m in steps] == [0, 1, 1]
+    assert fresh.get("/model_info")["weight_version"] == "3"
+
+
 def test_a_stale_server_is_detected(fresh, assets, tmp_path):
     cfg = attached(assets, tmp_path, fresh)
     policy = HFPolicy(cfg.model, cfg.optim)

@@ -197,30 +197,49 @@ def _deterministic(metrics):
     return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in metrics]
 
 
-def test_kill_9_then_same_command_resumes_to_identical_metrics(assets, tmp_path):
-    config = run_config(assets, tmp_path / "run", "grpo", **{"train.steps": 6, "checkpoint.every": 2})
-    save_config(config, tmp_path / "run.yaml")
-    reference = run_config(assets, tmp_path / "reference", "grpo", **{"train.steps": 6, "checkpoint.every": 2})
-    train(reference)
-
-    env = {**os.environ, "OMP_NUM_THREADS": str(__import__("torch").get_num_threads())}
-    proc = subprocess.Popen(_cli(tmp_path / "run.yaml"), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000004" / "state.pt"
+def _kill_9_after_checkpoint(config_path, checkpoint, env):
+    proc = subprocess.Popen(_cli(config_path), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    assert checkpoint.exists(), "the run never reached its step-4 checkpoint"
+    assert checkpoint.exists(), f"the run never reached its checkpoint {checkpoint}"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kill_9_then_same_command_resumes_with_the_rollouts_generated_ahead(assets, tmp_path):
+    """kill -9 mid-stage, then the same command: metrics and ledger equal an uninterrupted run's.
+
+    With rollout.max_staleness=1 (K=0 resumes the same state less the batch ahead): the first checkpoint (step 2 of
+    4) holds batch 3, generated during step 2 and billed there; the resumed run trains it at step 3, as the
+    uninterrupted run does, and generates the rest as that run did: no sample trained twice, none lost."""
+    import torch
+
+    overrides = {"train.steps": 4, "checkpoint.every": 2, "rollout.max_staleness": 1}
+    save_config(run_config(assets, tmp_path / "run", "grpo", **overrides), tmp_path / "run.yaml")
+    train(run_config(assets, tmp_path / "reference", "grpo", **overrides))
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt"
+    _kill_9_after_checkpoint(tmp_path / "run.yaml", checkpoint, env)
     assert not (tmp_path / "run" / "summary.json").exists()
+    [ahead] = torch.load(checkpoint, weights_only=False)["rollouts"]  # the work in flight at the kill
+    assert {s["weight_version"] for s in ahead["samples"]} == {1}
 
     subprocess.run(_cli(tmp_path / "run.yaml"), env=env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
     expected = json.loads((tmp_path / "reference" / "summary.json").read_text())
     assert resumed["ledger"]["own"] == expected["ledger"]["own"]
-    assert _deterministic(read_metrics(tmp_path / "run")) == _deterministic(read_metrics(tmp_path / "reference"))
+    metrics = read_metrics(tmp_path / "run")
+    assert _deterministic(metrics) == _deterministic(read_metrics(tmp_path / "reference"))
+    steps = [m for m in metrics if "rollout/draw_index" in m]
+    # Each step trains the next prompts_per_step draws: none trained twice, none skipped; never more than K stale.
+    assert [m["rollout/draw_index"] for m in steps] == [4 * i for i in range(4)]
+    assert [m["rollout/staleness_max"] for m in steps] == [0, 1, 1, 1]
+    assert all(m["rollout/stale_dropped"] == 0 for m in steps)
 
 
 def test_preemption_signal_checkpoints_and_exits_for_requeue(assets, tmp_path):

@@ -42,6 +42,7 @@ def env_urls(name: str) -> list[str]:
 
 class SGLangEngine:
     prefix_cached = True  # SGLang's radix cache prefills a group's shared prompt once
+    shares_policy_weights = False  # its own copy: it can generate while the trainer updates (rollout_pipeline)
 
     def __init__(self, rollout: RolloutConfig, model: ModelConfig, run_dir: str | Path, policy):
         self.cfg = rollout.sglang

@@ -11,17 +11,17 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def is_leader() -> bool:
-    return not _distributed() or dist.get_rank() == 0
+    return not distributed() or dist.get_rank() == 0
 
 
 def on_leader(fn: Callable[[], T]) -> T:
     """fn() on rank 0; every rank returns its result, or raises its exception (so all ranks stop together)."""
-    if not _distributed():
+    if not distributed():
         return fn()
     box: list = [None]
     if dist.get_rank() == 0:

@@ -1,0 +1,159 @@
+"""Bounded-staleness rollouts (``rollout.max_staleness: K``): the trainer asks for the rollouts of step k, and
+before handing them over the pipeline makes sure the batches of steps k..k+K exist, drawn from the prompt sampler
+in step order and generated with the engine's current weights.
+
+    rollouts = pipeline.take(step)      # a Batch: its rows, its samples, how long their generation took
+    ... rewards, teachers, update ...
+    pipeline.sync_weights(policy)       # waits for a generation in flight, then pushes the new weights
+    metrics, rollout_flops = pipeline.step_end()
+
+So the first K+1 batches come from weight version 0 and every later one trains exactly K versions after the one that
+generated it (K=1: one-step-off-policy); K=0 is the synchronous loop, with the same sampler draws and generator use.
+A sample more than K versions old is never trained on (dropped and counted; by construction there are none).
+
+Where the generation runs: an engine that samples from the trainer's own model (``LocalEngine``) generates inline
+when the pipeline is refilled: the same staleness, no overlap. An engine with its own copy of the weights (SGLang
+servers) generates on one background thread, one generation in flight, so that batch k+K is generated while step k
+trains; under torchrun every rank broadcasts with the leader (``serving.leader``), which must stay on the main
+thread, so there it generates inline too. The weight sync waits for the generation in flight before it pushes
+(no weight update mid-generation, no partial rollouts): nothing is in flight at an eval or a checkpoint.
+
+The ledger bills a batch's rollout FLOPs once, in the step that generated it (``book``); the lookahead stops at the
+stage's last step, so only a plateau stop leaves batches generated and never trained (up to K, billed: work done).
+A checkpoint holds the generated-but-untrained batches; the resumed run trains them as the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from megaopd.batch import Sample
+from megaopd.config import ConfigError
+from megaopd.data.rows import Row
+from megaopd.data.sampler import PromptSampler
+from megaopd.serving.leader import distributed
+
+
+@dataclass
+class Batch:
+    """One step's prompts and the samples generated for them."""
+
+    rows: list[Row]
+    samples: list[Sample]
+    draw_index: int  # prompts the sampler had drawn before this batch: consecutive batches advance it by one batch
+    seconds: float  # wall seconds the generation took (on whichever thread ran it)
+
+
+class RolloutPipeline:
+    def __init__(self, engine, sampler: PromptSampler, generate: Callable[[list[Row]], list[Sample]],
+                 book: Callable[[list[Row], list[Sample]], int], max_staleness: int, last_step: int):
+        """``generate(rows)``: the engine's samples with the run's sampling settings and generator; ``book(rows,
+        samples)``: bills their rollout FLOPs in the ledger and returns them."""
+        self.engine, self.sampler, self.generate, self.book = engine, sampler, generate, book
+        self.max_staleness, self.last_step = max_staleness, last_step
+        self.background = not engine.shares_policy_weights and not distributed()
+        self._pool: ThreadPoolExecutor | None = None
+        self._ready: dict[int, Batch] = {}  # step -> its generated batch, in step order
+        self._in_flight: tuple[int, Future] | None = None
+        self._drawn = 0  # the last step whose prompts were drawn
+        self._row_index = {id(row): i for i, row in enumerate(sampler.rows)}  # rows go to a checkpoint by index
+        self._wait = 0.0
+        self._booked = 0
+        self._staleness: list[int] = []
+        self._dropped = 0
+        self._draw_index = 0
+
+    # ---- one step ----
+    def take(self, step: int) -> Batch:
+        """The batch step `step` trains on, its stale samples (none, by construction) dropped."""
+        start = time.perf_counter()
+        for ahead in range(self._drawn + 1, min(step + self.max_staleness, self.last_step) + 1):
+            self._launch(ahead)
+        if step not in self._ready:
+            self._collect()  # it is the one in flight
+        batch = self._ready.pop(step)
+        self._wait += time.perf_counter() - start
+        version = self.engine.weight_version
+        staleness = [version - s.weight_version for s in batch.samples]
+        fresh = [s for s, age in zip(batch.samples, staleness) if age <= self.max_staleness]
+        if not fresh:
+            raise RuntimeError(f"step {step}: every rollout is more than rollout.max_staleness={self.max_staleness} "
+                               f"weight versions old (trainer at {version}); this is a bug of the rollout pipeline")
+        self._staleness += [age for age in staleness if age <= self.max_staleness]
+        self._dropped += len(batch.samples) - len(fresh)
+        self._draw_index = batch.draw_index
+        return replace(batch, samples=fresh)
+
+    def sync_weights(self, policy) -> None:
+        """After the update: wait for the generation in flight (it samples the previous weights), then push."""
+        start = time.perf_counter()
+        if self._in_flight is not None:
+            self._collect()
+        self._wait += time.perf_counter() - start
+        self.engine.sync_weights(policy)
+
+    def step_end(self) -> tuple[dict[str, float], int]:
+        """This step's metrics, and the rollout FLOPs billed in it (of the batches it generated)."""
+        metrics = {"rollout/staleness_mean": sum(self._staleness) / max(len(self._staleness), 1),
+                   "rollout/staleness_max": max(self._staleness, default=0), "rollout/stale_dropped": self._dropped,
+                   "rollout/draw_index": self._draw_index, "perf/rollout_wait_seconds": self._wait}
+        booked = self._booked
+        self._wait, self._booked, self._staleness, self._dropped = 0.0, 0, [], 0
+        return metrics, booked
+
+    # ---- generation ----
+    def _launch(self, step: int) -> None:
+        draw_index = self.sampler.epoch * len(self.sampler.rows) + self.sampler.position
+        rows = self.sampler.next_batch()
+        self._drawn = step
+        if not self.background:
+            self._store(step, self._generate(rows, draw_index))
+            return
+        if self._in_flight is not None:  # one generation at a time: the generator's draws stay in step order
+            self._collect()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
+        self._in_flight = (step, self._pool.submit(self._generate, rows, draw_index))
+
+    def _generate(self, rows: list[Row], draw_index: int) -> Batch:
+        start = time.perf_counter()
+        samples = self.generate(rows)
+        return Batch(rows, samples, draw_index, time.perf_counter() - start)
+
+    def _collect(self) -> None:
+        step, future = self._in_flight
+        self._in_flight = None
+        self._store(step, future.result())
+
+    def _store(self, step: int, batch: Batch) -> None:
+        self._booked += self.book(batch.rows, batch.samples)  # on the main thread: the ledger is not shared
+        self._ready[step] = batch
+
+    # ---- checkpoint ----
+    def state_dict(self) -> list[dict]:
+        """The generated-but-untrained batches, in step order (the sampler's and generator's states are after them)."""
+        if self._in_flight is not None:
+            self._collect()
+        return [{"rows": [self._row_index[id(row)] for row in b.rows], "draw_index": b.draw_index,
+                 "seconds": b.seconds, "samples": [dict(vars(s), row=self._row_index[id(s.row)]) for s in b.samples]}
+                for b in self._ready.values()]
+
+    def load_state_dict(self, batches: list[dict], step: int) -> None:
+        """Batches saved at `step`: they are the next steps' (their FLOPs are in the resumed ledger already)."""
+        if len(batches) > self.max_staleness:
+            raise ConfigError(f"the checkpoint holds {len(batches)} rollout batch(es) generated ahead, more than "
+                              f"rollout.max_staleness={self.max_staleness} allows; resume with "
+                              f"rollout.max_staleness={len(batches)} or more")
+        rows = self.sampler.rows
+        self._ready = {step + 1 + i: Batch([rows[r] for r in b["rows"]],
+                                           [Sample(**(s | {"row": rows[s["row"]]})) for s in b["samples"]],
+                                           b["draw_index"], b["seconds"])
+                       for i, b in enumerate(batches)}
+        self._drawn = step + len(batches)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)

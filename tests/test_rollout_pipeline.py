@@ -1,0 +1,143 @@
+"""The rollout pipeline's order of sampler draws, generations and weight syncs (rollout.max_staleness), with a
+recording engine: what these tests pin is the order of calls, which a real engine would only make slower to see.
+tests/test_train.py runs the real trainer through it (K=1 kill -9 / resume)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megaopd.batch import Sample
+from megaopd.config import ConfigError, load_config
+from megaopd.data.rows import Row
+from megaopd.data.sampler import PromptSampler
+from megaopd.rollout_pipeline import RolloutPipeline
+
+PROMPTS = 2
+
+
+class RecordingEngine:
+    """Records generate / sync calls; each sample consumes one draw of the generator, like SGLang's seeds."""
+
+    def __init__(self, shares_policy_weights: bool, seconds: float = 0.0):
+        self.shares_policy_weights = shares_policy_weights
+        self.seconds = seconds
+        self.weight_version = 0
+        self.events: list[tuple] = []
+        self.generating = threading.Event()
+
+    def generate(self, rows, generator):
+        self.generating.set()
+        draws = torch.rand(len(rows), generator=generator).tolist()
+        time.sleep(self.seconds)
+        self.events.append(("generate", self.weight_version, [r.ground_truth for r in rows], draws))
+        self.generating.clear()
+        return [Sample(row, i, [1], [2], [0.0], "stop", self.weight_version) for i, row in enumerate(rows)]
+
+    def sync_weights(self, policy) -> None:
+        assert not self.generating.is_set(), "weights pushed while a generation was in flight"
+        self.weight_version += 1
+        self.events.append(("sync", self.weight_version))
+
+
+def rows():
+    return [Row("src", [{"role": "user", "content": str(i)}], i) for i in range(7)]
+
+
+def pipeline(engine, max_staleness, last_step, booked):
+    generator = torch.Generator().manual_seed(0)
+    sampler = PromptSampler(rows(), PROMPTS, seed=0)
+    return RolloutPipeline(engine, sampler, lambda batch: engine.generate(batch, generator),
+                           lambda batch, samples: booked.append(len(samples)) or 10 * len(samples),
+                           max_staleness, last_step)
+
+
+def synchronous_events(steps):
+    """Today's loop, written out: draw, generate, (train), sync."""
+    engine, generator = RecordingEngine(True), torch.Generator().manual_seed(0)
+    sampler = PromptSampler(rows(), PROMPTS, seed=0)
+    for _ in range(steps):
+        engine.generate(sampler.next_batch(), generator)
+        engine.sync_weights(None)
+    return engine.events
+
+
+def run(pipe, engine, steps, train_seconds=0.0):
+    taken, metrics = [], []
+    for step in range(1, steps + 1):
+        batch = pipe.take(step)
+        taken.append([s.row.ground_truth for s in batch.samples])
+        time.sleep(train_seconds)  # the update
+        pipe.sync_weights(None)
+        metrics.append(pipe.step_end()[0])
+    return taken, metrics
+
+
+def test_zero_staleness_is_the_synchronous_loop():
+    engine, booked = RecordingEngine(True), []
+    _, metrics = run(pipeline(engine, 0, 5, booked), engine, 5)
+    assert engine.events == synchronous_events(5)
+    assert booked == [PROMPTS] * 5
+    assert all(m["rollout/staleness_max"] == 0 for m in metrics)
+    assert [m["rollout/draw_index"] for m in metrics] == [PROMPTS * i for i in range(5)]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_each_batch_trains_k_versions_after_it_was_generated(background):
+    steps, k = 6, 2
+    engine, booked = RecordingEngine(not background, seconds=0.02 if background else 0.0), []
+    taken, metrics = run(pipeline(engine, k, steps, booked), engine, steps, train_seconds=0.01)
+    generated = [e for e in engine.events if e[0] == "generate"]
+    assert [e[1] for e in generated] == [0, 0, 0, 1, 2, 3]  # the first K+1 from version 0, then one per step
+    assert [m["rollout/staleness_max"] for m in metrics] == [0, 1, 2, 2, 2, 2]
+    assert all(m["rollout/staleness_mean"] == m["rollout/staleness_max"] for m in metrics)
+    assert all(m["rollout/stale_dropped"] == 0 for m in metrics)
+    assert len(generated) == steps  # the lookahead stops at the stage's last step
+    # Same prompts, same generator draws, in step order, wherever the generation ran; each batch trained once.
+    order = [e for e in synchronous_events(steps) if e[0] == "generate"]
+    assert [(e[2], e[3]) for e in generated] == [(e[2], e[3]) for e in order]
+    assert taken == [e[2] for e in order]
+
+
+def test_background_generation_overlaps_the_update_and_the_sync_waits_for_it():
+    engine, booked = RecordingEngine(False, seconds=0.3), []
+    _, metrics = run(pipeline(engine, 1, 3, booked), engine, 3, train_seconds=0.3)
+    # Step 1 waits for batch 1 (0.3 s) and batch 2 is generated during its update; later steps barely wait.
+    assert metrics[0]["perf/rollout_wait_seconds"] > 0.25
+    assert metrics[1]["perf/rollout_wait_seconds"] < 0.15
+    assert booked == [PROMPTS, PROMPTS, PROMPTS]  # billed once each, in the step that generated it
+
+
+def test_a_sample_older_than_k_is_never_trained_on():
+    engine = RecordingEngine(True)
+    pipe = pipeline(engine, 1, 4, [])
+    pipe.take(1)
+    pipe.sync_weights(None)
+    engine.sync_weights(None)  # a version the pipeline did not see: batch 2 is now 2 versions old
+    with pytest.raises(RuntimeError, match="more than rollout.max_staleness=1"):
+        pipe.take(2)
+
+
+def test_checkpointed_batches_resume_in_place():
+    engine = RecordingEngine(True)
+    straight, _ = run(pipeline(engine, 1, 5, []), engine, 5)
+
+    engine = RecordingEngine(True)
+    first = pipeline(engine, 1, 5, [])
+    before, _ = run(first, engine, 3)
+    state = first.state_dict()
+    assert len(state) == 1  # batch 4, generated during step 3
+    resumed = pipeline(engine, 1, 5, [])
+    resumed.sampler.load_state_dict(first.sampler.state_dict())
+    resumed.load_state_dict(state, 3)
+    batch = resumed.take(4)
+    assert before + [[s.row.ground_truth for s in batch.samples]] == straight[:4]
+    assert batch.draw_index == 3 * PROMPTS
+    with pytest.raises(ConfigError, match="rollout.max_staleness=1 or more"):
+        pipeline(engine, 0, 5, []).load_state_dict(state, 3)
+
+
+def test_negative_staleness_is_a_config_error():
+    with pytest.raises(ConfigError, match="rollout.max_staleness must be >= 0"):
+        load_config(None, ["rollout.max_staleness=-1"])
