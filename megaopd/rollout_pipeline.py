@@ -106,7 +106,7 @@ class RolloutPipeline:
 
     # ---- generation ----
     def _launch(self, step: int) -> None:
-        draw_index = self.sampler.epoch * len(self.sampler.rows) + self.sampler.position
+        draw_index = self.sampler.drawn
         rows = self.sampler.next_batch()
         self._drawn = step
         if not self.background:

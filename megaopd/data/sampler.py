@@ -28,6 +28,11 @@ class PromptSampler:
             self.position += 1
         return batch
 
+    @property
+    def drawn(self) -> int:
+        """Prompts drawn so far, over every epoch."""
+        return self.epoch * len(self.rows) + self.position
+
     def domains(self) -> set[str]:
         return {row.domain for row in self.rows}
 
