@@ -11,8 +11,7 @@ mounted read-only): torch 2.13.0+cpu is the file on this disk, as for `make setu
 the local mirror or PyPI. The base is reused while its tag (a hash of its recipe) exists; podman reuses a build
 layer only when its instruction and the files it copies are unchanged, so a changed Dockerfile or lock rebuilds.
 Needs root and podman, debootstrap and runc (.ci/podman_up.sh installs them with apt); elsewhere it skips.
-Measured on a loaded 2-core machine: base 4 min from nothing, CPU image 9 min from nothing (1 min with the
-lock's layer cached), the stage and report 1.5 min; GPU layer 41 min from nothing (2.5 min cached).
+What it proves, what it cannot, and its costs: docs/docker.md.
 """
 
 from __future__ import annotations
@@ -37,6 +36,18 @@ CPU_TAG, GPU_TAG = "localhost/megaopd:cpu-ci", "localhost/megaopd:gpu-python-ci"
 GPU_NEED_GB = 40  # the first GPU layer build's peak: its 11 GB layer thrice (container, tar, storage), measured
 SKIPPED_TE = ("Transformer Engine's torch extension compiles against CUDA with nvcc (the CUDA base image's): "
               "no CUDA toolkit on the local base, so it is not built here")
+# What megatron-core and mbridge import that cannot load on CI's machine: the import it breaks and the error, which
+# each test run checks is still the reason before hiding the package (megatron-core then takes its path without it).
+UNLOADABLE = {
+    # megatron.core.tensor_parallel.random imports TE's torch extension under `except ModuleNotFoundError`; without
+    # the extension (SKIPPED_TE), TE raises FileNotFoundError
+    "transformer_engine": ("import megatron.core", "FileNotFoundError: Could not find shared object file for "
+                                                   "Transformer Engine torch lib."),
+    # mbridge imports megatron's GPT layer specs and so megatron.core.transformer.attention, which imports flash_mla
+    # (sgl-flash-mla, pinned by SGLang) under `except ImportError`; flash_mla loads kernels linked against the GPU
+    # driver, which the container runtime mounts on a GPU node, and fails with OSError without it
+    "flash_mla": ("import mbridge", "OSError: libcuda.so.1: cannot open shared object file"),
+}
 
 pytestmark = [pytest.mark.slow, pytest.mark.registry, pytest.mark.podman]
 
@@ -123,10 +134,39 @@ def cpu_image(base: str) -> str:
     return CPU_TAG
 
 
-@pytest.mark.timeout(3600)  # from nothing on a loaded machine: base 4 min, image 9 min, stage 1 min
+def assert_starts(image: str) -> None:
+    """docs/docker.md's first command and the image's CMD print megaopd's help."""
+    assert "usage: megaopd" in run(image, "megaopd", "--help")
+    assert "usage: megaopd" in run(image), "the image's CMD is not `megaopd --help`"
+
+
+# The negative control: a line of Dockerfile.cpu, the change that breaks the image, and what the checks then say.
+BROKEN = {
+    'CMD ["megaopd", "--help"]': ('CMD ["megaopd-cli", "--help"]', "megaopd-cli"),  # a wrong entry point
+    "RUN pip install --no-deps -e .": ("RUN pip uninstall -y pyyaml && pip install --no-deps -e .",  # a package gone
+                                       "requires pyyaml, which is not installed"),
+}
+
+
+@pytest.mark.timeout(900)  # podman reuses megaopd:cpu's layers up to the changed line: under a minute
+@pytest.mark.parametrize("line", list(BROKEN))
+def test_a_broken_dockerfile_fails(cpu_image, base, tmp_path, line):
+    change, error = BROKEN[line]
+    text = (ROOT / "docker/Dockerfile.cpu").read_text()
+    assert text.count(line) == 1, f"Dockerfile.cpu no longer has {line!r}: update BROKEN"
+    (tmp_path / "Dockerfile.broken").write_text(text.replace(line, change))
+    tag = f"{CPU_TAG}-broken"
+    try:
+        with pytest.raises(AssertionError, match=error):
+            build(tmp_path / "Dockerfile.broken", tag, base, timeout=900)
+            assert_starts(tag)
+    finally:
+        podman("rmi", "--force", tag, timeout=300, check=False)
+
+
+@pytest.mark.timeout(3600)  # from nothing: 5 min at load 6-10, 14 min once under heavier load
 def test_cpu_image_runs_the_documented_commands(cpu_image, tmp_path):
-    assert "usage: megaopd" in run(cpu_image, "megaopd", "--help")
-    assert "usage: megaopd" in run(cpu_image), "the image's CMD is not `megaopd --help`"
+    assert_starts(cpu_image)
     study = yaml.safe_load((ROOT / "configs/studies/self_teacher.yaml").read_text())
     grpo = next(s for s in study["stages"] if s["method"] == "grpo")
     grpo["overrides"] = ["model.path={out}/models/{student}", *grpo["overrides"][1:], "train.steps=3",
@@ -190,7 +230,7 @@ def gpu_layer_is_cached() -> bool:
     return found.returncode == 0 and found.stdout == (ROOT / "docker/requirements-gpu.lock").read_text()
 
 
-@pytest.mark.timeout(3600)  # 25-30 min from nothing on a loaded machine; cached by podman until the lock changes
+@pytest.mark.timeout(3600)  # from nothing: 15 min at load 6-10, 41 min once under heavier load; then cached
 def test_gpu_lock_installs_and_imports(base, tmp_path):
     free_gb = shutil.disk_usage("/var/lib/containers").free / 2**30
     if free_gb < GPU_NEED_GB and not gpu_layer_is_cached():
@@ -200,13 +240,21 @@ def test_gpu_lock_installs_and_imports(base, tmp_path):
     containerfile = tmp_path / "Containerfile.gpu-python"
     containerfile.write_text(gpu_python_layer(base))
     print(f"GPU Python layer build: {build(containerfile, GPU_TAG, base, timeout=3000):.0f} s")
-    # Without TE's extension, importing transformer_engine.pytorch fails, and megatron-core imports it whenever
-    # transformer_engine is installed: hidden here, megatron-core takes its no-TE path. mbridge's import loads
-    # flash_mla's CUDA kernels, which need the GPU driver (libcuda.so.1): only its install is checked here.
-    imports = ("import sys; sys.modules['transformer_engine'] = None; import importlib.metadata as m, torch, "
-               "megatron.core, sglang, megaopd.megatron.policy, megaopd.serving.engine; "
-               "print(torch.__version__, megatron.core.__version__, m.version('mbridge'))")
+    assert_starts(GPU_TAG)  # nothing hidden: the CLI starts where no GPU is (a login node's `megaopd submit`)
+    hidden: list[str] = []
+    for name, (statement, reason) in UNLOADABLE.items():
+        hide = f"import sys; sys.modules.update(dict.fromkeys({hidden})); "
+        failed = podman("run", "--rm", *LIMITS, GPU_TAG, "python", "-c", hide + statement, timeout=300, check=False)
+        assert failed.returncode != 0 and reason in failed.stderr, f"{statement}: {failed.stderr[-3000:]}"
+        hidden.append(name)
+    imports = (f"import sys; sys.modules.update(dict.fromkeys({hidden})); import torch, megatron.core, mbridge, "
+               "sglang, megaopd.megatron.policy, megaopd.serving.engine; "
+               "from mbridge.core.parallel_states import ParallelStates; "
+               "from megaopd.megatron.bridge import _bridge_class; "
+               "print(torch.__version__, megatron.core.__version__, mbridge.__version__, "
+               "*(_bridge_class(t).__name__ for t in ('llama', 'qwen3')))")
     printed = run(GPU_TAG, "python", "-c", imports).splitlines()[-1].split()
     lock = (ROOT / "docker/requirements-gpu.lock").read_text()
     pins = dict(line.split("==") for line in lock.split() if "==" in line)
-    assert [printed[0].split("+")[0], *printed[1:]] == [pins["torch"], pins["megatron-core"], pins["mbridge"]]
+    assert [printed[0].split("+")[0], *printed[1:]] == [pins["torch"], pins["megatron-core"], pins["mbridge"],
+                                                        "MegaopdLLaMABridge", "MegaopdQwen3Bridge"]
