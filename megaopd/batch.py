@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -83,3 +83,27 @@ def collate(samples: list[Sample], pad_id: int) -> TokenBatch:
         response_mask[i, p - 1: p - 1 + r] = 1
         rollout_logprobs[i, p - 1: p - 1 + r] = torch.tensor(s.rollout_logprobs)
     return TokenBatch(input_ids, attention_mask, response_mask, rollout_logprobs)
+
+
+@dataclass
+class TeacherScores:
+    """What the teachers put on a batch (its ``teacher_*`` fields, by ``TeacherRouter.score``) and each route's
+    samples, apart from the batch: teacher servers score a step's samples as they arrive (``rollout_pipeline``), and
+    a checkpoint holds the scores of the batches generated ahead."""
+
+    fields: dict[str, torch.Tensor | None]  # TokenBatch field name -> its value
+    routes: dict[str, list[int]]  # route -> indices of its samples
+    seconds: float  # wall seconds the scoring took (on whichever thread ran it)
+
+    @classmethod
+    def of(cls, batch: TokenBatch, routes: dict[str, list[int]], seconds: float) -> "TeacherScores":
+        return cls({name: getattr(batch, name) for name in TEACHER_FIELDS}, routes, seconds)
+
+    def fill(self, batch: TokenBatch) -> dict[str, list[int]]:
+        """Puts the scores on `batch` (the same samples, collated the same way); returns the routes."""
+        for name, value in self.fields.items():
+            setattr(batch, name, value)
+        return self.routes
+
+
+TEACHER_FIELDS = tuple(f.name for f in fields(TokenBatch) if f.name.startswith("teacher_"))

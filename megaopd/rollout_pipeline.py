@@ -2,7 +2,8 @@
 before handing them over the pipeline makes sure the batches of steps k..k+K exist, drawn from the prompt sampler
 in step order and generated with the engine's current weights.
 
-    rollouts = pipeline.take(step)      # a Batch: its rows, its samples, how long their generation took
+    rollouts = pipeline.take(step)      # a Batch: its rows, its samples, how long their generation took (and
+                                        # the teacher servers' scores, when they scored it as it arrived)
     ... rewards, teachers, update ...
     pipeline.sync_weights(policy)       # waits for a generation in flight, then pushes the new weights
     metrics, rollout_flops = pipeline.step_end()
@@ -18,9 +19,15 @@ trains; under torchrun every rank broadcasts with the leader (``serving.leader``
 thread, so there it generates inline too. The weight sync waits for the generation in flight before it pushes
 (no weight update mid-generation, no partial rollouts): nothing is in flight at an eval or a checkpoint.
 
-The ledger bills a batch's rollout FLOPs once, in the step that generated it (``book``); the lookahead stops at the
-stage's last step, so only a plateau stop leaves batches generated and never trained (up to K, billed: work done).
-A checkpoint holds the generated-but-untrained batches; the resumed run trains them as the uninterrupted one would.
+Teacher servers (OPD, ``score``) score each batch on that thread right after its generation, at K >= 1: a frozen
+teacher's scores of a sample hold whatever weights generated it, so they overlap the update as the generation does,
+and the batch comes with them (``Batch.teacher``). Local teachers share the trainer's devices, and at K=0 there is
+nothing to overlap: the training step scores those, as before the pipeline existed.
+
+The ledger bills a batch's rollout FLOPs once, in the step that generated it (``book``), with its teacher FLOPs when
+the servers scored it there; the lookahead stops at the stage's last step, so only a plateau stop leaves batches
+generated and never trained (up to K, billed: work done). A checkpoint holds the generated-but-untrained batches,
+with their teacher scores; the resumed run trains them as the uninterrupted one would, without scoring them again.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from megaopd.batch import Sample
+from megaopd.batch import Sample, TeacherScores
 from megaopd.config import ConfigError
 from megaopd.data.rows import Row
 from megaopd.data.sampler import PromptSampler
@@ -45,16 +52,20 @@ class Batch:
     samples: list[Sample]
     draw_index: int  # prompts the sampler had drawn before this batch: consecutive batches advance it by one batch
     seconds: float  # wall seconds the generation took (on whichever thread ran it)
+    teacher: TeacherScores | None = None  # the teacher servers' scores, when they scored the samples as they arrived
 
 
 class RolloutPipeline:
     def __init__(self, engine, sampler: PromptSampler, generate: Callable[[list[Row]], list[Sample]],
-                 book: Callable[[list[Row], list[Sample]], int], max_staleness: int, last_step: int):
-        """``generate(rows)``: the engine's samples with the run's sampling settings and generator; ``book(rows,
-        samples)``: bills their rollout FLOPs in the ledger and returns them."""
+                 book: Callable[[Batch], int], max_staleness: int, last_step: int,
+                 score: Callable[[list[Sample]], TeacherScores] | None = None):
+        """``generate(rows)``: the engine's samples with the run's sampling settings and generator; ``book(batch)``:
+        bills its rollout FLOPs (and teacher FLOPs, if scored) in the ledger and returns them; ``score(samples)``:
+        the teacher servers' scores (None: no teachers, or local ones)."""
         self.engine, self.sampler, self.generate, self.book = engine, sampler, generate, book
         self.max_staleness, self.last_step = max_staleness, last_step
         self.background = not engine.shares_policy_weights and not distributed()
+        self.score = score if self.background and max_staleness > 0 else None  # else the training step scores
         self._pool: ThreadPoolExecutor | None = None
         self._ready: dict[int, Batch] = {}  # step -> its generated batch, in step order
         self._in_flight: tuple[int, Future] | None = None
@@ -79,9 +90,10 @@ class RolloutPipeline:
         version = self.engine.weight_version
         staleness = [version - s.weight_version for s in batch.samples]
         fresh = [s for s, age in zip(batch.samples, staleness) if age <= self.max_staleness]
-        if not fresh:
-            raise RuntimeError(f"step {step}: every rollout is more than rollout.max_staleness={self.max_staleness} "
-                               f"weight versions old (trainer at {version}); this is a bug of the rollout pipeline")
+        # One generation samples one weight version: its batch is fresh or stale as a whole (teacher scores too).
+        if not fresh or (batch.teacher is not None and len(fresh) < len(batch.samples)):
+            raise RuntimeError(f"step {step}: rollouts more than rollout.max_staleness={self.max_staleness} weight "
+                               f"versions old (trainer at {version}); this is a bug of the rollout pipeline")
         self._staleness += [age for age in staleness if age <= self.max_staleness]
         self._dropped += len(batch.samples) - len(fresh)
         self._draw_index = batch.draw_index
@@ -121,7 +133,8 @@ class RolloutPipeline:
     def _generate(self, rows: list[Row], draw_index: int) -> Batch:
         start = time.perf_counter()
         samples = self.generate(rows)
-        return Batch(rows, samples, draw_index, time.perf_counter() - start)
+        batch = Batch(rows, samples, draw_index, time.perf_counter() - start)
+        return replace(batch, teacher=self.score(samples)) if self.score else batch
 
     def _collect(self) -> None:
         step, future = self._in_flight
@@ -129,7 +142,7 @@ class RolloutPipeline:
         self._store(step, future.result())
 
     def _store(self, step: int, batch: Batch) -> None:
-        self._booked += self.book(batch.rows, batch.samples)  # on the main thread: the ledger is not shared
+        self._booked += self.book(batch)  # on the main thread: the ledger is not shared
         self._ready[step] = batch
 
     # ---- checkpoint ----
@@ -138,7 +151,8 @@ class RolloutPipeline:
         if self._in_flight is not None:
             self._collect()
         return [{"rows": [self._row_index[id(row)] for row in b.rows], "draw_index": b.draw_index,
-                 "seconds": b.seconds, "samples": [dict(vars(s), row=self._row_index[id(s.row)]) for s in b.samples]}
+                 "seconds": b.seconds, "samples": [dict(vars(s), row=self._row_index[id(s.row)]) for s in b.samples],
+                 "teacher": vars(b.teacher) if b.teacher else None}
                 for b in self._ready.values()]
 
     def load_state_dict(self, batches: list[dict], step: int) -> None:
@@ -150,7 +164,8 @@ class RolloutPipeline:
         rows = self.sampler.rows
         self._ready = {step + 1 + i: Batch([rows[r] for r in b["rows"]],
                                            [Sample(**(s | {"row": rows[s["row"]]})) for s in b["samples"]],
-                                           b["draw_index"], b["seconds"])
+                                           b["draw_index"], b["seconds"],
+                                           TeacherScores(**b["teacher"]) if b.get("teacher") else None)
                        for i, b in enumerate(batches)}
         self._drawn = step + len(batches)
 

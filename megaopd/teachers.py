@@ -42,10 +42,13 @@ def local_teachers(model_cfg: ModelConfig, logit_chunk_rows: int = 1024) -> Call
 
 class TeacherRouter:
     def __init__(self, teachers: dict[str, str], load: Callable[[str, str], object], student_tokenizer,
-                 temperature: float = 1.0, top_p: float = 1.0, recompute: bool = False):
+                 temperature: float = 1.0, top_p: float = 1.0, recompute: bool = False, servers: bool = False):
         if not teachers:
             raise ConfigError("OPD needs at least one teacher; set opd.teachers.<domain>=<HF dir> (or '*')")
         self.paths = dict(teachers)
+        # Servers of their own need nothing of the trainer's devices: the rollout pipeline's thread can run ``score``
+        # while the trainer updates (the trainer reads ``work`` and ``kept`` only after the weight sync waited for it).
+        self.servers = servers
         self.temperature, self.top_p = temperature, top_p  # the sampling settings the teachers score under
         self.recompute = recompute  # the memory plan's call: full-vocabulary rows re-run per micro-batch, not kept
         self.kept: dict[str, Callable] = {}  # route -> this step's full-vocabulary rows(index) (one forward/sample)

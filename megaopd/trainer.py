@@ -3,7 +3,7 @@
     prompts -> rollouts -> rewards -> teacher logprobs -> loss / update -> weight sync -> ledger
 
 (prompts -> rollouts through ``megaopd.rollout_pipeline``, which generates up to ``rollout.max_staleness`` steps
-ahead)
+ahead, and where teacher servers score the samples as they arrive)
 
 and ``fit`` for what happens around every step (eval, metrics, checkpoint) and at the end (final eval, HF export
 with the ledger beside the weights, ``summary.json``).
@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from megaopd import verifiers
 from megaopd.backend import Policy
-from megaopd.batch import Sample, collate
+from megaopd.batch import Sample, TeacherScores, collate
 from megaopd.chat import chat_prompt_ids
 from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state
 from megaopd.config import ConfigError, RunConfig, save_config
@@ -46,7 +46,7 @@ from megaopd.objectives import build_objective, check_is_correction, form_label,
 from megaopd.plan import check_run, chunk_rows
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine, reported_sampling, sampling_generator
-from megaopd.rollout_pipeline import RolloutPipeline
+from megaopd.rollout_pipeline import Batch, RolloutPipeline
 from megaopd.stopping import StopRule
 from megaopd.teachers import TeacherRouter, local_teachers
 
@@ -113,7 +113,7 @@ def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False) -
         urls.setdefault(route, []).append(url)
     return TeacherRouter(cfg.opd.teachers, lambda route, path: SGLangTeacher(
         path, urls.get(route, []), cfg.rollout.sglang, cfg.model.dtype, cfg.run_dir, f"teacher_{route}"),
-        student_tokenizer)
+        student_tokenizer, servers=True)
 
 
 def load_split(paths: list[str], strict: bool) -> list:
@@ -168,13 +168,6 @@ class Trainer:
                               cfg.verifier.sandbox.allow_fallback)
         self.verifier_watch = verifiers.ErrorWatch(cfg.verifier.max_error_share, cfg.verifier.error_steps)
         self.generator = sampling_generator(self.policy.device, cfg.train.seed)  # rollout sampling only
-        r = cfg.rollout
-        self.rollouts = RolloutPipeline(
-            self.engine, self.sampler,
-            lambda rows: self.engine.generate(rows, r.samples_per_prompt, r.temperature, r.top_p, r.max_new_tokens,
-                                              self.generator),
-            lambda rows, samples: self._book_flops(rows, samples, self.engine.prefix_cached, ("rollout",)),
-            r.max_staleness, cfg.train.steps)
         self.ledger = Ledger(self.run_dir.name, cfg.counts_as)
         self.ledger.add_upstream("init", cfg.model.path)
 
@@ -184,6 +177,14 @@ class Trainer:
             self.teachers.check_domains(self.sampler.domains())
             for route, path in spec.teachers(cfg).items():
                 self.ledger.add_upstream(f"teacher:{route}", path)
+        r = cfg.rollout
+        self.rollouts = RolloutPipeline(
+            self.engine, self.sampler,
+            lambda rows: self.engine.generate(rows, r.samples_per_prompt, r.temperature, r.top_p, r.max_new_tokens,
+                                              self.generator),
+            lambda batch: self._book_flops(batch.rows, batch.samples, self.engine.prefix_cached,
+                                           self._billed_ahead(batch)),
+            r.max_staleness, cfg.train.steps, self._score_teachers if self.teachers and self.teachers.servers else None)
         self.objective = build_objective(spec, cfg, self.teachers)
         if spec.uses_reference(cfg):
             self.reference = build_policy(cfg, trainable=False)
@@ -225,7 +226,9 @@ class Trainer:
         batch.is_weights = correction.weights if correction else None
         if self.reference is not None:
             batch.ref_logprobs = self.reference.logprobs(batch, mbs)
-        routes = self.teachers.score(batch, samples, cfg.opd.form, mbs, cfg.opd.topk) if self.teachers else {}
+        # Teacher servers scored the samples as they arrived (rollout_pipeline), if they could; else they score now.
+        scores = (rollouts.teacher or self._score_teachers(samples)) if self.teachers else None
+        routes = scores.fill(batch) if scores else {}
         metrics = {f"train/{k}": v for k, v in self.objective.prepare(batch, samples).items()}
 
         minibatch = math.ceil(batch.size / cfg.train.minibatches)
@@ -238,20 +241,37 @@ class Trainer:
         metrics |= {f"train/{k}": v for k, v in merge_updates(updates).items()}
         self.rollouts.sync_weights(policy)  # once the generation in flight (if any) is done
 
-        # The rollout FLOPs were billed when generated (the batches generated during this step); the rest here.
-        pipeline_metrics, rollout_flops = self.rollouts.step_end()
-        trained = tuple(c for c in self.method.components if c != "rollout")
-        model_flops = rollout_flops + self._book_flops(rows, samples, self.engine.prefix_cached, trained)
+        # What was billed when generated (the batches generated during this step: _billed_ahead); the rest here.
+        pipeline_metrics, ahead_flops = self.rollouts.step_end()
+        trained = tuple(c for c in self.method.components if c not in self._billed_ahead(rollouts))
+        model_flops = ahead_flops + self._book_flops(rows, samples, self.engine.prefix_cached, trained)
         if self.teachers:  # the teachers' recomputation is hardware work, beside the ledger's model FLOPs
             self.teachers.release()
             recomputed = self.teachers.recompute_flops()
-            metrics |= {"perf/teacher_recompute_flops": recomputed, "perf/hardware_flops": model_flops + recomputed}
+            metrics |= {"perf/teacher_recompute_flops": recomputed, "perf/hardware_flops": model_flops + recomputed,
+                        # scored ahead, the step's wait for it is in perf/rollout_wait_seconds
+                        "perf/teacher_seconds": scores.seconds,
+                        "perf/teacher_wait_seconds": 0.0 if rollouts.teacher else scores.seconds}
         metrics |= rollout_metrics(samples, batch, routes, correction)
         metrics["rollout/verifier_errors"] = verifier_errors
         metrics |= pipeline_metrics
         metrics |= {"perf/rollout_seconds": rollouts.seconds, "perf/verifier_seconds": verifier_seconds,
                     "perf/step_seconds": time.perf_counter() - t0}
         return metrics
+
+    def _score_teachers(self, samples: list[Sample]) -> TeacherScores:
+        """The teachers' scores of these samples: in the training step, or on the rollout pipeline's thread as they
+        arrive (teacher servers)."""
+        cfg, start = self.cfg, time.perf_counter()
+        batch = collate(samples, self.policy.pad_id)
+        routes = self.teachers.score(batch, samples, cfg.opd.form, cfg.train.micro_batch_size, cfg.opd.topk)
+        return TeacherScores.of(batch, routes, time.perf_counter() - start)
+
+    @staticmethod
+    def _billed_ahead(rollouts: Batch) -> tuple[str, ...]:
+        """The components billed in the step that generated the batch: the rollout, and the teachers' scoring when
+        the servers scored it then (each step's ledger holds the work done in it)."""
+        return ("rollout", "teacher") if rollouts.teacher else ("rollout",)
 
     def _book_flops(self, rows, samples: list[Sample], prefix_cached: bool = True,
                     components: tuple[str, ...] | None = None) -> int:

@@ -1,14 +1,16 @@
 """The rollout pipeline's order of sampler draws, generations and weight syncs (rollout.max_staleness), with a
 recording engine: what these tests pin is the order of calls, which a real engine would only make slower to see.
-tests/test_train.py runs the real trainer through it (K=1 kill -9 / resume)."""
+tests/test_train.py runs the real trainer through it (K=1 kill -9 / resume), tests/test_sglang.py with SGLang
+rollout and teacher servers (K=1)."""
 
+import io
 import threading
 import time
 
 import pytest
 import torch
 
-from megaopd.batch import Sample
+from megaopd.batch import Sample, TeacherScores
 from megaopd.config import ConfigError, load_config
 from megaopd.data.rows import Row
 from megaopd.data.sampler import PromptSampler
@@ -45,12 +47,22 @@ def rows():
     return [Row("src", [{"role": "user", "content": str(i)}], i) for i in range(7)]
 
 
-def pipeline(engine, max_staleness, last_step, booked):
+def pipeline(engine, max_staleness, last_step, booked, score=None):
     generator = torch.Generator().manual_seed(0)
     sampler = PromptSampler(rows(), PROMPTS, seed=0)
     return RolloutPipeline(engine, sampler, lambda batch: engine.generate(batch, generator),
-                           lambda batch, samples: booked.append(len(samples)) or 10 * len(samples),
-                           max_staleness, last_step)
+                           lambda batch: booked.append(len(batch.samples)) or 10 * len(batch.samples),
+                           max_staleness, last_step, score)
+
+
+def recording_teacher(engine, seconds=0.0):
+    """A teacher server's ``score``: records the thread and the prompts it scored in the engine's events."""
+    def score(samples):
+        time.sleep(seconds)
+        prompts = [s.row.ground_truth for s in samples]
+        engine.events.append(("score", threading.current_thread().name, prompts))
+        return TeacherScores({"teacher_logprobs": torch.tensor(prompts)}, {"*": list(range(len(samples)))}, seconds)
+    return score
 
 
 def synchronous_events(steps):
@@ -109,6 +121,36 @@ def test_background_generation_overlaps_the_update_and_the_sync_waits_for_it():
     assert booked == [PROMPTS, PROMPTS, PROMPTS]  # billed once each, in the step that generated it
 
 
+@pytest.mark.parametrize("background, k", [(True, 2), (True, 0), (False, 2)])
+def test_teacher_servers_score_each_batch_on_the_pipelines_thread_as_it_arrives(background, k):
+    """With rollouts generated in the background at K >= 1, each batch is scored right after its generation, on
+    that thread, and comes with its scores; at K=0, or with an inline engine, the training step scores (none here)."""
+    engine = RecordingEngine(not background)
+    taken = []
+    pipe = pipeline(engine, k, 4, [], recording_teacher(engine))
+    for step in range(1, 5):
+        taken.append(pipe.take(step))
+        pipe.sync_weights(None)
+        pipe.step_end()
+    scored = [e for e in engine.events if e[0] == "score"]
+    if not (background and k):
+        assert scored == [] and all(b.teacher is None for b in taken)
+        return
+    after = [engine.events[i - 1] for i, e in enumerate(engine.events) if e[0] == "score"]
+    assert [e[0] for e in after] == ["generate"] * 4 and [e[2] for e in after] == [e[2] for e in scored]
+    assert {e[1] for e in scored} == {"rollouts_0"}  # the pipeline's thread, never the trainer's
+    assert [b.teacher.fields["teacher_logprobs"].tolist() for b in taken] == [e[2] for e in scored]
+
+
+def test_teacher_scoring_overlaps_the_update():
+    engine = RecordingEngine(False, seconds=0.15)
+    pipe = pipeline(engine, 1, 3, [], recording_teacher(engine, seconds=0.15))
+    _, metrics = run(pipe, engine, 3, train_seconds=0.4)
+    # Step 1 waits for batch 1's generation and scoring; batch 2's both run during step 1's update.
+    assert metrics[0]["perf/rollout_wait_seconds"] > 0.25
+    assert metrics[1]["perf/rollout_wait_seconds"] < 0.15
+
+
 def test_a_sample_older_than_k_is_never_trained_on():
     engine = RecordingEngine(True)
     pipe = pipeline(engine, 1, 4, [])
@@ -136,6 +178,29 @@ def test_checkpointed_batches_resume_in_place():
     assert batch.draw_index == 3 * PROMPTS
     with pytest.raises(ConfigError, match="rollout.max_staleness=1 or more"):
         pipeline(engine, 0, 5, []).load_state_dict(state, 3)
+
+
+def test_a_checkpoint_holds_the_teacher_scores_of_the_batches_scored_ahead():
+    """Their scores are saved with them (their teacher FLOPs are in the saved ledger): the resumed run trains on
+    the same scores without asking the teacher again."""
+    engine = RecordingEngine(False)
+    first = pipeline(engine, 1, 5, [], recording_teacher(engine))
+    run(first, engine, 3)
+    [saved] = first.state_dict()
+    last_scored = [e for e in engine.events if e[0] == "score"][-1]
+    assert saved["teacher"]["fields"]["teacher_logprobs"].tolist() == last_scored[2]  # batch 4's, scored in step 3
+    engine.events.clear()
+    resumed = pipeline(engine, 1, 5, [], recording_teacher(engine))
+    resumed.sampler.load_state_dict(first.sampler.state_dict())
+    file = io.BytesIO()  # through the checkpoint's serialisation
+    torch.save([saved], file)
+    file.seek(0)
+    resumed.load_state_dict(torch.load(file, weights_only=False), 3)
+    batches = [resumed.take(4), resumed.take(5)]
+    assert [b.teacher.fields["teacher_logprobs"].tolist() for b in batches] == [
+        [s.row.ground_truth for s in b.samples] for b in batches]
+    # batch 5 only: batch 4 was not scored again
+    assert [e[2] for e in engine.events if e[0] == "score"] == [[s.row.ground_truth for s in batches[1].samples]]
 
 
 def test_negative_staleness_is_a_config_error():

@@ -12,13 +12,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import run_config
-from megaopd.batch import collate
+from megaopd.batch import TeacherScores, collate
 from megaopd.config import SGLangConfig
 from megaopd.data.rows import load_rows
 from megaopd.metrics import read_metrics
@@ -196,19 +197,46 @@ def test_topk_teacher_scores_response_rows_only_and_equals_the_local_topk(fresh,
 
 
 @pytest.mark.slow
-def test_grpo_opd_steps_with_sglang_rollouts_and_an_sglang_topk_teacher(fresh, assets, tmp_path):
-    """GRPO + top-k OPD in one objective: rollouts from the shared server (synced and verified every step), the
-    teacher (another model) on its own launched server, scored on response rows only."""
+def test_grpo_opd_with_rollouts_and_teacher_scores_one_version_ahead(fresh, assets, tmp_path):
+    """GRPO + top-k OPD in one objective at rollout.max_staleness=1: rollouts from the shared server (synced and
+    verified every step), the teacher (another model) on its own launched server, scored on response rows only, on
+    the rollout pipeline's thread as each batch arrives: never in the training step, billed in the step that
+    generated the batch, and checkpointed with the batch generated ahead."""
     cfg = attached(assets, tmp_path / "run", fresh, **{
-        "train.algorithm": "grpo_opd", "train.steps": 2, "eval.every": 2, "opd.form": "topk", "opd.topk": 4,
-        "opd.teacher_engine": "sglang", "opd.teachers": {"*": str(assets / "models" / "qwen3-tiny-seed1")}})
-    summary = Trainer(cfg).fit()
-    assert summary["steps"] == 2
+        "train.algorithm": "grpo_opd", "train.steps": 3, "eval.every": 3, "checkpoint.every": 2,
+        "rollout.max_staleness": 1, "opd.form": "topk", "opd.topk": 4, "opd.teacher_engine": "sglang",
+        "opd.teachers": {"*": str(assets / "models" / "qwen3-tiny-seed1")}})
+    trainer = Trainer(cfg)
+    router = trainer.teachers
+    score, close, scored = router.score, router.close, []  # (thread, samples, teacher fields) of each scoring
+
+    def recording(batch, samples, *args):
+        routes = score(batch, samples, *args)
+        scored.append((threading.current_thread().name, samples, TeacherScores.of(batch, routes, 0).fields))
+        return routes
+    router.score, router.close = recording, lambda: None  # the server stays up to score the samples again below
+    try:
+        summary = trainer.fit()
+        assert [thread for thread, *_ in scored] == ["rollouts_0"] * 3  # one per batch, none in the training step
+        for _, samples, fields in scored:  # the same samples scored inline, on this thread, by the same server
+            inline = collate(samples, trainer.policy.pad_id)
+            score(inline, samples, "topk", cfg.train.micro_batch_size, 4)
+            assert all(torch.equal(value, getattr(inline, name)) for name, value in fields.items())
+    finally:
+        close()
+    assert summary["steps"] == 3
     steps = [m for m in read_metrics(tmp_path / "run") if "rollout/logprob_gap_max" in m]
-    assert [m["rollout/weight_version"] for m in steps] == [0, 1]
-    assert max(m["rollout/logprob_gap_max"] for m in steps) < TOLERANCE
+    assert [m["rollout/weight_version"] for m in steps] == [0, 0, 1]
+    assert [m["rollout/staleness_max"] for m in steps] == [0, 1, 1]
+    assert steps[0]["rollout/logprob_gap_max"] < TOLERANCE  # the one step that trains on the weights it sampled
     assert all(m["train/reverse_kl"] > 0 and m["train/teacher/*/reverse_kl_k1"] != 0 for m in steps)
-    assert fresh.get("/model_info")["weight_version"] == "2"
+    assert all(m["perf/teacher_wait_seconds"] == 0 < m["perf/teacher_seconds"] for m in steps)
+    # Teacher FLOPs are billed with the rollout, when scored: batches 1 and 2 in step 1, batch 3 in step 2.
+    teacher = [m["flops/teacher"] for m in steps]
+    assert 0 < teacher[0] < teacher[1] == teacher[2] == summary["ledger"]["own"]["teacher"]
+    [ahead] = torch.load(tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt", weights_only=False)["rollouts"]
+    assert all(torch.equal(value, ahead["teacher"]["fields"][name]) for name, value in scored[2][2].items())
+    assert fresh.get("/model_info")["weight_version"] == "3"
     ledger = summary["ledger"]["own"]
     assert ledger["teacher"] > 0 and ledger["rollout"] > 0 and ledger["train"] > 0  # both costs booked
 

@@ -172,6 +172,7 @@ def test_opd_logs_per_teacher_kl_and_token_share(pipeline):
     step = read_metrics(root / "opd")[1]
     assert step["train/teacher/*/token_share"] == pytest.approx(1.0)
     assert "train/teacher/*/reverse_kl_k1" in step and "train/reverse_kl" in step
+    assert step["perf/teacher_wait_seconds"] == step["perf/teacher_seconds"] > 0  # local teachers score in the step
 
 
 def test_tensorboard_events_match_metrics(pipeline):
