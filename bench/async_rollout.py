@@ -2,21 +2,23 @@
 
     MEGAOPD_SGLANG_PYTHON=.venv-sglang/bin/python python bench/async_rollout.py   # launches one CPU server
     python bench/async_rollout.py --url http://127.0.0.1:30000                    # or attach to one
-    sudo MEGAOPD_SGLANG_PYTHON=... python bench/async_rollout.py --cluster --steps 30          # on separate nodes
-    sudo MEGAOPD_SGLANG_PYTHON=... python bench/async_rollout.py --cluster --algorithm opd --ks 0,1
+    sudo MEGAOPD_SGLANG_PYTHON=... python bench/async_rollout.py --cluster --steps 20 --rounds 3   # separate nodes
+    sudo MEGAOPD_SGLANG_PYTHON=... python bench/async_rollout.py --cluster --algorithm opd --ks 0,1   # + a teacher node
 
 The same stage (the fixed-length benchmark model: every sample is exactly --max-new tokens, so each K does the
-same work and books the same FLOPs) runs once per K against the same server, put back on the initial weights at
-version 0 before each. Step 1 fills the pipeline (it waits for K+1 batches) and is left out of the means. The wait
-share is the trainer's time blocked on rollouts (perf/rollout_wait_seconds) over its step time. OPD scores with a
-teacher server (the fixed-length qwen3-small, form sampled) that runs beside the rollout server, or on its own node.
+same work and books the same FLOPs) runs once per K and round against the same server, put back on the initial
+weights at version 0 before each. Step 1 fills the pipeline (it waits for K+1 batches) and is left out of the
+means. The wait share is the trainer's time blocked on rollouts (perf/rollout_wait_seconds) over its step time. The
+rounds alternate the order of the Ks and the ratio to K=0 is the median of the rounds' ratios: on a shared machine
+the load drifts within a run. OPD scores with a teacher server (the fixed-length qwen3-small, form sampled) that runs
+beside the rollout server, or on its own node.
 
 --cluster runs this same script as the trainer of a multi-node job on the local Slurm cluster of
 .ci/slurm_multinode_up.sh (one network namespace per node): slurm/stage_multinode.sbatch starts the rollout server
 (and OPD's teacher server) on nodes of their own and hands their URLs to the trainer node in MEGAOPD_ROLLOUT_URLS
-(MEGAOPD_TEACHER_URLS), as a stage's job does. Those nodes share this machine's cores: the network between them is
-real (veth), the compute is not separate. Without --cluster the server and the trainer share the cores openly, so
-the overlap shows what the pipeline hides, not what a separate rollout node would give.
+(MEGAOPD_TEACHER_URLS), as a stage's job does. Those nodes are network namespaces of this machine: the network
+between them is real (TCP over veth), the cores are not separate. So, with or without --cluster, the overlap shows
+what the pipeline hides on the cores the machine has to spare, not what a rollout node of its own would give.
 """
 
 from __future__ import annotations
@@ -87,13 +89,16 @@ def measure(a) -> dict:
         str(assets / "models" / "qwen3-tiny"), server_config(a.threads), "float32",
         Path(tempfile.mkdtemp()) / "server.log")
     load = [os.getloadavg()]
+    rounds = []
     try:
         with tempfile.TemporaryDirectory() as root:
-            results = {k: run_stage(server, assets, Path(root) / f"k{k}", k, a) for k in a.ks}
+            for r in range(a.rounds):  # every other round in reverse: a load that drifts does not favour one K
+                order = a.ks if r % 2 == 0 else a.ks[::-1]
+                rounds.append({k: run_stage(server, assets, Path(root) / f"r{r}_k{k}", k, a) for k in order})
     finally:
         server.stop()
     load.append(os.getloadavg())
-    return {"results": results, "load": load, "server": "attached" if url else "launched"}
+    return {"rounds": rounds, "load": load, "server": "attached" if url else "launched"}
 
 
 def on_cluster(a, argv: list[str]) -> dict:
@@ -142,21 +147,27 @@ def on_cluster(a, argv: list[str]) -> dict:
 
 
 def print_table(measured: dict, a) -> None:
-    results = {int(k): r for k, r in measured["results"].items()}
-    base = results[min(results)]
+    """Each K's mean over the rounds; the ratio to the first K is the median of the rounds' own ratios (min-max)."""
+    rounds = [{int(k): r for k, r in by_k.items()} for by_k in measured["rounds"]]
+    first = a.ks[0]
     where = (f"multi-node job on the local Slurm cluster: {measured['layout']}" if "layout" in measured else
              f"one machine, server {measured['server']}")
     print(f"# {a.algorithm.upper()} with bounded-staleness rollouts on SGLang CPU servers\n\nmachine: {machine()}\n"
           f"load average (1, 5, 15 min) at start {measured['load'][0]}, at end {measured['load'][1]}\n")
     print(f"model qwen3-tiny (fixed length){f', teacher {TEACHER}' if a.algorithm == 'opd' else ''}, {a.steps} steps "
-          f"of {a.prompts} x {a.samples} samples x {a.max_new} tokens, {a.threads} thread(s) trainer and each server; "
-          f"{where}\n")
+          f"of {a.prompts} x {a.samples} samples x {a.max_new} tokens, {a.threads} thread(s) trainer and each server, "
+          f"{len(rounds)} round(s) of every K; {where}\n")
     print("| rollout.max_staleness | s / step (steps 2..) | trainer wait share | staleness max | stage FLOPs | "
-          f"s / step vs K={min(results)} |")
+          f"s / step vs K={first} (median of rounds, min-max) |")
     print("|---|---|---|---|---|---|")
-    for k, r in results.items():
-        print(f"| {k} | {r['step_seconds']:.3f} | {r['wait_share']:.0%} | {r['staleness_max']} | {r['flops']:.4g} | "
-              f"**{r['step_seconds'] / base['step_seconds']:.2f}x** |")
+    for k in a.ks:
+        runs = [r[k] for r in rounds]
+        ratios = sorted(r[k]["step_seconds"] / r[first]["step_seconds"] for r in rounds)
+        flops = {r["flops"] for r in runs}  # equal by construction (fixed-length samples); shown if not
+        print(f"| {k} | {statistics.mean(r['step_seconds'] for r in runs):.3f} | "
+              f"{statistics.mean(r['wait_share'] for r in runs):.0%} | {max(r['staleness_max'] for r in runs)} | "
+              f"{' / '.join(f'{f:.4g}' for f in sorted(flops))} | **{statistics.median(ratios):.2f}x** "
+              f"({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
 
 
 def main(argv: list[str]) -> None:
@@ -169,6 +180,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--algorithm", choices=("grpo", "opd"), default="grpo")
     p.add_argument("--ks", default="0,1,2", help="the rollout.max_staleness values, comma-separated")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=1, help="run every K this many times, alternating the order")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-new", type=int, default=32)
