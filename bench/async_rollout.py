@@ -101,33 +101,40 @@ def measure(a) -> dict:
     return {"rounds": rounds, "load": load, "server": "attached" if url else "launched"}
 
 
-def on_cluster(a, argv: list[str]) -> dict:
-    """This script as the trainer of a job on the local multi-node cluster: slurm/stage_multinode.sbatch with one
-    trainer node (torchrun -m bench.async_rollout, one process), one rollout node and, for OPD, one teacher node."""
-    from megaopd.launch.local_cluster import LocalCluster
+def job_script(a, argv: list[str], assets: Path, out: Path, sglang: str) -> str:
+    """slurm/stage_multinode.sbatch with this script as the trainer (torchrun -m bench.async_rollout, one process on
+    one node, the same arguments less --cluster), a rollout node and, for OPD, a teacher node; it writes
+    out/results.json."""
     from megaopd.launch.slurm import LaunchConfig, render_multinode
     from megaopd.study import StudyConfig
+
+    launch = LaunchConfig(time="02:00:00", venv=sys.prefix, workdir=str(REPO), gpus_per_node=1, cpus_per_task=1,
+                          trainer_module="bench.async_rollout", sglang_python=sglang, sglang_args=cpu_server_args(0.5),
+                          sglang_env=cpu_server_env(a.threads), server_start_timeout_s=600)
+    inner = [arg for arg in argv if arg != "--cluster"] + ["--results", str(out / "results.json")]
+    teachers = [("arith_add", str(assets / "models" / TEACHER))] if a.algorithm == "opd" else []
+    return render_multinode(StudyConfig(out=str(out)), f"async-{a.algorithm}", launch, inner, 1,
+                            str(assets / "models" / "qwen3-tiny"), teachers, "float32", MAX_TOTAL_TOKENS)
+
+
+def on_cluster(a, argv: list[str]) -> dict:
+    """Submits job_script to the local multi-node cluster, waits for it and returns its results and node layout."""
+    from megaopd.launch.local_cluster import LocalCluster
 
     cluster = LocalCluster(4, CLUSTER_STATE, name="mns", subnet="10.77.0")
     needed = 3 if a.algorithm == "opd" else 2
     idle = [node for node, state in cluster.node_states().items() if state.startswith("idle")]
     if len(idle) < needed:
         sys.exit(f"--cluster needs {needed} idle nodes of the local cluster at {CLUSTER_STATE}, found {len(idle)}: "
-                 "start it with `sudo PY=.venv/bin/python .ci/slurm_multinode_up.sh`")
+                 "start it as root with `PY=.venv/bin/python .ci/slurm_multinode_up.sh`")
     sglang = os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
     if not sglang:
         sys.exit("--cluster: set MEGAOPD_SGLANG_PYTHON to the Python of SGLang's environment (.venv-sglang/bin/python)")
     assets = prepare_assets(Path(a.assets), ("qwen3-tiny", TEACHER), rows=64 if a.smoke else 512)
     out = Path(tempfile.mkdtemp(prefix="async_rollout_"))
     (out / "slurm" / "logs").mkdir(parents=True)
-    launch = LaunchConfig(time="02:00:00", venv=sys.prefix, workdir=str(REPO), gpus_per_node=1, cpus_per_task=1,
-                          trainer_module="bench.async_rollout", sglang_python=sglang, sglang_args=cpu_server_args(0.5),
-                          sglang_env=cpu_server_env(a.threads), server_start_timeout_s=600)
-    inner = [arg for arg in argv if arg != "--cluster"] + ["--results", str(out / "results.json")]
-    teachers = [("arith_add", str(assets / "models" / TEACHER))] if a.algorithm == "opd" else []
     script = out / "slurm" / "async_rollout.sbatch"
-    script.write_text(render_multinode(StudyConfig(out=str(out)), f"async-{a.algorithm}", launch, inner, 1,
-                                       str(assets / "models" / "qwen3-tiny"), teachers, "float32", MAX_TOTAL_TOKENS))
+    script.write_text(job_script(a, argv, assets, out, sglang))
     submitted = cluster.client(["sbatch", "--parsable", str(script)],
                                env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     if submitted.returncode:
@@ -170,7 +177,7 @@ def print_table(measured: dict, a) -> None:
               f"({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
 
 
-def main(argv: list[str]) -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--url", default="", help="attach to this server (serving the bench model) instead of launching; "
@@ -191,6 +198,11 @@ def main(argv: list[str]) -> None:
     a.ks = [int(k) for k in a.ks.split(",")]
     if a.smoke:
         a.steps, a.prompts, a.samples, a.max_new = 3, 2, 2, 4
+    return a
+
+
+def main(argv: list[str]) -> None:
+    a = parse(argv)
     measured = on_cluster(a, argv) if a.cluster else measure(a)
     if a.results:
         Path(a.results).write_text(json.dumps(measured))
