@@ -2,7 +2,7 @@
 
     MEGAOPD_SGLANG_PYTHON=.venv-sglang/bin/python python bench/async_rollout.py   # launches one CPU server
     python bench/async_rollout.py --url http://127.0.0.1:30000                    # or attach to one
-    sudo MEGAOPD_SGLANG_PYTHON=... python bench/async_rollout.py --cluster --steps 20 --rounds 3   # separate nodes
+    sudo MEGAOPD_SGLANG_PYTHON=... python bench/async_rollout.py --cluster --steps 12 --rounds 3   # separate nodes
     sudo MEGAOPD_SGLANG_PYTHON=... python bench/async_rollout.py --cluster --algorithm opd --ks 0,1   # + a teacher node
 
 The same stage (the fixed-length benchmark model: every sample is exactly --max-new tokens, so each K does the
