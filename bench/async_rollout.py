@@ -1,53 +1,74 @@
-"""Bounded-staleness rollouts on one SGLang CPU server: seconds per GRPO step at rollout.max_staleness = 0, 1, 2.
+"""Bounded-staleness rollouts: seconds per GRPO (or OPD) step at rollout.max_staleness = 0, 1, 2, on SGLang CPU servers.
 
     MEGAOPD_SGLANG_PYTHON=.venv-sglang/bin/python python bench/async_rollout.py   # launches one CPU server
     python bench/async_rollout.py --url http://127.0.0.1:30000                    # or attach to one
+    sudo MEGAOPD_SGLANG_PYTHON=... python bench/async_rollout.py --cluster --steps 12 --rounds 3   # separate nodes
+    sudo MEGAOPD_SGLANG_PYTHON=... python bench/async_rollout.py --cluster --algorithm opd --ks 0,1   # + a teacher node
 
-The same GRPO stage (the fixed-length benchmark model: every sample is exactly --max-new tokens, so each K does the
-same work and books the same FLOPs) runs once per K against the same server, put back on the initial weights at
-version 0 before each. Step 1 fills the pipeline (it waits for K+1 batches) and is left out of the means. The wait
-share is the trainer's time blocked on rollouts (perf/rollout_wait_seconds) over its step time. On one machine the
-server and the trainer share the cores, so the overlap shows what the pipeline hides, not what a separate rollout
-node would give (the multi-node bench is not written yet: docs/serving.md).
+The same stage (the fixed-length benchmark model: every sample is exactly --max-new tokens, so each K does the
+same work and books the same FLOPs) runs once per K and round against the same server, put back on the initial
+weights at version 0 before each. Step 1 fills the pipeline (it waits for K+1 batches) and is left out of the
+means. The wait share is the trainer's time blocked on rollouts (perf/rollout_wait_seconds) over its step time. The
+rounds alternate the order of the Ks and the ratio to K=0 is the median of the rounds' ratios: on a shared machine
+the load drifts within a run. OPD scores with a teacher server (the fixed-length qwen3-small, form sampled) that runs
+beside the rollout server, or on its own node.
+
+--cluster runs this same script as the trainer of a multi-node job on the local Slurm cluster of
+.ci/slurm_multinode_up.sh (one network namespace per node): slurm/stage_multinode.sbatch starts the rollout server
+(and OPD's teacher server) on nodes of their own and hands their URLs to the trainer node in MEGAOPD_ROLLOUT_URLS
+(MEGAOPD_TEACHER_URLS), as a stage's job does. Those nodes are network namespaces of this machine: the network
+between them is real (TCP over veth), the cores are not separate. So, with or without --cluster, the overlap shows
+what the pipeline hides on the cores the machine has to spare, not what a rollout node of its own would give.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import DEFAULT_ASSETS, machine, prepare_assets, train_files  # noqa: E402
+from common import DEFAULT_ASSETS, REPO, machine, prepare_assets, train_files  # noqa: E402
 
 from megaopd.config import SGLangConfig, load_config  # noqa: E402
 from megaopd.metrics import read_metrics  # noqa: E402
+from megaopd.serving.engine import env_urls  # noqa: E402
 from megaopd.serving.server import SGLangServer  # noqa: E402
 from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env  # noqa: E402
 from megaopd.trainer import Trainer  # noqa: E402
 
+MAX_TOTAL_TOKENS = 16384  # each server's KV cache
+TEACHER = "qwen3-small"  # OPD's teacher: a larger model of the student's family
+CLUSTER_STATE = Path(os.environ.get("MEGAOPD_MULTINODE_STATE", "/tmp/megaopd-multinode"))
+
 
 def server_config(threads: int) -> SGLangConfig:
-    return SGLangConfig(python=os.environ.get("MEGAOPD_SGLANG_PYTHON", ""), max_total_tokens=16384,
+    return SGLangConfig(python=os.environ.get("MEGAOPD_SGLANG_PYTHON", ""), max_total_tokens=MAX_TOTAL_TOKENS,
                         startup_timeout_s=600, server_args=cpu_server_args(0.5), env=cpu_server_env(threads),
                         request_timeout_s=300)
 
 
-def run_stage(server: SGLangServer, model: str, assets: Path, run_dir: Path, k: int, a) -> dict[str, float]:
+def run_stage(server: SGLangServer, assets: Path, run_dir: Path, k: int, a) -> dict[str, float]:
+    model = str(assets / "models" / "qwen3-tiny")
     answer = server.post("/update_weights_from_disk", {"model_path": model, "weight_version": "0"}, 300)
     assert answer["success"], answer
     data = train_files(assets)
+    # Without a teacher server handed over (MEGAOPD_TEACHER_URLS) the trainer launches its own for the stage.
+    opd = (["opd.form=sampled", "opd.teacher_engine=sglang", f"opd.teachers.arith_add={assets / 'models' / TEACHER}"]
+           if a.algorithm == "opd" else [])
     cfg = load_config(None, [
         f"run_dir={run_dir}", f"model.path={model}", f"data.train=[{data[0]}]", f"data.eval=[{data[0]}]",
-        "train.algorithm=grpo", f"train.steps={a.steps}", f"train.prompts_per_step={a.prompts}",
+        f"train.algorithm={a.algorithm}", f"train.steps={a.steps}", f"train.prompts_per_step={a.prompts}",
         "train.micro_batch_size=64", f"rollout.samples_per_prompt={a.samples}", f"rollout.max_new_tokens={a.max_new}",
         f"rollout.max_staleness={k}", "rollout.engine=sglang", f"eval.every={a.steps + 1}", "eval.prompts_per_domain=1",
-        "eval.final_prompts_per_domain=1", "checkpoint.every=0"])
+        "eval.final_prompts_per_domain=1", "checkpoint.every=0", *opd])
     cfg.rollout.sglang = server_config(a.threads)
     cfg.rollout.sglang.urls = [server.url]
     summary = Trainer(cfg).fit()
@@ -59,38 +80,133 @@ def run_stage(server: SGLangServer, model: str, assets: Path, run_dir: Path, k: 
             "flops": summary["ledger"]["totals"]["stage"]}
 
 
-def main(argv: list[str]) -> None:
+def measure(a) -> dict:
+    """Every K against one rollout server (attached, handed over by a multi-node job, or launched here)."""
+    torch.set_num_threads(a.threads)
+    assets = prepare_assets(Path(a.assets), ("qwen3-tiny", TEACHER), rows=64 if a.smoke else 512)
+    url = a.url or next(iter(env_urls("MEGAOPD_ROLLOUT_URLS")), "")
+    server = SGLangServer(url) if url else SGLangServer.launch(
+        str(assets / "models" / "qwen3-tiny"), server_config(a.threads), "float32",
+        Path(tempfile.mkdtemp()) / "server.log")
+    load = [os.getloadavg()]
+    rounds = []
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            for r in range(a.rounds):  # every other round in reverse: a load that drifts does not favour one K
+                order = a.ks if r % 2 == 0 else a.ks[::-1]
+                rounds.append({k: run_stage(server, assets, Path(root) / f"r{r}_k{k}", k, a) for k in order})
+    finally:
+        server.stop()
+    load.append(os.getloadavg())
+    return {"rounds": rounds, "load": load, "server": "attached" if url else "launched"}
+
+
+def job_script(a, argv: list[str], assets: Path, out: Path, sglang: str) -> str:
+    """slurm/stage_multinode.sbatch with this script as the trainer (torchrun -m bench.async_rollout, one process on
+    one node, the same arguments less --cluster), a rollout node and, for OPD, a teacher node; it writes
+    out/results.json."""
+    from megaopd.launch.slurm import LaunchConfig, render_multinode
+    from megaopd.study import StudyConfig
+
+    launch = LaunchConfig(time="02:00:00", venv=sys.prefix, workdir=str(REPO), gpus_per_node=1, cpus_per_task=1,
+                          trainer_module="bench.async_rollout", sglang_python=sglang, sglang_args=cpu_server_args(0.5),
+                          sglang_env=cpu_server_env(a.threads), server_start_timeout_s=600)
+    inner = [arg for arg in argv if arg != "--cluster"] + ["--results", str(out / "results.json")]
+    teachers = [("arith_add", str(assets / "models" / TEACHER))] if a.algorithm == "opd" else []
+    return render_multinode(StudyConfig(out=str(out)), f"async-{a.algorithm}", launch, inner, 1,
+                            str(assets / "models" / "qwen3-tiny"), teachers, "float32", MAX_TOTAL_TOKENS)
+
+
+def on_cluster(a, argv: list[str]) -> dict:
+    """Submits job_script to the local multi-node cluster, waits for it and returns its results and node layout."""
+    from megaopd.launch.local_cluster import LocalCluster
+
+    cluster = LocalCluster(4, CLUSTER_STATE, name="mns", subnet="10.77.0")
+    needed = 3 if a.algorithm == "opd" else 2
+    idle = [node for node, state in cluster.node_states().items() if state.startswith("idle")]
+    if len(idle) < needed:
+        sys.exit(f"--cluster needs {needed} idle nodes of the local cluster at {CLUSTER_STATE}, found {len(idle)}: "
+                 "start it as root with `PY=.venv/bin/python .ci/slurm_multinode_up.sh`")
+    sglang = os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
+    if not sglang:
+        sys.exit("--cluster: set MEGAOPD_SGLANG_PYTHON to the Python of SGLang's environment (.venv-sglang/bin/python)")
+    assets = prepare_assets(Path(a.assets), ("qwen3-tiny", TEACHER), rows=64 if a.smoke else 512)
+    out = Path(tempfile.mkdtemp(prefix="async_rollout_"))
+    (out / "slurm" / "logs").mkdir(parents=True)
+    script = out / "slurm" / "async_rollout.sbatch"
+    script.write_text(job_script(a, argv, assets, out, sglang))
+    submitted = cluster.client(["sbatch", "--parsable", str(script)],
+                               env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    if submitted.returncode:
+        sys.exit(f"sbatch {script} failed: {submitted.stderr.strip()}")
+    job = submitted.stdout.strip().split(";")[0]
+    print(f"job {job}: {script}, log under {out / 'slurm' / 'logs'}", flush=True)
+    while True:
+        queued = cluster.client(["squeue", "-h", "-j", job, "-o", "%T"])
+        if (queued.returncode == 0 and not queued.stdout.strip()) or "Invalid job id" in queued.stderr:
+            break  # a busy controller answers with an error too: then ask again
+        time.sleep(5)
+    log = "".join(p.read_text() for p in (out / "slurm" / "logs").glob(f"*-{job}.out"))
+    if not (out / "results.json").exists():
+        sys.exit(f"job {job} wrote no results; the end of its log:\n" + "\n".join(log.splitlines()[-40:]))
+    layout = next(line for line in log.splitlines() if line.startswith(f"megaopd: job {job} "))
+    return json.loads((out / "results.json").read_text()) | {"layout": layout.split(": ", 1)[1]}
+
+
+def print_table(measured: dict, a) -> None:
+    """Each K's mean over the rounds; the ratio to the first K is the median of the rounds' own ratios (min-max)."""
+    rounds = [{int(k): r for k, r in by_k.items()} for by_k in measured["rounds"]]
+    first = a.ks[0]
+    where = (f"multi-node job on the local Slurm cluster: {measured['layout']}" if "layout" in measured else
+             f"one machine, server {measured['server']}")
+    print(f"# {a.algorithm.upper()} with bounded-staleness rollouts on SGLang CPU servers\n\nmachine: {machine()}\n"
+          f"load average (1, 5, 15 min) at start {measured['load'][0]}, at end {measured['load'][1]}\n")
+    print(f"model qwen3-tiny (fixed length){f', teacher {TEACHER}' if a.algorithm == 'opd' else ''}, {a.steps} steps "
+          f"of {a.prompts} x {a.samples} samples x {a.max_new} tokens, {a.threads} thread(s) trainer and each server, "
+          f"{len(rounds)} round(s) of every K; {where}\n")
+    print("| rollout.max_staleness | s / step (steps 2..) | trainer wait share | staleness max | stage FLOPs | "
+          f"s / step vs K={first} (median of rounds, min-max) |")
+    print("|---|---|---|---|---|---|")
+    for k in a.ks:
+        runs = [r[k] for r in rounds]
+        ratios = sorted(r[k]["step_seconds"] / r[first]["step_seconds"] for r in rounds)
+        flops = {r["flops"] for r in runs}  # equal by construction (fixed-length samples); shown if not
+        print(f"| {k} | {statistics.mean(r['step_seconds'] for r in runs):.3f} | "
+              f"{statistics.mean(r['wait_share'] for r in runs):.0%} | {max(r['staleness_max'] for r in runs)} | "
+              f"{' / '.join(f'{f:.4g}' for f in sorted(flops))} | **{statistics.median(ratios):.2f}x** "
+              f"({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--url", default="", help="attach to this server (serving the bench model) instead of launching")
+    p.add_argument("--url", default="", help="attach to this server (serving the bench model) instead of launching; "
+                                             "default: the first of $MEGAOPD_ROLLOUT_URLS (a multi-node job's)")
+    p.add_argument("--cluster", action="store_true",
+                   help="run the trainer and the servers on separate nodes of the local multi-node Slurm cluster")
+    p.add_argument("--algorithm", choices=("grpo", "opd"), default="grpo")
+    p.add_argument("--ks", default="0,1,2", help="the rollout.max_staleness values, comma-separated")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=1, help="run every K this many times, alternating the order")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--assets", default=str(DEFAULT_ASSETS))
+    p.add_argument("--results", default="", help="also write the measurements here (JSON)")
     a = p.parse_args(argv)
+    a.ks = [int(k) for k in a.ks.split(",")]
     if a.smoke:
         a.steps, a.prompts, a.samples, a.max_new = 3, 2, 2, 4
-    torch.set_num_threads(a.threads)
-    assets = prepare_assets(Path(a.assets), ("qwen3-tiny",), rows=64 if a.smoke else 512)
-    model = str(assets / "models" / "qwen3-tiny")
-    server = SGLangServer(a.url) if a.url else SGLangServer.launch(
-        model, server_config(a.threads), "float32", Path(tempfile.mkdtemp()) / "server.log")
-    try:
-        with tempfile.TemporaryDirectory() as root:
-            results = {k: run_stage(server, model, assets, Path(root) / f"k{k}", k, a) for k in (0, 1, 2)}
-    finally:
-        server.stop()
-    print(f"# GRPO with bounded-staleness rollouts on one SGLang CPU server\n\nmachine: {machine()}\n")
-    print(f"model qwen3-tiny (fixed length), {a.steps} steps of {a.prompts} x {a.samples} samples x {a.max_new} "
-          f"tokens, {a.threads} thread(s) trainer and server, server {'attached' if a.url else 'launched'}\n")
-    print("| rollout.max_staleness | s / step (steps 2..) | trainer wait share | staleness max | stage FLOPs | "
-          "s / step vs K=0 |")
-    print("|---|---|---|---|---|---|")
-    for k, r in results.items():
-        print(f"| {k} | {r['step_seconds']:.3f} | {r['wait_share']:.0%} | {r['staleness_max']} | {r['flops']:.4g} | "
-              f"**{r['step_seconds'] / results[0]['step_seconds']:.2f}x** |")
+    return a
+
+
+def main(argv: list[str]) -> None:
+    a = parse(argv)
+    measured = on_cluster(a, argv) if a.cluster else measure(a)
+    if a.results:
+        Path(a.results).write_text(json.dumps(measured))
+    print_table(measured, a)
 
 
 if __name__ == "__main__":

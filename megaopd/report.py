@@ -27,8 +27,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from megaopd.analysis import (BUDGET_RULE, FINDING_RULES, INTERVAL_RULE, LENGTH_RULE, LENGTH_WINDOW,  # noqa: E402
-                              MATCH_TOLERANCE, SMALL_SHARE, TARGET_RULE, TOTALS, Stage, analyse_seeds,
-                              budget_sensitivity, json_safe, pointer, reached, study_dirs)
+                              MATCH_TOLERANCE, SMALL_SHARE, TARGET_RULE, TOTALS, WALL_RULE, Stage, analyse_seeds,
+                              budget_sensitivity, json_safe, pointer, reached, study_dirs, wall_clock_across)
 from megaopd.flops import COMPONENTS  # noqa: E402
 from megaopd.analysis.stats import NOT_MEASURED, REPLICATES, interval_wording  # noqa: E402
 
@@ -138,6 +138,20 @@ def _stopped(stop: dict) -> str:
     return f"cap {stop['step']}" if stop["reason"] == "max_steps" else f"{stop['reason']} at {stop['step']}"
 
 
+def _wall(w: dict) -> list[str]:
+    """A stage's wall-clock cells (WALL_RULE): s / step, train s, rollout wait share."""
+    return [_f(w["step_seconds"], ".3g"), _f(w["train_seconds"], ".4g"),
+            "-" if w["rollout_wait_share"] is None else f"{100 * w['rollout_wait_share']:.0f}%"]
+
+
+def _spread(v: dict | None, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+    """mean (min-max, n) of a number over the seeds; - when no seed has it."""
+    if v is None:
+        return "-"
+    mean, lo, hi = (f"{v[k] * scale:{fmt}}{unit}" for k in ("mean", "min", "max"))
+    return f"{mean} ({lo}-{hi}, n={v['n']})"
+
+
 def _seed_markdown(r: dict, fraction: float) -> list[str]:
     md = ["#### OPD vs GRPO (E1-E3): FLOPs to reach a target, on the GRPO stage's domain (the mean when it has none)", "",
           "| OPD stage | GRPO stage | teacher/student FLOPs per token | target | accuracy | GRPO FLOPs | OPD FLOPs "
@@ -186,9 +200,10 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
                   f"{_ci(r, path + ('saving_experts_to_final',), '.1f', 100)}")
     if not r["split_vs_joint"]:
         md.append("- no joint_grpo stage (with a multi_teacher_opd stage) in this study")
-    md += ["", "#### FLOPs ledger and response length per stage", "",
+    md += ["", "#### FLOPs ledger, wall-clock and response length per stage", "",
            "| stage | method | steps | stopped | final mean acc | stage | + teachers | + cold start | external | "
-           + " | ".join(COMPONENTS) + " | length first | length last |", "|---" * (11 + len(COMPONENTS)) + "|"]
+           + " | ".join(COMPONENTS) + " | length first | length last | K | s / step | train s | rollout wait |",
+           "|---" * (15 + len(COMPONENTS)) + "|"]
     for name, s in r["stages"].items():
         form = f" {s['form']}" if s.get("form") and s["form"] != s["algorithm"] else ""  # the OPD form, labelled
         md.append(f"| {name} | {s['method']}{form} | {s['steps']} | {_stopped(s['stop'])} | "
@@ -196,7 +211,8 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
                   f"{_ci(r, ('stages', name, 'final_mean_acc'), '.3f')} | "
                   + " | ".join(_f(s["totals"][k]) for k in TOTALS) + " | "
                   + " | ".join(_f(s["components"][c]) for c in COMPONENTS)
-                  + f" | {_f(s['length']['first'], '.1f')} | {_f(s['length']['last'], '.1f')} |")
+                  + f" | {_f(s['length']['first'], '.1f')} | {_f(s['length']['last'], '.1f')} | "
+                  + " | ".join([_f(s["max_staleness"], "d")] + _wall(s["wall_clock"])) + " |")
     return md
 
 
@@ -222,13 +238,15 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
         plots.append(f"accuracy_{domain}.png")
     if _plot_length(loaded, out / "response_length.png"):
         plots.append("response_length.png")
+    wall = wall_clock_across(seeds)
     report = json_safe({
         "x_axis": f"flops/total_{x}", "metric": metric, "target_fraction": target_fraction, "window": window,
         "length_window": length_window, "replicates": replicates,
         "rules": {"flops_to_target": TARGET_RULE, "length": LENGTH_RULE, "findings": FINDING_RULES,
                   "intervals": INTERVAL_RULE, "interval": interval_wording(len(seeds)), "budget": BUDGET_RULE,
-                  "match_tolerance": MATCH_TOLERANCE, "small_share": SMALL_SHARE},
-        "single_seed": len(seeds) == 1, "findings": overall, "spread": spread, "seeds": seeds, "plots": plots})
+                  "match_tolerance": MATCH_TOLERANCE, "small_share": SMALL_SHARE, "wall_clock": WALL_RULE},
+        "single_seed": len(seeds) == 1, "findings": overall, "spread": spread, "wall_clock": wall, "seeds": seeds,
+        "plots": plots})
     (out / "report.json").write_text(json.dumps(report, indent=1))
 
     md = ["# megaopd report: held-out accuracy vs training FLOPs", "",
@@ -245,6 +263,7 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
           "held-out prompts. Points at 0 FLOPs are off the log axis.",
           f"- {TARGET_RULE} window = {window}.",
           f"- response length first/last: {LENGTH_RULE}, length_window = {length_window}.",
+          f"- {WALL_RULE}. Seconds are this machine's under its load at the time, beside FLOPs that are not.",
           f"- {INTERVAL_RULE} replicates = {replicates}; intervals are printed in brackets after their number.",
           f"- findings: {FINDING_RULES} Tolerance {MATCH_TOLERANCE}; small share <= {SMALL_SHARE}.",
           f"- {BUDGET_RULE} Why each stage stopped: the ledger tables (docs/budgets.md).", "",
@@ -266,6 +285,13 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
            + (f" [{_f(v['interval'][0], '.4g')}, {_f(v['interval'][1], '.4g')}]" if v["interval"] else "")
            + (f" (min {v['min']:.4g}, max {v['max']:.4g}, n={v['n']})" if len(seeds) > 1 else "")
            for k, v in spread.items()] or ["- none measured"]
+    if len(seeds) > 1:
+        md += ["", "## Wall-clock per stage across seeds (mean (min-max, n))", "",
+               "| stage | K | s / step | train s | rollout wait |", "|---|---|---|---|---|"]
+        md += [f"| {name} | {', '.join(_f(k, 'd') for k in w['max_staleness'])} | "
+               f"{_spread(w['step_seconds'], '.3g')} | {_spread(w['train_seconds'], '.4g')} | "
+               f"{_spread(w['rollout_wait_share'], '.0f', 100, '%')} |"
+               for name, w in wall.items()]
     md += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     for k, r in enumerate(seeds):
         seed = f" (seed {r['seed']})" if r["seed"] is not None else ""

@@ -403,6 +403,57 @@ def test_teacher_cost_is_read_from_relative_model_paths_wherever_the_report_runs
     assert ext["teacher_cost_ratio"] == pytest.approx(shapes["qwen3-base"] / shapes["qwen3-tiny"])
 
 
+def time_stage(run, step_seconds, waits=None, max_staleness=None):
+    """Adds perf/step_seconds (and perf/rollout_wait_seconds) to a stage's training lines, in order, and a config.yaml
+    with rollout.max_staleness."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    training = [m for m in lines if "rollout/response_length" in m]
+    assert len(training) == len(step_seconds)
+    for k, m in enumerate(training):
+        m["perf/step_seconds"] = step_seconds[k]
+        if waits is not None:
+            m["perf/rollout_wait_seconds"] = waits[k]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    if max_staleness is not None:
+        (run / "config.yaml").write_text(yaml.safe_dump({"rollout": {"max_staleness": max_staleness}}))
+
+
+def test_wall_clock_per_stage_from_the_perf_keys_and_a_dash_without_them(tmp_path):
+    """grpo at K=1 timed in both seeds (seed 0: 2+4+6 s, waits 1+1+1; seed 1: 4+8+12 s, waits 2+2+3); opd_self
+    logged step seconds but no waits (a run from before they were logged); base has no perf keys and no config."""
+    dirs = [make_study(tmp_path / "s0"), make_study(tmp_path / "s1")]
+    time_stage(dirs[0] / "grpo", [2.0, 4.0, 6.0], [1.0, 1.0, 1.0], max_staleness=1)
+    time_stage(dirs[1] / "grpo", [4.0, 8.0, 12.0], [2.0, 2.0, 3.0], max_staleness=1)
+    time_stage(dirs[0] / "opd_self", [1.0, 2.0, 3.0], max_staleness=0)
+    report = write_report(dirs, tmp_path / "rep", window=1, length_window=1, replicates=0)
+    stages = [r["stages"] for r in report["seeds"]]
+    assert stages[0]["grpo"]["wall_clock"] == pytest.approx(
+        {"steps_timed": 3, "step_seconds": 4.0, "train_seconds": 12.0, "rollout_wait_share": 0.25})
+    assert stages[1]["grpo"]["wall_clock"]["rollout_wait_share"] == pytest.approx(7 / 24)
+    assert stages[0]["grpo"]["max_staleness"] == 1 and stages[0]["opd_self"]["max_staleness"] == 0
+    assert stages[0]["opd_self"]["wall_clock"] == {"steps_timed": 3, "step_seconds": 2.0, "train_seconds": 6.0,
+                                                   "rollout_wait_share": None}
+    assert stages[0]["base"]["max_staleness"] is None
+    assert stages[0]["base"]["wall_clock"] == {"steps_timed": 0, "step_seconds": None, "train_seconds": None,
+                                               "rollout_wait_share": None}
+    across = report["wall_clock"]
+    assert across["grpo"]["max_staleness"] == [1]
+    assert across["grpo"]["step_seconds"] == pytest.approx({"mean": 6.0, "min": 4.0, "max": 8.0, "n": 2})
+    assert across["grpo"]["rollout_wait_share"]["mean"] == pytest.approx((0.25 + 7 / 24) / 2)
+    assert across["opd_self"]["step_seconds"]["n"] == 1 and across["opd_self"]["rollout_wait_share"] is None
+    assert across["base"]["step_seconds"] is None
+    md = (tmp_path / "rep" / "report.md").read_text()
+    across_md = md.split("## Wall-clock per stage across seeds")[1].split("## Plots")[0]
+    rows = {line.split(" | ")[0]: line for line in across_md.splitlines() if line.startswith("| ")}
+    assert rows["| grpo"].endswith("| 1 | 6 (4-8, n=2) | 18 (12-24, n=2) | 27% (25%-29%, n=2) |")
+    assert rows["| base"].endswith("| - | - | - | - |")
+    seed0 = md.split("## Study 1")[1].split("## Study 2")[0]
+    grpo_row = next(line for line in seed0.splitlines() if line.startswith("| grpo | grpo |"))
+    assert grpo_row.endswith("| 1 | 4 | 12 | 25% |")
+    opd_row = next(line for line in seed0.splitlines() if line.startswith("| opd_self | opd_self |"))
+    assert opd_row.endswith("| 0 | 2 | 6 | - |")
+
+
 def budget_study(root):
     """An expert that reaches its 0.8 at step 10 and stays there, a multi-teacher student that gets to 0.8 only at
     its final step 30, and a joint GRPO stage still climbing. Window 1: (d) is 0.3 below at 50% of the runs, 0.1

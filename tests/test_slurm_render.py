@@ -506,3 +506,32 @@ def test_megatron_on_one_gpu_still_runs_under_torchrun(tmp_path):
     script = {job.name: job for job in plan(study, launch)}["base"].script
     assert "TRAIN_NODES=1\n" in script and "GPUS_PER_NODE=1\n" in script
     assert "TRAINER_MODULE=megaopd.megatron.launch\n" in script and "-m megaopd.cli train" not in script
+
+
+def test_the_async_rollout_bench_job_trains_on_one_node_and_serves_on_the_others(tmp_path, monkeypatch):
+    """bench/async_rollout.py --cluster: the bench itself is the job's trainer on the first node (one process, its
+    own arguments less --cluster), the rollout server and OPD's teacher server on the next two, URLs handed over."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import async_rollout
+
+    argv = ["--cluster", "--algorithm", "opd", "--ks", "0,1", "--steps", "5"]
+    assets, out = tmp_path / "assets", tmp_path / "out"
+    for model in ("qwen3-tiny", async_rollout.TEACHER):
+        write_model(assets / "models" / model, heads=4, kv_heads=2)
+    monkeypatch.setattr(sys, "prefix", "")  # no venv to activate: its python3 would shadow the stand-ins
+    script = async_rollout.job_script(async_rollout.parse(argv), argv, assets, out, "/sglang/python")
+    assert "--nodes=3" in sbatch_options(script)
+    rc, calls = run_script(tmp_path, script)
+    assert rc == 0, calls
+    servers = {c.split("--nodelist=")[1].split()[0]: c for c in calls if "sglang.launch_server" in c}
+    assert sorted(servers) == ["n2", "n3"]
+    assert f"--model-path {assets}/models/qwen3-tiny" in servers["n2"]
+    assert f"--model-path {assets}/models/{async_rollout.TEACHER}" in servers["n3"]
+    assert all("/sglang/python" in c and "--device cpu" in c and "--max-total-tokens 16384" in c
+               for c in servers.values())
+    (trainer,) = [c for c in calls if "torchrun" in c]
+    for expected in ("--nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=n1", "--nnodes=1 --nproc-per-node=1",
+                     f"-m bench.async_rollout --algorithm opd --ks 0,1 --steps 5 --results {out}/results.json",
+                     "ROLLOUT=http://10.0.0.2:30000", "TEACHERS=arith_add=http://10.0.0.3:30000"):
+        assert expected in trainer, expected
+    assert "--cluster" not in trainer

@@ -21,6 +21,10 @@ TARGET_RULE = ("FLOPs-to-target: smooth the accuracy with a trailing moving aver
                "already reaches the target; not reached if no eval does.")
 LENGTH_WINDOW = 10  # training steps averaged at each end for the response length
 LENGTH_RULE = "mean rollout/response_length of the first (last) `length_window` training steps"
+WALL_RULE = ("wall-clock: s / step is the mean of perf/step_seconds over the stage's training steps (rollouts to "
+             "update, evals and checkpoints left out), train s their sum, and rollout wait the trainer's time blocked "
+             "on rollouts (perf/rollout_wait_seconds) over that sum; K is rollout.max_staleness (0: synchronous); "
+             "- where the run did not log them (SFT steps, runs before they were logged)")
 
 
 def smooth(values: list[float], window: int = 3) -> list[float]:
@@ -155,12 +159,27 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
                       "final_mean_acc": s.final_acc("mean", metric),
                       "totals": {k: s.total(k) for k in TOTALS},
                       "components": {c: s.lines[-1].get(f"flops/{c}") for c in COMPONENTS},
-                      "length": dict(zip(("first", "last"), s.length_first_last(length_window)))} for s in stages}
+                      "length": dict(zip(("first", "last"), s.length_first_last(length_window))),
+                      "max_staleness": s.max_staleness, "wall_clock": s.wall_clock()} for s in stages}
     result = {"study_dir": str(study_dir), "seed": study.get("seed"), "stages": table, "comparisons": comparisons,
               "multi_teacher": mts, "split_vs_joint": splits}
     result["findings"] = findings(result)
     result["headline"] = headline(result)
     return result
+
+
+def wall_clock_across(seeds: list[dict]) -> dict:
+    """Each stage's wall-clock (WALL_RULE) over the seeds that timed it: mean, min, max and n per number, and the
+    K of each seed."""
+    out = {}
+    for name in dict.fromkeys(n for r in seeds for n in r["stages"]):
+        stages = [r["stages"][name] for r in seeds if name in r["stages"]]
+        out[name] = {"max_staleness": sorted({s["max_staleness"] for s in stages}, key=str)}
+        for key in ("step_seconds", "train_seconds", "rollout_wait_share"):
+            values = [s["wall_clock"][key] for s in stages if s["wall_clock"][key] is not None]
+            out[name][key] = ({"mean": float(np.mean(values)), "min": min(values), "max": max(values),
+                               "n": len(values)} if values else None)
+    return out
 
 
 def headline(r: dict) -> dict[str, float]:

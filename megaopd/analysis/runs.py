@@ -36,6 +36,7 @@ class Stage:
     teacher_cost: dict[str, float] = field(default_factory=dict)  # OPD: domain -> teacher/student FLOPs per token
     form: str = ""  # the objective as objectives.form_label names it, e.g. opd:topk(K=16,reverse)
     stop: dict = field(default_factory=dict)  # why the run ended (megaopd/stopping.py); {} for older runs
+    max_staleness: int | None = None  # rollout.max_staleness of its config.yaml (0: synchronous); None if not recorded
 
     @property
     def final(self) -> dict:
@@ -68,6 +69,17 @@ class Stage:
     def domains(self, metric: str) -> list[str]:
         keys = {k for m in self.lines for k in m if k.startswith(("eval/", "final/")) and k.endswith(metric)}
         return sorted({k.split("/")[1] for k in keys} - {"mean"})
+
+    def wall_clock(self) -> dict:
+        """WALL_RULE: the timed training steps' mean and total seconds and the share of them the trainer waited for
+        rollouts; None where the metrics lack the perf keys (older runs, SFT steps)."""
+        timed = [m["perf/step_seconds"] for m in self.lines if "perf/step_seconds" in m]
+        waits = [(m["perf/rollout_wait_seconds"], m["perf/step_seconds"]) for m in self.lines
+                 if "perf/rollout_wait_seconds" in m and "perf/step_seconds" in m]
+        waited = sum(s for _, s in waits)
+        return {"steps_timed": len(timed), "step_seconds": sum(timed) / len(timed) if timed else None,
+                "train_seconds": sum(timed) if timed else None,
+                "rollout_wait_share": sum(w for w, _ in waits) / waited if waited > 0 else None}
 
     def lengths(self) -> tuple[list[int], list[float], list[float]]:
         pts = [(m["step"], m["flops/total_stage"], m["rollout/response_length"]) for m in self.lines
@@ -110,10 +122,14 @@ def _records(run_dir: Path) -> dict:
     return out
 
 
-def _teacher_cost(run_dir: Path) -> dict[str, float]:
-    """Teacher FLOPs per token over the student's (2 x matmul parameters each, megaopd/flops.py) for an OPD stage."""
+def _config(run_dir: Path) -> dict:
+    """The run's resolved config.yaml ({} when there is none)."""
     path = run_dir / "config.yaml"
-    cfg = yaml.safe_load(path.read_text()) if path.exists() else {}
+    return (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+
+
+def _teacher_cost(run_dir: Path, cfg: dict) -> dict[str, float]:
+    """Teacher FLOPs per token over the student's (2 x matmul parameters each, megaopd/flops.py) for an OPD stage."""
     teachers = (cfg.get("opd") or {}).get("teachers") or {}
     started_in = _started_in(run_dir, cfg.get("run_dir"))
     student = _matmul_params(started_in, (cfg.get("model") or {}).get("path"))
@@ -148,9 +164,11 @@ def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
     for s in study.get("stages") or []:
         run_dir = study_dir / s["name"]
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        cfg = _config(run_dir)
         stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
                             summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),
-                            _teacher_cost(run_dir), summary.get("form", ""), summary.get("stop") or {}))
+                            _teacher_cost(run_dir, cfg), summary.get("form", ""), summary.get("stop") or {},
+                            (cfg.get("rollout") or {}).get("max_staleness")))
     return study, [s for s in stages if s.lines]
 
 

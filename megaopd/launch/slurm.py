@@ -187,16 +187,25 @@ def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -
                        _settings(study, launch, cmd))
     _check_distributed(cfg, launch, stage.name)
     _check_servers(launch, stage.name, [cfg.model.path] * bool(rollout_nodes) + [path for _, path in teachers])
+    return render_multinode(study, stage.name, launch, train_args, rollout_nodes, cfg.model.path, teachers,
+                            cfg.model.dtype, cfg.rollout.sglang.max_total_tokens)
+
+
+def render_multinode(study: StudyConfig, name: str, launch: LaunchConfig, train_args: list[str], rollout_nodes: int,
+                     rollout_model: str, teachers: list[tuple[str, str]], dtype: str, max_total_tokens: int) -> str:
+    """slurm/stage_multinode.sbatch for one job: ``launch.nodes`` trainer nodes running ``torchrun -m
+    launch.trainer_module *train_args``, then `rollout_nodes` SGLang servers of `rollout_model` and one per
+    (route, model) in `teachers`, each on its own node (a stage's job, or a benchmark's: bench/async_rollout.py)."""
     nodes = launch.nodes + rollout_nodes + len(teachers)
     # The servers load the model in the trainer's dtype (the weight-sync probe compares their logprobs).
-    sglang_args = ["--dtype", cfg.model.dtype, *(["--max-total-tokens", str(cfg.rollout.sglang.max_total_tokens)]
-                                                 if cfg.rollout.sglang.max_total_tokens else []), *launch.sglang_args]
+    sglang_args = ["--dtype", dtype, *(["--max-total-tokens", str(max_total_tokens)] if max_total_tokens else []),
+                   *launch.sglang_args]
     settings = _settings(study, launch, None) + [
         f"TRAIN_NODES={launch.nodes}",
         f"GPUS_PER_NODE={launch.gpus_per_node}",
         f"TRAINER_MODULE={launch.trainer_module}",
         f"ROLLOUT_NODES={rollout_nodes}",
-        f"ROLLOUT_MODEL={shlex.quote(cfg.model.path)}",
+        f"ROLLOUT_MODEL={shlex.quote(rollout_model)}",
         f"TEACHERS=({' '.join(shlex.quote(f'{route}={path}') for route, path in teachers)})",
         f"SGLANG_PYTHON={shlex.quote(launch.sglang_python or 'python')}",
         f"SGLANG_TP={launch.sglang_tp}",
@@ -208,8 +217,7 @@ def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -
         f"SIGNAL_SECONDS={launch.signal_seconds}",
         f"TRAIN_ARGS=({shlex.join(train_args)})",
     ]
-    return _render(MULTI_NODE, _sbatch_lines(study, stage.name, launch, nodes, exclusive=True),
-                   settings + launch.setup)
+    return _render(MULTI_NODE, _sbatch_lines(study, name, launch, nodes, exclusive=True), settings + launch.setup)
 
 
 def _check_distributed(cfg: RunConfig, launch: LaunchConfig, stage: str) -> None:
