@@ -83,6 +83,11 @@ def run_config(assets, run_dir, algorithm: str = "grpo", **overrides):
     """A small RunConfig over the session's tiny assets, for tests that train a few steps."""
     from megaopd.config import load_config
 
+    return load_config(None, tiny_overrides(assets, run_dir, algorithm, **overrides))
+
+
+def tiny_overrides(assets, run_dir, algorithm: str = "grpo", **overrides) -> list[str]:
+    """run_config's `key=value` overrides, for a config file given to the CLI."""
     data = assets / "data"
     base = [
         f"run_dir={run_dir}",
@@ -94,4 +99,4 @@ def run_config(assets, run_dir, algorithm: str = "grpo", **overrides):
         "eval.every=2", "eval.prompts_per_domain=4", "eval.final_prompts_per_domain=4",
         "checkpoint.every=2",
     ]
-    return load_config(None, base + [f"{k}={v}" for k, v in overrides.items()])
+    return base + [f"{k}={v}" for k, v in overrides.items()]

@@ -1,7 +1,7 @@
 """The rollout pipeline's order of sampler draws, generations and weight syncs (rollout.max_staleness), with a
 recording engine: what these tests pin is the order of calls, which a real engine would only make slower to see.
-tests/test_train.py runs the real trainer through it (K=1 kill -9 / resume), tests/test_sglang.py with SGLang
-rollout and teacher servers (K=1)."""
+tests/test_train.py runs the real trainer through it (K=1 kill -9 / resume; K=0 against the code before the
+pipeline), tests/test_sglang.py with SGLang rollout and teacher servers (K=1)."""
 
 import io
 import threading

@@ -6,10 +6,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import run_config
+from conftest import run_config, tiny_overrides
 from megaopd.config import save_config
 from megaopd.metrics import read_metrics
 from megaopd.trainer import PREEMPTED_EXIT, train
@@ -274,3 +275,67 @@ def test_running_a_finished_run_again_changes_nothing(assets, tmp_path):
     again = train(config)
     assert again["ledger"]["own"] == first["ledger"]["own"] and again["final"] == first["final"]
     assert sum(any(k.startswith("final/") for k in m) for m in read_metrics(tmp_path / "run")) == 1
+
+
+# The code before the bounded-staleness rollout pipeline (rollout.max_staleness, issue 29): at K=0 this code must
+# reproduce its runs exactly. When a later change alters these numbers on purpose, move the pin to the commit that
+# changed them, and say so (and why the numbers changed) in the commit message.
+PINNED_COMMIT = "69e760be98d171f340c5570d5a50a7d7235d6d51"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pinned_code(tmp_path_factory):
+    """The megaopd package of PINNED_COMMIT, extracted with git archive (a shallow clone lacks the commit)."""
+    out = tmp_path_factory.mktemp("pinned_code")
+    try:
+        archive = subprocess.run(["git", "archive", PINNED_COMMIT, "megaopd"], cwd=ROOT, capture_output=True,
+                                 check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        reason = e.stderr.decode().strip() if isinstance(e, subprocess.CalledProcessError) else e
+        message = f"cannot read commit {PINNED_COMMIT} ({reason}): run `git fetch --unshallow` in {ROOT}"
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(message)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
+
+
+def _train_with(code, config, overrides):
+    """`megaopd train` in a subprocess with `code` first on the path, after checking that it is the megaopd imported."""
+    script = ("import sys, megaopd; print(megaopd.__file__, flush=True); from megaopd.cli import main; "
+              "sys.exit(main())")
+    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, "train", str(config), *overrides], env=env, cwd=code,
+                          capture_output=True, text=True)  # cwd: `python -c` puts it before PYTHONPATH
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.splitlines()[0] == str(code / "megaopd" / "__init__.py")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("algorithm", ["grpo", "opd"])
+def test_zero_staleness_reproduces_the_pinned_commit(algorithm, assets, tmp_path, pinned_code):
+    """The embedded GRPO and OPD (full vocabulary, a local teacher) configs, 2 steps with a checkpoint after the
+    first, by the code of PINNED_COMMIT (before the pipeline) and by this code at rollout.max_staleness=0: every
+    metric both log (but perf/*) equal at every step, the ledger equal but for its run id, the final weights
+    byte-identical."""
+    config = ROOT / "configs" / "embedded" / f"{algorithm}.yaml"
+    extra = {"train.steps": 2, "checkpoint.every": 1, "eval.every": 1}
+    if algorithm == "opd":
+        extra |= {"opd.teachers.*": assets / "models" / "qwen3-tiny-seed1", "rollout.samples_per_prompt": 1}
+    old, new = tmp_path / "old" / "run", tmp_path / "new" / "run"  # one name: the ledger names its run
+    _train_with(pinned_code, config, tiny_overrides(assets, old, algorithm, **extra))
+    _train_with(ROOT, config, tiny_overrides(assets, new, algorithm, **extra) + ["rollout.max_staleness=0"])
+
+    old_metrics, new_metrics = _deterministic(read_metrics(old)), _deterministic(read_metrics(new))
+    print("keys new since", PINNED_COMMIT, sorted(set().union(*new_metrics) - set().union(*old_metrics)))
+    print("keys gone since", PINNED_COMMIT, sorted(set().union(*old_metrics) - set().union(*new_metrics)))
+    assert [m["step"] for m in new_metrics] == [m["step"] for m in old_metrics]
+    compared = set()
+    for before, now in zip(old_metrics, new_metrics):
+        both = before.keys() & now.keys()
+        assert {k: now[k] for k in both} == {k: before[k] for k in both}, f"step {now['step']}"
+        compared |= both
+    assert {"train/loss", "rollout/reward", "flops/total_stage", "eval/mean/accuracy_greedy"} <= compared
+    ledgers = [json.loads((run / "final" / "megaopd_ledger.json").read_text()) for run in (old, new)]
+    assert ledgers[1] | {"run_id": None} == ledgers[0] | {"run_id": None}  # a fresh uuid per run
+    assert (new / "final" / "model.safetensors").read_bytes() == (old / "final" / "model.safetensors").read_bytes()
