@@ -528,7 +528,7 @@ def test_stage_vs_stage_of_one_method_at_another_staleness(tmp_path):
     around them. The control: a K=1 expert that climbs twice as fast reaches K=0's final 0.5 at 150 FLOPs (ratio
     2, interval above 1) and leads by 0.1 at matched FLOPs. Neither pair is an OPD comparison or a finding."""
     same = write_report(make_k_study(tmp_path / "same", [correct(a, 40, 40) for a in (200, 300, 400, 500)]),
-                        window=1, replicates=200)
+                        window=1, replicates=100)
     (c,) = same["seeds"][0]["stage_comparisons"]
     assert same["seeds"][0]["comparisons"] == [] and set(verdicts(same).values()) == {"not measured in this study"}
     assert (c["stage"], c["reference"], c["domain"]) == ("expert_k1", "expert_k0", "arith_add")
@@ -547,14 +547,17 @@ def test_stage_vs_stage_of_one_method_at_another_staleness(tmp_path):
     assert -0.03 < lo < 0 < hi < 0.03  # 80 of 1000 prompts differ: SE of the paired gap ~0.009
     assert same["spread"]["FLOPs ratio expert_k0/expert_k1 (fraction target)"]["mean"] == pytest.approx(1.0)
     assert same["spread"]["accuracy at matched FLOPs, expert_k1 - expert_k0"]["interval"] == [lo, hi]
+    final = same["spread"]["final accuracy, expert_k1 - expert_k0"]
+    assert final["mean"] == pytest.approx(0.0) and final["interval"][0] < 0 < final["interval"][1]
     md = (tmp_path / "same" / "report" / "report.md").read_text()
     assert "#### Stage vs stage (same method, another setting)" in md
     assert "| expert_k1 (1) | expert_k0 (0) | reference final | 0.500 [" in md and "+0.000 [-0.0" in md
 
     faster = write_report(make_k_study(tmp_path / "faster", [correct(a) for a in (200, 400, 600, 600)]),
-                          window=1, replicates=200)
+                          window=1, replicates=100)
     (c,) = faster["seeds"][0]["stage_comparisons"]
     assert c["targets"]["teacher"]["stage_flops"] == pytest.approx(150.0)
     assert c["targets"]["teacher"]["ratio"] == pytest.approx(2.0) and c["matched"]["gap"] == pytest.approx(0.1)
+    assert faster["spread"]["final accuracy, expert_k1 - expert_k0"]["mean"] == pytest.approx(0.1)
     lo, hi = faster["seeds"][0]["intervals"]["/stage_comparisons/0/targets/teacher/ratio"][:2]
     assert 1 < lo <= 2 <= hi

@@ -216,6 +216,8 @@ def headline(r: dict) -> dict[str, float]:
                 out[f"FLOPs ratio {c['reference']}/{c['stage']} ({t} target)"] = v["ratio"]
         if c.get("matched", {}).get("gap") is not None:
             out[f"accuracy at matched FLOPs, {c['stage']} - {c['reference']}"] = c["matched"]["gap"]
+        if None not in c["final"].values():
+            out[f"final accuracy, {c['stage']} - {c['reference']}"] = c["final"]["stage"] - c["final"]["reference"]
     for m in r["multi_teacher"]:
         if m["share"] is not None:
             out[f"distillation share of specialist FLOPs, {m['stage']}"] = m["share"]
