@@ -185,10 +185,11 @@ def _same_method_markdown(r: dict, fraction: float) -> list[str]:
                       f"{c['reference']} {_f(m['reference_acc'], '.3f')}{_ci(r, p + ('reference_acc',), '.3f')}, "
                       f"{c['stage']} {_f(m['stage_acc'], '.3f')}{_ci(r, p + ('stage_acc',), '.3f')}, "
                       f"stage - reference {_f(m['gap'], '+.3f')}{_ci(r, p + ('gap',), '+.3f')}.")
-    # The reference's final accuracy is its curve's last point: over equal budgets the stage reaches it no later
-    # or never, so that ratio is >= 1 or undefined in a resample; the fraction target and the gap are two-sided.
-    md.append("\nOver equal budgets the ratio to the reference's final accuracy is >= 1 or undefined (its last point "
-              "is the target): read the fraction target's ratio and the matched-FLOPs gap for a difference either way.")
+    # The reference's final accuracy is its curve's last point: over equal budgets the stage reaches it by about the
+    # same FLOPs or never, so that ratio is one-sided; the fraction target and the gap are two-sided.
+    md.append("\nOver equal budgets the ratio to the reference's final accuracy is about >= 1 or undefined (its last "
+              "point is the target): read the fraction target's ratio and the matched-FLOPs gap for a difference "
+              "either way.")
     return md
 
 
