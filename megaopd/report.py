@@ -152,6 +152,47 @@ def _spread(v: dict | None, fmt: str, scale: float = 1.0, unit: str = "") -> str
     return f"{mean} ({lo}-{hi}, n={v['n']})"
 
 
+def _same_method_markdown(r: dict, fraction: float) -> list[str]:
+    """Stages compared with their `compare_with` outside OPD vs GRPO (one method, another setting), each named with
+    its K; nothing when the study has none."""
+    if not r["stage_comparisons"]:
+        return []
+    md = ["", "#### Stage vs stage (same method, another setting): FLOPs to reach a target, on the reference's domain "
+          "(the mean when it has none)", "",
+          "| stage (K) | reference (K) | target | accuracy | reference FLOPs | stage FLOPs | reference/stage |",
+          "|---" * 7 + "|"]
+    for i, c in enumerate(r["stage_comparisons"]):
+        k = {role: _f(v, "d") for role, v in c["max_staleness"].items()}
+        for name, t in c["targets"].items():
+            label = ("reference final" if name == "teacher"
+                     else f"base + {fraction} x reference gain (base {c['base']:.3f})")
+            path = ("stage_comparisons", i, "targets", name)
+            md.append(f"| {c['stage']} ({k['stage']}) | {c['reference']} ({k['reference']}) | {label} "
+                      f"| {t['target']:.3f}{_ci(r, path + ('target',), '.3f')} | "
+                      f"{reached(t['reference_flops'], t['reference_best_smoothed'])}"
+                      f"{_ci(r, path + ('reference_flops',))} | "
+                      f"{reached(t['stage_flops'], t['stage_best_smoothed'])}{_ci(r, path + ('stage_flops',))} | "
+                      f"{_f(t['ratio'], '.2f')}{_ci(r, path + ('ratio',), '.2f')} |")
+    for i, c in enumerate(r["stage_comparisons"]):
+        path = ("stage_comparisons", i)
+        final = ", ".join(f"{c[role]} {_f(v, '.3f')}{_ci(r, path + ('final', role), '.3f')}"
+                          for role, v in c["final"].items())
+        md.append(f"\n{c['stage']} vs {c['reference']} on {c['domain']}: final accuracy (all held-out prompts) "
+                  f"{final}.")
+        if "matched" in c:
+            m, p = c["matched"], path + ("matched",)
+            md.append(f"At matched FLOPs ({m['flops']:.3e}), smoothed accuracy: "
+                      f"{c['reference']} {_f(m['reference_acc'], '.3f')}{_ci(r, p + ('reference_acc',), '.3f')}, "
+                      f"{c['stage']} {_f(m['stage_acc'], '.3f')}{_ci(r, p + ('stage_acc',), '.3f')}, "
+                      f"stage - reference {_f(m['gap'], '+.3f')}{_ci(r, p + ('gap',), '+.3f')}.")
+    # The reference's final accuracy is its curve's last point: over equal budgets the stage reaches it by about the
+    # same FLOPs or never, so that ratio is one-sided; the fraction target and the gap are two-sided.
+    md.append("\nOver equal budgets the ratio to the reference's final accuracy is about >= 1 or undefined (its last "
+              "point is the target): read the fraction target's ratio and the matched-FLOPs gap for a difference "
+              "either way.")
+    return md
+
+
 def _seed_markdown(r: dict, fraction: float) -> list[str]:
     md = ["#### OPD vs GRPO (E1-E3): FLOPs to reach a target, on the GRPO stage's domain (the mean when it has none)", "",
           "| OPD stage | GRPO stage | teacher/student FLOPs per token | target | accuracy | GRPO FLOPs | OPD FLOPs "
@@ -173,6 +214,7 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
             md.append(f"\nAt matched FLOPs ({m['flops']:.3e}), smoothed accuracy: "
                       f"{c['grpo']} {_f(m['grpo_acc'], '.3f')}{_ci(r, path + ('grpo_acc',), '.3f')}, "
                       f"{c['opd']} {_f(m['opd_acc'], '.3f')}{_ci(r, path + ('opd_acc',), '.3f')}.")
+    md += _same_method_markdown(r, fraction)
     md += ["", "#### Multi-teacher OPD (E6)", ""]
     for i, m in enumerate(r["multi_teacher"]):
         md.append(f"- {m['stage']}: distillation {_f(m['distill_flops'])} FLOPs / specialists "

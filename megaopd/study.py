@@ -60,8 +60,10 @@ class StageConfig:
     config: str = ""  # the stage's run config (YAML); overrides below apply on top
     overrides: list[str] = field(default_factory=list)
     method: str = "other"  # one of METHODS
-    # For opd_self / opd_external*: the GRPO stage it is compared with; for expert: the domain it owns.
+    # For opd_self / opd_external*: the GRPO stage it is compared with (E1-E3); for any other method, a stage it is
+    # compared with as another setting of one method (the report's "Stage vs stage"; e.g. K=1 vs K=0).
     compare_with: str = ""
+    # For expert: the domain it owns.
     domain: str = ""
     # With seeds: one run for all of them, in the first seed's directory, which the other seeds' {out}/<name> links
     # to. For the study's inputs (the external teacher "trained elsewhere"), not for what the seeds measure.

@@ -501,3 +501,63 @@ def test_specialists_cost_both_ways(tmp_path):
     (sj,) = seed["split_vs_joint"]
     assert sj["split_flops"] == pytest.approx(3015) and sj["split_flops_experts_to_final"] == pytest.approx(1015)
     assert sj["saving_experts_to_final"] == pytest.approx(1 - 1015 / 6000)
+
+
+def make_k_study(root, k1: list[list[int]]):
+    """The same expert at K=0 and K=1 (compare_with: the K=0 one), evals at 0, 100, 200, 300 FLOPs on arith_add's
+    N prompts (per-prompt results, paired): K=0 right on 200, 300, 400, 500 of them; K=1 on `k1`'s vectors."""
+    root.mkdir()
+    k0 = [correct(a) for a in (200, 300, 400, 500)]
+    for name, vectors, k in (("expert_k0", k0, 0), ("expert_k1", k1, 1)):
+        acc = [sum(v) / N for v in vectors]
+        write_stage(root, name, "grpo", [(100 * i, {"arith_add": a, "mean": a}) for i, a in enumerate(acc)],
+                    {"arith_add": acc[-1], "mean": acc[-1]})
+        write_records(root / name, {**{10 * i: {"arith_add": v} for i, v in enumerate(vectors)},
+                                    "final": {"arith_add": vectors[-1]}})
+        (root / name / "config.yaml").write_text(yaml.safe_dump({"rollout": {"max_staleness": k}}))
+    study = {"out": str(root), "seed": 0, "stages": [
+        {"name": "expert_k0", "config": "x.yaml", "method": "expert", "domain": "arith_add"},
+        {"name": "expert_k1", "config": "x.yaml", "method": "expert", "domain": "arith_add",
+         "compare_with": "expert_k0"}]}
+    (root / "study.yaml").write_text(yaml.safe_dump(study))
+    return root
+
+
+def test_stage_vs_stage_of_one_method_at_another_staleness(tmp_path):
+    """K=1 with K=0's accuracy at every eval (40 prompts swapped each time): FLOPs ratio 1, gap 0, intervals
+    around them. The control: a K=1 expert that climbs twice as fast reaches K=0's final 0.5 at 150 FLOPs (ratio
+    2, interval above 1) and leads by 0.1 at matched FLOPs. Neither pair is an OPD comparison or a finding."""
+    same = write_report(make_k_study(tmp_path / "same", [correct(a, 40, 40) for a in (200, 300, 400, 500)]),
+                        window=1, replicates=100)
+    (c,) = same["seeds"][0]["stage_comparisons"]
+    assert same["seeds"][0]["comparisons"] == [] and set(verdicts(same).values()) == {"not measured in this study"}
+    assert (c["stage"], c["reference"], c["domain"]) == ("expert_k1", "expert_k0", "arith_add")
+    assert c["max_staleness"] == {"stage": 1, "reference": 0} and c["final"] == {"stage": 0.5, "reference": 0.5}
+    t = c["targets"]["teacher"]
+    assert t["target"] == 0.5 and t["reference_flops"] == t["stage_flops"] == pytest.approx(300.0)
+    assert t["ratio"] == pytest.approx(1.0) and c["matched"]["gap"] == pytest.approx(0.0)
+    intervals = same["seeds"][0]["intervals"]
+    lo, hi = intervals["/stage_comparisons/0/targets/fraction/ratio"]
+    assert lo < 1 < hi
+    # K=0's final accuracy is its last point, so K=1 reaches it no later (ratio >= 1) or never (undefined): at equal
+    # budgets that ratio is one-sided, the fraction target and the matched gap are two-sided.
+    lo, hi, defined = intervals["/stage_comparisons/0/targets/teacher/ratio"]
+    assert lo == 1 < hi and 0.2 < defined < 0.8
+    lo, hi = intervals["/stage_comparisons/0/matched/gap"]
+    assert -0.03 < lo < 0 < hi < 0.03  # 80 of 1000 prompts differ: SE of the paired gap ~0.009
+    assert same["spread"]["FLOPs ratio expert_k0/expert_k1 (fraction target)"]["mean"] == pytest.approx(1.0)
+    assert same["spread"]["accuracy at matched FLOPs, expert_k1 - expert_k0"]["interval"] == [lo, hi]
+    final = same["spread"]["final accuracy, expert_k1 - expert_k0"]
+    assert final["mean"] == pytest.approx(0.0) and final["interval"][0] < 0 < final["interval"][1]
+    md = (tmp_path / "same" / "report" / "report.md").read_text()
+    assert "#### Stage vs stage (same method, another setting)" in md
+    assert "| expert_k1 (1) | expert_k0 (0) | reference final | 0.500 [" in md and "+0.000 [-0.0" in md
+
+    faster = write_report(make_k_study(tmp_path / "faster", [correct(a) for a in (200, 400, 600, 600)]),
+                          window=1, replicates=100)
+    (c,) = faster["seeds"][0]["stage_comparisons"]
+    assert c["targets"]["teacher"]["stage_flops"] == pytest.approx(150.0)
+    assert c["targets"]["teacher"]["ratio"] == pytest.approx(2.0) and c["matched"]["gap"] == pytest.approx(0.1)
+    assert faster["spread"]["final accuracy, expert_k1 - expert_k0"]["mean"] == pytest.approx(0.1)
+    lo, hi = faster["seeds"][0]["intervals"]["/stage_comparisons/0/targets/teacher/ratio"][:2]
+    assert 1 < lo <= 2 <= hi

@@ -85,34 +85,52 @@ def flops_to_own_final(stage: Stage, metric: str, window: int = 3) -> float | No
     return flops_to_target(f, a, smooth(a, window)[-1], window) if a else stage.total("stage")
 
 
-def compare_opd_grpo(opd: Stage, grpo: Stage, metric: str, fraction: float, window: int, x: str,
-                     length_window: int = LENGTH_WINDOW) -> dict:
-    """E1-E3: FLOPs each stage needs to reach the GRPO stage's final accuracy (and a fraction of its gain).
+def compare_stages(stage: Stage, ref: Stage, metric: str, fraction: float, window: int, x: str,
+                   length_window: int = LENGTH_WINDOW, roles: tuple[str, str] = ("opd", "grpo")) -> dict:
+    """FLOPs each of two stages needs to reach the reference stage's final accuracy (and base + a fraction of its
+    gain), their ratio reference / stage (> 1: the stage needs fewer), accuracy at matched FLOPs and response
+    lengths; keys name the stages by `roles` (stage, reference): E1-E3's ("opd", "grpo"), or ("stage",
+    "reference") for two settings of one method (`compare_same_method`).
 
-    On the GRPO stage's own domain when it is an expert (the paper's E3 is math on math), else the mean; the
-    target is the last point of GRPO's smoothed curve, so that both curves and the target come from the same
-    held-out prompts (and GRPO always reaches it: its FLOPs to it are never None).
+    On the reference's own domain when it is an expert (the paper's E3 is math on math), else the mean; the
+    target is the last point of the reference's smoothed curve, so that both curves and the target come from the
+    same held-out prompts (and the reference always reaches it: its FLOPs to it are never None).
     """
-    domain = grpo.domain or "mean"
-    fo, ao = opd.curve(domain, metric, x)
-    fg, ag = grpo.curve(domain, metric, x)
+    s, r = roles
+    domain = ref.domain or "mean"
+    fo, ao = stage.curve(domain, metric, x)
+    fg, ag = ref.curve(domain, metric, x)
     teacher = smooth(ag, window)[-1] if ag else None
-    base = ag[0] if ag else None  # GRPO's step-0 eval: the accuracy both stages start from
-    out = {"opd": opd.name, "grpo": grpo.name, "method": opd.method, "domain": domain, "base": base,
-           "teacher": teacher, "teacher_cost_ratio": max(opd.teacher_cost.values(), default=None), "targets": {}}
+    base = ag[0] if ag else None  # the reference's step-0 eval: the accuracy both stages start from
+    out = {s: stage.name, r: ref.name, "method": stage.method, "domain": domain, "base": base,
+           "teacher": teacher, "teacher_cost_ratio": max(stage.teacher_cost.values(), default=None), "targets": {}}
     if not ao or not ag:
         return out
     for name, target in (("teacher", teacher), ("fraction", base + fraction * (teacher - base))):
         g, o = flops_to_target(fg, ag, target, window), flops_to_target(fo, ao, target, window)
-        out["targets"][name] = {"target": target, "grpo_flops": g, "opd_flops": o,
-                                "grpo_best_smoothed": max(smooth(ag, window)),
-                                "opd_best_smoothed": max(smooth(ao, window)),
+        out["targets"][name] = {"target": target, f"{r}_flops": g, f"{s}_flops": o,
+                                f"{r}_best_smoothed": max(smooth(ag, window)),
+                                f"{s}_best_smoothed": max(smooth(ao, window)),
                                 "ratio": g / o if g is not None and o else None}
     at = min(fg[-1], fo[-1])
-    out["matched"] = {"flops": at, "grpo_acc": accuracy_at(fg, ag, at, window),
-                      "opd_acc": accuracy_at(fo, ao, at, window)}
-    out["length"] = {k: dict(zip(("first", "last"), s.length_first_last(length_window)))
-                     for k, s in (("opd", opd), ("grpo", grpo))}
+    out["matched"] = {"flops": at, f"{r}_acc": accuracy_at(fg, ag, at, window),
+                      f"{s}_acc": accuracy_at(fo, ao, at, window)}
+    out["length"] = {k: dict(zip(("first", "last"), v.length_first_last(length_window)))
+                     for k, v in ((s, stage), (r, ref))}
+    return out
+
+
+def compare_same_method(stage: Stage, ref: Stage, metric: str, fraction: float, window: int, x: str,
+                        length_window: int = LENGTH_WINDOW) -> dict:
+    """A stage against the one in its `compare_with` when the pair is not OPD vs GRPO (the same expert at another
+    rollout.max_staleness, say): `compare_stages`' numbers, each stage's K, the matched-FLOPs accuracy gap
+    stage - reference, and both final accuracies on the compared domain (all held-out prompts)."""
+    out = compare_stages(stage, ref, metric, fraction, window, x, length_window, roles=("stage", "reference"))
+    out["max_staleness"] = {"stage": stage.max_staleness, "reference": ref.max_staleness}
+    out["final"] = {k: v.final_acc(out["domain"], metric) for k, v in (("stage", stage), ("reference", ref))}
+    m = out.get("matched")
+    if m is not None:
+        m["gap"] = m["stage_acc"] - m["reference_acc"] if None not in (m["stage_acc"], m["reference_acc"]) else None
     return out
 
 
@@ -137,8 +155,11 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
             length_window: int = LENGTH_WINDOW) -> dict:
     """Every number of one study directory (one seed), from `load_study`'s study.yaml and stages."""
     by_name = {s.name: s for s in stages}
-    comparisons = [compare_opd_grpo(s, by_name[s.compare_with], metric, target_fraction, window, x, length_window)
-                   for s in stages if s.method in OPD_VS_GRPO and s.compare_with in by_name]
+    pairs = [(s, by_name[s.compare_with]) for s in stages if s.compare_with in by_name]
+    comparisons = [compare_stages(s, ref, metric, target_fraction, window, x, length_window)
+                   for s, ref in pairs if s.method in OPD_VS_GRPO]
+    same_method = [compare_same_method(s, ref, metric, target_fraction, window, x, length_window)
+                   for s, ref in pairs if s.method not in OPD_VS_GRPO]
     experts = [s for s in stages if s.method == "expert" and s.domain]
     mts = [multi_teacher(s, experts, metric, window) for s in stages if s.method == "multi_teacher_opd"]
     splits = []
@@ -162,7 +183,7 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
                       "length": dict(zip(("first", "last"), s.length_first_last(length_window))),
                       "max_staleness": s.max_staleness, "wall_clock": s.wall_clock()} for s in stages}
     result = {"study_dir": str(study_dir), "seed": study.get("seed"), "stages": table, "comparisons": comparisons,
-              "multi_teacher": mts, "split_vs_joint": splits}
+              "stage_comparisons": same_method, "multi_teacher": mts, "split_vs_joint": splits}
     result["findings"] = findings(result)
     result["headline"] = headline(result)
     return result
@@ -189,6 +210,14 @@ def headline(r: dict) -> dict[str, float]:
         for t, v in c["targets"].items():
             if v["ratio"] is not None:
                 out[f"FLOPs ratio GRPO/OPD, {c['opd']} vs {c['grpo']} ({t} target)"] = v["ratio"]
+    for c in r["stage_comparisons"]:
+        for t, v in c["targets"].items():
+            if v["ratio"] is not None:
+                out[f"FLOPs ratio {c['reference']}/{c['stage']} ({t} target)"] = v["ratio"]
+        if c.get("matched", {}).get("gap") is not None:
+            out[f"accuracy at matched FLOPs, {c['stage']} - {c['reference']}"] = c["matched"]["gap"]
+        if None not in c["final"].values():
+            out[f"final accuracy, {c['stage']} - {c['reference']}"] = c["final"]["stage"] - c["final"]["reference"]
     for m in r["multi_teacher"]:
         if m["share"] is not None:
             out[f"distillation share of specialist FLOPs, {m['stage']}"] = m["share"]
