@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from megaopd import verifiers
 from megaopd.backend import Policy
-from megaopd.batch import Sample, TeacherScores, collate
+from megaopd.batch import Sample, TeacherScores, TokenBatch, collate
 from megaopd.chat import chat_prompt_ids
 from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state
 from megaopd.config import ConfigError, RunConfig, save_config
@@ -227,7 +227,7 @@ class Trainer:
         if self.reference is not None:
             batch.ref_logprobs = self.reference.logprobs(batch, mbs)
         # Teacher servers scored the samples as they arrived (rollout_pipeline), if they could; else they score now.
-        scores = (rollouts.teacher or self._score_teachers(samples)) if self.teachers else None
+        scores = (rollouts.teacher or self._score_teachers(samples, batch)) if self.teachers else None
         routes = scores.fill(batch) if scores else {}
         metrics = {f"train/{k}": v for k, v in self.objective.prepare(batch, samples).items()}
 
@@ -259,11 +259,11 @@ class Trainer:
                     "perf/step_seconds": time.perf_counter() - t0}
         return metrics
 
-    def _score_teachers(self, samples: list[Sample]) -> TeacherScores:
-        """The teachers' scores of these samples: in the training step, or on the rollout pipeline's thread as they
-        arrive (teacher servers)."""
+    def _score_teachers(self, samples: list[Sample], batch: TokenBatch | None = None) -> TeacherScores:
+        """The teachers' scores of these samples: in the training step (onto its `batch`, collated once), or on the
+        rollout pipeline's thread as they arrive (teacher servers: collated there)."""
         cfg, start = self.cfg, time.perf_counter()
-        batch = collate(samples, self.policy.pad_id)
+        batch = batch if batch is not None else collate(samples, self.policy.pad_id)
         routes = self.teachers.score(batch, samples, cfg.opd.form, cfg.train.micro_batch_size, cfg.opd.topk)
         return TeacherScores.of(batch, routes, time.perf_counter() - start)
 
