@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -141,11 +140,7 @@ def on_cluster(a, argv: list[str]) -> dict:
         sys.exit(f"sbatch {script} failed: {submitted.stderr.strip()}")
     job = submitted.stdout.strip().split(";")[0]
     print(f"job {job}: {script}, log under {out / 'slurm' / 'logs'}", flush=True)
-    while True:
-        queued = cluster.client(["squeue", "-h", "-j", job, "-o", "%T"])
-        if (queued.returncode == 0 and not queued.stdout.strip()) or "Invalid job id" in queued.stderr:
-            break  # a busy controller answers with an error too: then ask again
-        time.sleep(5)
+    cluster.wait([job], a.timeout)
     log = "".join(p.read_text() for p in (out / "slurm" / "logs").glob(f"*-{job}.out"))
     if not (out / "results.json").exists():
         sys.exit(f"job {job} wrote no results; the end of its log:\n" + "\n".join(log.splitlines()[-40:]))
@@ -193,6 +188,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--assets", default=str(DEFAULT_ASSETS))
+    p.add_argument("--timeout", type=float, default=3600, help="--cluster: seconds to wait for the job (then cancel)")
     p.add_argument("--results", default="", help="also write the measurements here (JSON)")
     a = p.parse_args(argv)
     a.ks = [int(k) for k in a.ks.split(",")]

@@ -159,15 +159,41 @@ def _megaopd_worker(a) -> dict:
         trainer.rl_step(step)
     rss_before = rss_now_kb()
     prof = _start_profile(a)
-    times, cpu_times = [], []
+    times, cpu_times, phases = [], [], []
     for step in range(a.warmup + 1, a.warmup + a.steps + 1):
+        booked = dict(trainer.ledger.own)
         t0, c0 = time.perf_counter(), time.process_time()
-        trainer.rl_step(step)
+        metrics = trainer.rl_step(step)
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
+        flops = {c: trainer.ledger.own[c] - booked[c] for c in booked}
+        phases.append({phase: (metrics.get(f"perf/{phase}_seconds", 0.0), sum(flops[c] for c in components))
+                       for phase, components in PHASE_COMPONENTS.items()})
     _stop_profile(a, prof)
     return {"times": times, "cpu_times": cpu_times, "gen_tokens": counts["gen"][a.warmup:], "seq_tokens":
-            [g + p for g, p in zip(counts["gen"][a.warmup:], counts["prompt"][a.warmup:])], "rss_before_kb": rss_before}
+            [g + p for g, p in zip(counts["gen"][a.warmup:], counts["prompt"][a.warmup:])], "rss_before_kb": rss_before,
+            "flops": [sum(f for _, f in p.values()) for p in phases], "phases": phases}
+
+
+# megaopd's step phases (perf/<phase>_seconds) and the ledger components each one computes.
+PHASE_COMPONENTS = {"rollout": ("rollout",), "teacher": ("teacher",), "update": ("old_logprob", "reference", "train")}
+
+
+def matmul_peak(threads: int, n: int = 2048, reps: int = 7) -> float:
+    """The machine's fp32 matmul peak as measured here, FLOP/s: the fastest of `reps` [n x n] @ [n x n] products
+    on `threads` threads (the share-of-peak rows divide by it; the fastest, because another process on the machine
+    can only slow a product down, so the shares are if anything understated)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n)
+    a @ a  # warm-up: first-touch pages, the BLAS's own buffers
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ a
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / min(times)
 
 
 def _trl_worker(a) -> dict:
@@ -356,7 +382,7 @@ def ab_compare(algo: str, rounds: int, tmp: Path, **kw) -> dict:
     return runs
 
 
-def report_ab(title: str, runs: dict) -> tuple[list[str], dict]:
+def report_ab(title: str, runs: dict, peak: float) -> tuple[list[str], dict]:
     m, t = runs["megaopd"], runs["trl"]
     ratios = [b["median_step_s"] / a["median_step_s"] for a, b in zip(m, t)]
     # CPU seconds of the worker process per step: what a step costs, without the time a shared machine's other
@@ -375,13 +401,16 @@ def report_ab(title: str, runs: dict) -> tuple[list[str], dict]:
         return statistics.median([n / s for n, s in zip(r["seq_tokens"], r["times"])])
 
     tok_ratios = [run_rate(a) / run_rate(b) for a, b in zip(m, t)]
+    flops = per_step(m, "flops")
+    step_m, step_t = (statistics.median(r["median_step_s"] for r in side) for side in (m, t))
+    phases = {phase: tuple(statistics.median(p[phase][i] for r in m for p in r["phases"]) for i in (0, 1))
+              for phase in PHASE_COMPONENTS}
     lines = [
         f"### {title}",
         "",
         "| | megaopd | TRL | megaopd / TRL |",
         "|---|---|---|---|",
-        f"| median step time (s) | {statistics.median(r['median_step_s'] for r in m):.3f} | "
-        f"{statistics.median(r['median_step_s'] for r in t):.3f} | |",
+        f"| median step time (s) | {step_m:.3f} | {step_t:.3f} | |",
         f"| step throughput ratio (TRL time / megaopd time), median of {len(ratios)} A/B pairs | | | "
         f"**{statistics.median(ratios):.2f}x** (spread {spread(ratios)}) |",
         f"| median step CPU time (s) | {statistics.median(r['median_cpu_s'] for r in m):.3f} | "
@@ -394,6 +423,15 @@ def report_ab(title: str, runs: dict) -> tuple[list[str], dict]:
         f"{statistics.median(tok_ratios):.2f}x (spread {spread(tok_ratios)}) |",
         f"| peak RSS of the worker (MiB) | {statistics.median(r['maxrss_kb'] for r in m) / 1024:.0f} | "
         f"{statistics.median(r['maxrss_kb'] for r in t) / 1024:.0f} | |",
+        f"| model GFLOP per step (megaopd's ledger; the same work on both sides) | {flops / 1e9:.2f} | | |",
+        f"| share of the fp32 matmul peak ({peak / 1e9:.1f} GFLOP/s, measured): model FLOP/s over it | "
+        f"{flops / step_m / peak:.1%} | {flops / step_t / peak:.1%} | |",
+        "",
+        "megaopd's step by phase (wall time of the timed steps, medians; the ledger's model FLOPs of each):",
+        "",
+        "| phase | s per step | GFLOP per step | share of the fp32 matmul peak |",
+        "|---|---|---|---|",
+        *(f"| {phase} | {s:.3f} | {f / 1e9:.2f} | {f / s / peak:.1%} |" for phase, (s, f) in phases.items() if s > 0),
         "",
     ]
     return lines, {"ratio_median": statistics.median(ratios), "ratios": ratios, "cpu_ratios": cpu_ratios, "gen": (gen_m, gen_t),
@@ -438,7 +476,7 @@ def bench_main(algo: str, argv: list[str]) -> None:
         shape = (f"student {a.student}" + (f", teacher {a.teacher}" if method(algo).teacher_term else "") +
                  f", {a.prompts} prompts x {a.group} samples, {a.max_new} new tokens (fixed length), "
                  f"{a.threads} thread(s), megaopd recompute_old_logprobs={bool(a.recompute)}")
-        lines, summary = report_ab(f"{algo.upper()} step, {shape}", runs)
+        lines, summary = report_ab(f"{algo.upper()} step, {shape}", runs, matmul_peak(a.threads))
         print("\n".join(lines))
         g_m, g_t = summary["gen"]
         if g_m != g_t:

@@ -325,7 +325,9 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
                                         " across seeds (mean [interval], min-max)"), ""]
     md += [f"- {k}: {v['mean']:.4g}"
            + (f" [{_f(v['interval'][0], '.4g')}, {_f(v['interval'][1], '.4g')}]" if v["interval"] else "")
-           + (f" (min {v['min']:.4g}, max {v['max']:.4g}, n={v['n']})" if len(seeds) > 1 else "")
+           # a ratio is undefined in a seed whose stage never reaches the target: that seed is not in the mean
+           + (f" (min {v['min']:.4g}, max {v['max']:.4g}, defined in {v['n']} of {len(seeds)} seeds)"
+              if len(seeds) > 1 else "")
            for k, v in spread.items()] or ["- none measured"]
     if len(seeds) > 1:
         md += ["", "## Wall-clock per stage across seeds (mean (min-max, n))", "",

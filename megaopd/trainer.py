@@ -232,13 +232,14 @@ class Trainer:
         metrics = {f"train/{k}": v for k, v in self.objective.prepare(batch, samples).items()}
 
         minibatch = math.ceil(batch.size / cfg.train.minibatches)
-        updates = []
+        update_start, updates = time.perf_counter(), []
         for _ in range(cfg.train.epochs):
             for start in range(0, batch.size, minibatch):
                 part = batch.select(slice(start, start + minibatch))
                 updates.append((policy.train_minibatch(part, self.objective.token_loss, mbs, self.objective.vocab_term),
                                 float(part.response_mask.sum())))
         metrics |= {f"train/{k}": v for k, v in merge_updates(updates).items()}
+        update_seconds = time.perf_counter() - update_start
         self.rollouts.sync_weights(policy)  # once the generation in flight (if any) is done
 
         # What was billed when generated (the batches generated during this step: _billed_ahead); the rest here.
@@ -256,7 +257,7 @@ class Trainer:
         metrics["rollout/verifier_errors"] = verifier_errors
         metrics |= pipeline_metrics
         metrics |= {"perf/rollout_seconds": rollouts.seconds, "perf/verifier_seconds": verifier_seconds,
-                    "perf/step_seconds": time.perf_counter() - t0}
+                    "perf/update_seconds": update_seconds, "perf/step_seconds": time.perf_counter() - t0}
         return metrics
 
     def _score_teachers(self, samples: list[Sample], batch: TokenBatch | None = None) -> TeacherScores:

@@ -48,6 +48,9 @@ def test_rollout_throughput_smoke(bench_assets):
 def test_step_vs_trl_smoke(bench_assets, script):
     out = run_bench(script, bench_assets)
     assert "step throughput ratio" in out and "generated tokens per step" in out
+    # the share of the measured matmul peak, for the step and for each phase (OPD's teacher scoring among them)
+    assert "share of the fp32 matmul peak" in out and "| rollout |" in out and "| update |" in out
+    assert ("| teacher |" in out) == ("opd" in script)
 
 
 @needs_trl

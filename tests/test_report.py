@@ -186,6 +186,8 @@ def test_seeds_give_mean_and_spread_and_a_split_verdict(tmp_path):
     assert verdicts(report)["e"] == "reproduced"
     md = (out / "report.md").read_text()
     assert "single seed" not in md
+    assert "- FLOPs ratio GRPO/OPD, opd_self vs grpo (teacher target): 10.1 [0.2, 20] (min 0.2, max 20, defined in 2 of " \
+           "2 seeds)" in md
     # The interval is named for what it is: two seeds give three seed draws, little more than their range.
     assert report["rules"]["interval"] == interval_wording(2) and f"Intervals: a {interval_wording(2)}." in md
 

@@ -112,22 +112,10 @@ def job_state(cluster: LocalCluster, job_id: str) -> dict[str, str]:
 
 
 def wait_for(cluster: LocalCluster, ids: list[str], timeout: float) -> None:
-    """Until the jobs have left the queue, or only jobs whose dependencies failed are left (cancelled here)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        listed = cluster.client(["squeue", "-h", "-o", "%i %r", "-j", ",".join(ids)])
-        if listed.returncode != 0:  # e.g. "Socket timed out on send/recv": a busy slurmctld, ask again
-            time.sleep(1)
-            continue
-        queued = dict(line.split(maxsplit=1) for line in listed.stdout.splitlines())
-        if not queued:
-            return
-        if set(queued.values()) == {"DependencyNeverSatisfied"}:
-            cluster.client(["scancel", *queued])
-            return
-        time.sleep(1)
-    cluster.client(["scancel", *ids])
-    pytest.fail(f"jobs {ids} still queued or running after {timeout:.0f} s")
+    try:
+        cluster.wait(ids, timeout)
+    except TimeoutError as e:
+        pytest.fail(str(e))
 
 
 def run_probe_stage(cluster: LocalCluster, tmp_path: Path, **launch) -> tuple[dict, list[dict], str]:

@@ -42,6 +42,10 @@ STATE_SUBDIRS = ("etc", "munge", "run", "log", "ctld", "dev")
 IFNAMSIZ = 15  # Linux's limit on interface names
 
 
+# Why a pending job would never start: ``LocalCluster.wait`` stops waiting for it.
+NEVER_RUNS = ("DependencyNeverSatisfied", "PartitionNodeLimit", "PartitionConfig", "BadConstraints")
+
+
 class LocalCluster:
     """``nodes`` slurmd nodes named node1..nodeN, ``gpus_per_node`` stand-in GPUs each, ``cpus`` CPUs each
     (default: this machine's count; every node advertises the same real cores). With ``aliases`` the node names
@@ -206,6 +210,24 @@ class LocalCluster:
         kw.setdefault("timeout", 120)
         kw["env"] = {**os.environ, **kw.get("env", {}), **self.env}
         return subprocess.run(["ip", "netns", "exec", self.head_ns, *argv], **kw)
+
+    def wait(self, job_ids: list[str], timeout_s: float) -> None:
+        """Until the jobs have left the queue. Jobs left pending for a reason they can never leave (``NEVER_RUNS``:
+        an upstream job failed, say) are cancelled, and so is every job still there after `timeout_s` (then
+        TimeoutError). A busy controller answers squeue with an error: then it is asked again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            listed = self.client(["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(job_ids)])
+            if listed.returncode == 0 or "Invalid job id" in listed.stderr:
+                queue = [line.split(maxsplit=2) for line in listed.stdout.splitlines() if line.strip()]
+                if not queue:
+                    return
+                if all(state == "PENDING" and reason in NEVER_RUNS for _, state, reason in queue):
+                    self.client(["scancel", *(job for job, _, _ in queue)])
+                    return
+            time.sleep(1)
+        self.client(["scancel", *job_ids])
+        raise TimeoutError(f"jobs {', '.join(job_ids)} still queued or running after {timeout_s:.0f} s")
 
     def node_states(self) -> dict[str, str]:
         """Node name -> Slurm state (``idle``, ``allocated``, ``down*``, ...); empty when the controller is down."""

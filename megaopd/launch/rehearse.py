@@ -225,10 +225,6 @@ def not_rehearsed(launch: LaunchConfig) -> list[str]:
 
 
 # ---- 3. run it on a local cluster and read back what happened ----
-# Why a pending job would never start: the rehearsal stops waiting for it.
-NEVER_RUNS = ("DependencyNeverSatisfied", "PartitionNodeLimit", "PartitionConfig", "BadConstraints")
-
-
 def cluster_nodes(jobs: list[Job]) -> int:
     """The nodes of the largest job (its ``#SBATCH --nodes`` line)."""
     return max(int(re.search(r"^#SBATCH --nodes=(\d+)$", job.script, re.M)[1]) for job in jobs)
@@ -241,18 +237,11 @@ def run_on_cluster(cluster: LocalCluster, study_path: Path, launch_path: Path, t
     if result.returncode:
         raise RuntimeError(f"megaopd submit failed ({result.returncode}):\n{result.stdout}{result.stderr}")
     ids = dict(line.split() for line in result.stdout.splitlines() if len(line.split()) == 2)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        queue = cluster.client(["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(ids.values())]).stdout.split("\n")
-        queue = [line.split() for line in queue if line.strip()]
-        if not queue:
-            return ids
-        if all(state == "PENDING" and reason in NEVER_RUNS for _, state, reason in queue):
-            cluster.client(["scancel", *(job for job, _, _ in queue)])  # an upstream stage failed, say
-            return ids
-        time.sleep(3)
-    cluster.client(["scancel", *ids.values()])
-    raise TimeoutError(f"the rehearsal did not finish in {timeout_s:.0f} s (raise --timeout)")
+    try:
+        cluster.wait(list(ids.values()), timeout_s)
+    except TimeoutError as e:
+        raise TimeoutError(f"the rehearsal did not finish: {e} (raise --timeout)") from None
+    return ids
 
 
 def job_state(cluster: LocalCluster, job_id: str) -> str:
