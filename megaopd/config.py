@@ -184,7 +184,9 @@ class TrainConfig:
     # policy-gradient terms are weighted: GRPO's surrogate, OPD's sampled form; under grpo_opd the GRPO term only.
     # The KL forms of OPD (full_vocab, topk) have no such term: with algorithm=opd the corrections are refused.
     # Truncated IS: weight min(ratio, tis_cap), per token or per sequence (the product over the response).
-    tis: Literal["none", "token", "sequence"] = "none"  # none | token | sequence
+    # auto: token where rollouts can be stale (rollout.max_staleness >= 1, a method with such terms), else none. It
+    # also corrects staleness: at K=1 without it the embedded GRPO expert trailed K=0 (docs/serving.md).
+    tis: Literal["auto", "none", "token", "sequence"] = "auto"  # auto | none | token | sequence
     tis_cap: float = 2.0
     # Two-sided mask (IcePop; verl's rollout_rs): a token (token) or a whole response (sequence: the product)
     # whose ratio lies outside [is_mask_low, is_mask_high] gets weight 0. The defaults are IcePop's.

@@ -18,7 +18,7 @@ response rows [c, V] to one differentiable number per row, so no [rows x V] tens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -116,8 +116,19 @@ def is_correction(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: 
     return ISCorrection(weights.detach(), truncated, masked)
 
 
+def resolve_tis(cfg: RunConfig, spec: Method) -> RunConfig:
+    """``train.tis=auto`` made concrete: token-level truncated IS when the rollouts can be one or more weight versions
+    old (rollout.max_staleness >= 1) and the method has sampled-token policy-gradient terms to weight; none otherwise
+    (K=0: the behaviour policy is the trainer's own, today's synchronous loop bit for bit)."""
+    if cfg.train.tis != "auto":
+        return cfg
+    stale = spec.rollouts and cfg.rollout.max_staleness >= 1 and spec.has_policy_gradient(cfg)
+    return replace(cfg, train=replace(cfg.train, tis="token" if stale else "none"))
+
+
 def check_is_correction(cfg: RunConfig, spec: Method) -> None:
     """Refuses, before any model loads, IS settings that would be dropped, ill-formed, or compare unlike logprobs."""
+    cfg = resolve_tis(cfg, spec)
     train = cfg.train
     for name in ("tis", "is_mask"):
         level = getattr(train, name)

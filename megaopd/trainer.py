@@ -42,7 +42,7 @@ from megaopd.evaluate import Evaluator, score_samples
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger, read_metrics, rollout_metrics
 from megaopd.methods import method
-from megaopd.objectives import build_objective, check_is_correction, form_label, is_correction
+from megaopd.objectives import build_objective, check_is_correction, form_label, is_correction, resolve_tis
 from megaopd.plan import check_run, chunk_rows
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine, reported_sampling, sampling_generator
@@ -146,6 +146,7 @@ def merge_updates(updates: list[tuple[dict[str, float], float]]) -> dict[str, fl
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.method = spec = method(cfg.train.algorithm)
+        cfg = resolve_tis(cfg, spec)  # before the config is saved: config.yaml holds what the run does
         check_is_correction(cfg, spec)
         for path in cfg.data.train + cfg.data.eval:  # before any model is loaded
             require_file(path, "data file", DataError)

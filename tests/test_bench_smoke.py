@@ -57,3 +57,8 @@ def test_step_vs_trl_smoke(bench_assets, script):
 def test_memory_smoke(bench_assets):
     out = run_bench("memory.py", bench_assets)
     assert "| step | side | peak RSS (MiB) |" in out
+
+
+def test_stale_gradient_smoke(bench_assets):
+    out = run_bench("stale_gradient.py", bench_assets)
+    assert "| step | sampled by | mean abs log w |" in out and "\n| 2 | 0 | " in out  # step 2 trains version 0's batch

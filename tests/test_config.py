@@ -75,7 +75,7 @@ def test_enumerated_values_load_and_a_far_miss_lists_the_choices():
     cfg = load_config(None, ["train.algorithm=grpo_opd", "opd.form=topk", "model.megatron.fp8=hybrid"])
     assert (cfg.train.algorithm, cfg.opd.form, cfg.model.megatron.fp8) == ("grpo_opd", "topk", "hybrid")
     with pytest.raises(ConfigError,
-                       match=r"^train\.tis: 'xyz' is not one of 'none', 'token', 'sequence'; set one of them$"):
+                       match=r"^train\.tis: 'xyz' is not one of 'auto', 'none', 'token', 'sequence'; set one of them$"):
         load_config(None, ["train.tis=xyz"])
     with pytest.raises(ConfigError, match=r"model\.megatron\.fp8: True is not one of"):
         load_config(None, ["model.megatron.fp8=true"])  # YAML's bool, not a string

@@ -14,7 +14,7 @@ from megaopd.batch import TokenBatch
 from megaopd.config import ConfigError, GRPOConfig, OPDConfig, TrainConfig, load_config
 from megaopd.methods import method
 from megaopd.objectives import (GRPOWithOPD, check_is_correction, clipped_pg_loss, is_correction, ratio_mask,
-                                truncated_is_weights)
+                                resolve_tis, truncated_is_weights)
 from megaopd.rollout import reported_sampling
 
 
@@ -36,7 +36,7 @@ def test_the_mask_zeroes_tokens_outside_the_band_and_keeps_the_rest():
     # truncation alone is today's weights exactly; nothing on: no weights at all
     alone = is_correction(trainer, rollout, mask, TrainConfig(tis="token", tis_cap=1.5))
     assert torch.equal(alone.weights, truncated_is_weights(trainer, rollout, mask, "token", 1.5))
-    assert alone.masked is None and is_correction(trainer, rollout, mask, TrainConfig()) is None
+    assert alone.masked is None and is_correction(trainer, rollout, mask, TrainConfig(tis="none")) is None
 
 
 def test_grpo_opd_sampled_form_weights_the_group_term_only():
@@ -97,6 +97,24 @@ def test_settings_that_compare_like_with_like_pass():
     assert reported_sampling("local", 0.7, 0.9) == (0.7, 0.9) and reported_sampling("sglang", 0.7, 0.9) == (0.7, 1.0)
     with pytest.raises(ConfigError, match=r"^train\.is_mask=token weights .* opd\.form=topk has none"):
         checked("train.is_mask=token", "opd.form=topk", algorithm="opd")
+
+
+@pytest.mark.parametrize("algorithm,overrides,tis", [
+    ("grpo", ["rollout.max_staleness=1"], "token"),  # rollouts a version old: corrected unless told otherwise
+    ("grpo_opd", ["rollout.max_staleness=2", "opd.form=topk", "opd.topk=4"], "token"),  # its GRPO term
+    ("opd", ["rollout.max_staleness=1", "opd.form=sampled"], "token"),
+    ("grpo", [], "none"),  # K=0: the synchronous loop as it was
+    ("opd", ["rollout.max_staleness=1"], "none"),  # full_vocab: no sampled-token term to weight, nothing refused
+    ("sft", ["rollout.max_staleness=1"], "none"),
+    ("grpo", ["rollout.max_staleness=1", "train.tis=none"], "none"),  # what the user sets stands
+    ("grpo", ["train.tis=sequence"], "sequence"),
+])
+def test_tis_auto_corrects_stale_rollouts_only(algorithm, overrides, tis):
+    """train.tis=auto (the default) is token-level truncated IS where rollouts can be stale and a term can take it:
+    at K=1 without it the embedded GRPO expert trailed K=0 (docs/serving.md, "Bounded staleness")."""
+    cfg = load_config(None, [f"train.algorithm={algorithm}", *overrides])
+    assert resolve_tis(cfg, method(algorithm)).train.tis == tis
+    check_is_correction(cfg, method(algorithm))
 
 
 @pytest.mark.timeout(120)

@@ -221,7 +221,9 @@ def test_grpo_opd_with_rollouts_and_teacher_scores_one_version_ahead(fresh, asse
         for _, samples, fields in scored:  # the same samples scored inline, on this thread, by the same server
             inline = collate(samples, trainer.policy.pad_id)
             score(inline, samples, "topk", cfg.train.micro_batch_size, 4)
-            assert all(torch.equal(value, getattr(inline, name)) for name, value in fields.items())
+            # A second request for the same tokens need not give the same floats (seen: 5e-7 in the top-k logprobs)
+            assert all(torch.allclose(value, getattr(inline, name), rtol=0, atol=TOLERANCE) if value.is_floating_point()
+                       else torch.equal(value, getattr(inline, name)) for name, value in fields.items())
     finally:
         close()
     assert summary["steps"] == 3

@@ -242,6 +242,9 @@ def test_kill_9_then_same_command_resumes_with_the_rollouts_generated_ahead(asse
     assert [m["rollout/draw_index"] for m in steps] == [4 * i for i in range(4)]
     assert [m["rollout/staleness_max"] for m in steps] == [0, 1, 1, 1]
     assert all(m["rollout/stale_dropped"] == 0 for m in steps)
+    # train.tis=auto at K=1: token-level truncated IS, in the saved config and in every step's metrics
+    assert "  tis: token\n" in (tmp_path / "run" / "config.yaml").read_text()
+    assert all(0.5 < m["rollout/tis_weight_mean"] < 2 for m in steps)
 
 
 def test_preemption_signal_checkpoints_and_exits_for_requeue(assets, tmp_path):
