@@ -283,8 +283,16 @@ def _trl_worker(a) -> dict:
 
 
 def _start_profile(a):
+    """cProfile (where the Python time goes) or, with --profile-kind ops, torch.profiler (which operators, by their own
+    CPU time); one kind per run, so neither profiler's overhead lands in the other's numbers."""
     if not a.profile:
         return None
+    if a.profile_kind == "ops":
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        prof.__enter__()
+        return prof
     import cProfile
 
     prof = cProfile.Profile()
@@ -294,6 +302,13 @@ def _start_profile(a):
 
 def _stop_profile(a, prof) -> None:
     if prof is None:
+        return
+    if a.profile_kind == "ops":
+        prof.__exit__(None, None, None)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile_top)
+        shapes = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total",
+                                                                    row_limit=a.profile_top)
+        Path(a.profile).write_text(f"{table}\n---- by operator and input shapes ----\n{shapes}")
         return
     import io
     import pstats
@@ -324,6 +339,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", default="")
     p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--profile-kind", choices=["cprofile", "ops"], default="cprofile")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     import torch
@@ -455,7 +471,7 @@ def bench_main(algo: str, argv: list[str]) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--recompute", type=int, default=0,
                    help="megaopd train.recompute_old_logprobs (TRL skips that forward at num_iterations=1)")
-    p.add_argument("--profile", action="store_true", help="also write cProfile top entries of one run per side")
+    p.add_argument("--profile", action="store_true", help="also profile one run per side: cProfile and torch.profiler's operator table")
     p.add_argument("--assets", default=str(DEFAULT_ASSETS))
     a = p.parse_args(argv)
     if a.smoke:
@@ -483,10 +499,13 @@ def bench_main(algo: str, argv: list[str]) -> None:
             print(f"WARNING: unequal generated tokens per step (megaopd {g_m}, TRL {g_t})")
         if a.profile:
             for side in ("megaopd", "trl"):
-                path = tmp / f"profile_{side}.txt"
-                run_worker(side, algo, tmp, f"{algo}_{side}_prof", **kw, profile=path, profile_top=30)
-                print(f"\n#### cProfile, {side} ({a.steps} timed steps), top by cumulative time\n")
-                print("\n".join(path.read_text().splitlines()[:70]))
+                for kind, title in (("cprofile", "cProfile, top by cumulative time"),
+                                    ("ops", "torch.profiler, operators by their own CPU time")):
+                    path = tmp / f"profile_{side}_{kind}.txt"
+                    run_worker(side, algo, tmp, f"{algo}_{side}_{kind}", **kw, profile=path, profile_top=30,
+                               profile_kind=kind)
+                    print(f"\n#### {title}, {side} ({a.steps} timed steps)\n")
+                    print("\n".join(path.read_text().splitlines()[:70]))
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ def bench_assets(tmp_path_factory):
     return tmp_path_factory.mktemp("bench_assets")
 
 
-def run_bench(script: str, assets: Path | None, timeout: int = 120) -> str:
+def run_bench(script: str, assets: Path | None, timeout: int = 120, extra: list[str] = ()) -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(BENCH / script), "--smoke"] + (["--assets", str(assets)] if assets else [])
+    cmd = [sys.executable, str(BENCH / script), "--smoke", *extra] + (["--assets", str(assets)] if assets else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, f"{script} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
@@ -51,6 +51,15 @@ def test_step_vs_trl_smoke(bench_assets, script):
     # the share of the measured matmul peak, for the step and for each phase (OPD's teacher scoring among them)
     assert "share of the fp32 matmul peak" in out and "| rollout |" in out and "| update |" in out
     assert ("| teacher |" in out) == ("opd" in script)
+
+
+@needs_trl
+def test_step_vs_trl_profiles_both_sides_both_ways(bench_assets):
+    out = run_bench("opd_vs_trl.py", bench_assets, extra=["--profile"])
+    for side in ("megaopd", "trl"):
+        assert f"#### cProfile, top by cumulative time, {side}" in out
+        assert f"#### torch.profiler, operators by their own CPU time, {side}" in out
+    assert "aten::mm" in out and "Self CPU" in out
 
 
 @needs_trl
