@@ -27,7 +27,6 @@ from common import DEFAULT_ASSETS, REPO, prepare_assets, train_files  # noqa: E4
 from megaopd.batch import collate  # noqa: E402
 from megaopd.config import load_config  # noqa: E402
 from megaopd.evaluate import score_samples  # noqa: E402
-from megaopd.objectives import is_correction  # noqa: E402
 from megaopd.trainer import Trainer, train  # noqa: E402
 
 
@@ -54,8 +53,7 @@ def measure(config: str, overrides: list[str], run: Path, step: int, work: Path)
     samples = trainer.rollouts.take(step + 1).samples
     score_samples(trainer.policy.tokenizer, samples)
     batch = collate(samples, trainer.policy.pad_id)
-    batch.old_logprobs = batch.sampling_logprobs = trainer.policy.logprobs(batch, trainer.cfg.train.micro_batch_size)
-    correction = is_correction(batch.sampling_logprobs, batch.rollout_logprobs, batch.response_mask, trainer.cfg.train)
+    correction = trainer.score_old_logprobs(batch)  # train.tis=token: never None
     trainer.objective.prepare(batch, samples)
     response = batch.response_mask.bool()
     log_w = (batch.sampling_logprobs - batch.rollout_logprobs)[response].abs()

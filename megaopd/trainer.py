@@ -42,7 +42,8 @@ from megaopd.evaluate import Evaluator, score_samples
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger, read_metrics, rollout_metrics
 from megaopd.methods import method
-from megaopd.objectives import build_objective, check_is_correction, form_label, is_correction, resolve_tis
+from megaopd.objectives import (ISCorrection, build_objective, check_is_correction, form_label, is_correction,
+                                resolve_tis)
 from megaopd.plan import check_run, chunk_rows
 from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine, reported_sampling, sampling_generator
@@ -213,18 +214,7 @@ class Trainer:
         batch = collate(samples, policy.pad_id)
 
         mbs = cfg.train.micro_batch_size
-        # The PPO ratio's old logprobs are the loss's own distribution (temperature 1); the mismatch with the engine
-        # is measured under the distribution its logprobs are reported at: both from one forward.
-        reported = reported_sampling(cfg.rollout.engine, cfg.rollout.temperature, cfg.rollout.top_p)
-        if not cfg.train.recompute_old_logprobs:  # refused unless the engine reports at 1 / 1 (check_is_correction)
-            batch.old_logprobs = batch.sampling_logprobs = batch.rollout_logprobs
-        elif reported == (1.0, 1.0):
-            batch.old_logprobs = batch.sampling_logprobs = policy.logprobs(batch, mbs)
-        else:
-            batch.old_logprobs, batch.sampling_logprobs = policy.logprobs_under(batch, mbs, [(1.0, 1.0), reported])
-        # The engine sampled from slightly different numbers than the trainer computes.
-        correction = is_correction(batch.sampling_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.train)
-        batch.is_weights = correction.weights if correction else None
+        correction = self.score_old_logprobs(batch)
         if self.reference is not None:
             batch.ref_logprobs = self.reference.logprobs(batch, mbs)
         # Teacher servers scored the samples as they arrived (rollout_pipeline), if they could; else they score now.
@@ -260,6 +250,25 @@ class Trainer:
         metrics |= {"perf/rollout_seconds": rollouts.seconds, "perf/verifier_seconds": verifier_seconds,
                     "perf/update_seconds": update_seconds, "perf/step_seconds": time.perf_counter() - t0}
         return metrics
+
+    def score_old_logprobs(self, batch: TokenBatch) -> ISCorrection | None:
+        """Sets the batch's old logprobs (the PPO ratio's), its sampling logprobs (the trainer's, under the
+        distribution the engine reports its logprobs at) and its IS weights; returns the correction (None: off)."""
+        cfg, mbs = self.cfg, self.cfg.train.micro_batch_size
+        # The PPO ratio's old logprobs are the loss's own distribution (temperature 1); the mismatch with the engine
+        # is measured under the distribution its logprobs are reported at: both from one forward.
+        reported = reported_sampling(cfg.rollout.engine, cfg.rollout.temperature, cfg.rollout.top_p)
+        if not cfg.train.recompute_old_logprobs:  # refused unless the engine reports at 1 / 1 (check_is_correction)
+            batch.old_logprobs = batch.sampling_logprobs = batch.rollout_logprobs
+        elif reported == (1.0, 1.0):
+            batch.old_logprobs = batch.sampling_logprobs = self.policy.logprobs(batch, mbs)
+        else:
+            batch.old_logprobs, batch.sampling_logprobs = self.policy.logprobs_under(batch, mbs,
+                                                                                      [(1.0, 1.0), reported])
+        # The engine sampled from slightly different numbers than the trainer computes.
+        correction = is_correction(batch.sampling_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.train)
+        batch.is_weights = correction.weights if correction else None
+        return correction
 
     def _score_teachers(self, samples: list[Sample], batch: TokenBatch | None = None) -> TeacherScores:
         """The teachers' scores of these samples: in the training step (onto its `batch`, collated once), or on the
