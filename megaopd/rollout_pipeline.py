@@ -15,9 +15,11 @@ A sample more than K versions old is never trained on (dropped and counted; by c
 Where the generation runs: an engine that samples from the trainer's own model (``LocalEngine``) generates inline
 when the pipeline is refilled: the same staleness, no overlap. An engine with its own copy of the weights (SGLang
 servers) generates on one background thread, one generation in flight, so that batch k+K is generated while step k
-trains; under torchrun every rank broadcasts with the leader (``serving.leader``), which must stay on the main
-thread, so there it generates inline too. The weight sync waits for the generation in flight before it pushes
-(no weight update mid-generation, no partial rollouts): nothing is in flight at an eval or a checkpoint.
+trains. Under torchrun only rank 0 talks to the servers (``serving.leader``): its thread generates ``leader_only``
+(no collective off the main thread), every other rank makes the same generator draws on its main thread, and the
+batch reaches every rank by broadcast when it is collected, a point of the loop all ranks share. The weight sync
+waits for the generation in flight before it pushes (no weight update mid-generation, no partial rollouts):
+nothing is in flight at an eval or a checkpoint.
 
 Teacher servers (OPD, ``score``) score each batch on that thread right after its generation, at K >= 1: a frozen
 teacher's scores of a sample hold whatever weights generated it, so they overlap the update as the generation does,
@@ -41,7 +43,7 @@ from megaopd.batch import Sample, TeacherScores
 from megaopd.config import ConfigError
 from megaopd.data.rows import Row
 from megaopd.data.sampler import PromptSampler
-from megaopd.serving.leader import distributed
+from megaopd.serving.leader import is_leader, leader_only, on_leader
 
 
 @dataclass
@@ -64,11 +66,11 @@ class RolloutPipeline:
         the teacher servers' scores (None: no teachers, or local ones)."""
         self.engine, self.sampler, self.generate, self.book = engine, sampler, generate, book
         self.max_staleness, self.last_step = max_staleness, last_step
-        self.background = not engine.shares_policy_weights and not distributed()
+        self.background = not engine.shares_policy_weights
         self.score = score if self.background and max_staleness > 0 else None  # else the training step scores
         self._pool: ThreadPoolExecutor | None = None
         self._ready: dict[int, Batch] = {}  # step -> its generated batch, in step order
-        self._in_flight: tuple[int, Future] | None = None
+        self._in_flight: tuple[int, list[Row], Future | None] | None = None  # step, its rows, rank 0's job
         self._drawn = 0  # the last step whose prompts were drawn
         self._row_index = {id(row): i for i, row in enumerate(sampler.rows)}  # rows go to a checkpoint by index
         self._wait = 0.0
@@ -126,9 +128,19 @@ class RolloutPipeline:
             return
         if self._in_flight is not None:  # one generation at a time: the generator's draws stay in step order
             self._collect()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
-        self._in_flight = (step, self._pool.submit(self._generate, rows, draw_index))
+        job = None
+        if is_leader():
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
+            job = self._pool.submit(self._generate_leader_only, rows, draw_index)
+        else:
+            with leader_only():
+                self.generate(rows)  # rank 0's generator draws: its samples arrive when the batch is collected
+        self._in_flight = (step, rows, job)
+
+    def _generate_leader_only(self, rows: list[Row], draw_index: int) -> Batch:
+        with leader_only():
+            return self._generate(rows, draw_index)
 
     def _generate(self, rows: list[Row], draw_index: int) -> Batch:
         start = time.perf_counter()
@@ -137,9 +149,13 @@ class RolloutPipeline:
         return replace(batch, teacher=self.score(samples)) if self.score else batch
 
     def _collect(self) -> None:
-        step, future = self._in_flight
+        step, rows, job = self._in_flight
         self._in_flight = None
-        self._store(step, future.result())
+        batch = on_leader(lambda: job.result())  # rank 0's batch (or its error) to every rank, from the main thread
+        if batch.rows is not rows:  # a broadcast copy: its samples point at the rank's own rows again (a
+            copies = {id(copy): row for copy, row in zip(batch.rows, rows)}  # checkpoint finds them by identity)
+            batch = replace(batch, rows=rows, samples=[replace(s, row=copies[id(s.row)]) for s in batch.samples])
+        self._store(step, batch)
 
     def _store(self, step: int, batch: Batch) -> None:
         self._booked += self.book(batch)  # on the main thread: the ledger is not shared

@@ -79,6 +79,20 @@ def smollm2(tmp_path_factory):
     return out
 
 
+def torchrun_trainer(config: Path, overrides: list[str]) -> None:
+    """The trainer under torchrun, 2 CPU ranks on gloo (megaopd.megatron.cpu_launch), on a saved config."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(Path(__file__).parent / "megatron_train_cpu.py"), str(config), *overrides]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode:
+        errors = [line for line in proc.stderr.splitlines() if "Warning" not in line and "warn" not in line]
+        pytest.fail("megatron training failed:\n" + "\n".join(errors[-60:]))
+
+
 def run_config(assets, run_dir, algorithm: str = "grpo", **overrides):
     """A small RunConfig over the session's tiny assets, for tests that train a few steps."""
     from megaopd.config import load_config

@@ -221,21 +221,11 @@ def test_megatron_backend_outside_torchrun_says_how_to_launch(assets, monkeypatc
         build_policy(cfg)
 
 
-def _launch(config: Path, overrides: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(Path(__file__).parent / "megatron_train_cpu.py"), str(config), *overrides]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode:
-        errors = [line for line in proc.stderr.splitlines() if "Warning" not in line and "warn" not in line]
-        pytest.fail("megatron training failed:\n" + "\n".join(errors[-60:]))
-
-
 @pytest.mark.slow
 def test_trainer_with_the_megatron_backend_matches_the_hf_backend(assets, tmp_path):
     """The trainer under torchrun with model.backend=megatron (TP=2, then resumed at PP=2) runs OPD with the same
     rollouts, losses and evaluations as the HF backend: every logged number agrees within 1e-5."""
-    from conftest import run_config
+    from conftest import run_config, torchrun_trainer
     from megaopd.config import save_config
     from megaopd.metrics import read_metrics
     from megaopd.trainer import train
@@ -246,8 +236,8 @@ def test_trainer_with_the_megatron_backend_matches_the_hf_backend(assets, tmp_pa
                  "checkpoint.every": 1, "eval.every": 2}
     config = tmp_path / "opd.yaml"
     save_config(run_config(assets, tmp_path / "megatron", "opd", **overrides), config)
-    _launch(config, ["model.backend=megatron", "model.megatron.tp=2"])
-    _launch(config, ["model.backend=megatron", "model.megatron.pp=2", "train.steps=3"])  # resume, another layout
+    torchrun_trainer(config, ["model.backend=megatron", "model.megatron.tp=2"])
+    torchrun_trainer(config, ["model.backend=megatron", "model.megatron.pp=2", "train.steps=3"])  # resumed, at PP=2
     for steps in (2, 3):
         train(run_config(assets, tmp_path / "hf", "opd", **{**overrides, "train.steps": steps}))
 

@@ -161,6 +161,7 @@ def test_slurm_executor_runs_a_multinode_stage_on_the_cluster(cluster, tmp_path)
     assert {name: r["JobState"] for name, r in records.items()} == dict.fromkeys(names, "COMPLETED")
     assert records["megaopd-nemo_mn-base"]["NodeList"] == "node[1-2]"
     (log,) = home.glob("experiments/**/sbatch_megaopd-nemo_mn-base_*.out")
-    ranks = dict(re.findall(r"megaopd: rank (\d+) of 2 \(local 0\) on (\S+)", log.read_text()))
+    # node\d+, not \S+: two ranks' lines in one log once came out as "... on node1megaopd: rank 1 ... on node2"
+    ranks = dict(re.findall(r"megaopd: rank (\d+) of 2 \(local 0\) on (node\d+)", log.read_text()))
     assert ranks == {"0": "node1", "1": "node2"}
     assert json.loads((out / "base" / "summary.json").read_text())["steps"] == 2

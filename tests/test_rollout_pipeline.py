@@ -9,12 +9,15 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from megaopd.batch import Sample, TeacherScores
 from megaopd.config import ConfigError, load_config
 from megaopd.data.rows import Row
 from megaopd.data.sampler import PromptSampler
 from megaopd.rollout_pipeline import RolloutPipeline
+from megaopd.serving.leader import on_leader
 
 PROMPTS = 2
 
@@ -206,3 +209,62 @@ def test_a_checkpoint_holds_the_teacher_scores_of_the_batches_scored_ahead():
 def test_negative_staleness_is_a_config_error():
     with pytest.raises(ConfigError, match="rollout.max_staleness must be >= 0"):
         load_config(None, ["rollout.max_staleness=-1"])
+
+
+class LeaderEngine(RecordingEngine):
+    """As SGLangEngine under torchrun: every rank draws the samples' seeds, only rank 0 generates (on_leader)."""
+
+    def generate(self, rows, generator):
+        draws = torch.rand(len(rows), generator=generator).tolist()
+        return on_leader(lambda: self._serve(rows, draws))
+
+    def _serve(self, rows, draws):
+        self.generating.set()
+        time.sleep(self.seconds)
+        self.events.append(("generate", threading.current_thread().name, [r.ground_truth for r in rows], draws))
+        self.generating.clear()
+        return [Sample(row, i, [1], [len(self.events), i], [0.0], "stop", self.weight_version)
+                for i, row in enumerate(rows)]
+
+
+def _ranks_worker(rank: int, init_file: str, results, generation_seconds: float, update_seconds: float) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    engine, generator = LeaderEngine(False, seconds=generation_seconds), torch.Generator().manual_seed(0)
+    teacher = recording_teacher(engine)
+    pipe = RolloutPipeline(engine, PromptSampler(rows(), PROMPTS, seed=0), lambda b: engine.generate(b, generator),
+                           lambda batch: len(batch.samples), 1, 4, lambda samples: on_leader(lambda: teacher(samples)))
+    taken, waits, saved = [], [], None
+    for step in range(1, 5):
+        batch = pipe.take(step)
+        scores = batch.teacher.fields["teacher_logprobs"].tolist() if batch.teacher else None
+        taken.append(([(s.row.ground_truth, s.response_ids) for s in batch.samples], scores))
+        for _ in range(3):  # the update: collectives on the main thread while rank 0 generates on its own
+            dist.all_reduce(torch.ones(1))
+            time.sleep(update_seconds / 3)
+        pipe.sync_weights(None)
+        waits.append(pipe.step_end()[0]["perf/rollout_wait_seconds"])
+        if step == 2:
+            saved = [(b["rows"], [s["row"] for s in b["samples"]]) for b in pipe.state_dict()]
+    pipe.close()
+    results[rank] = {"taken": taken, "waits": waits, "saved": saved, "generator": generator.get_state().tolist(),
+                     "threads": sorted({e[1] for e in engine.events if e[0] in ("generate", "score")})}
+    dist.destroy_process_group()
+
+
+def test_under_torchrun_rank_0_generates_in_the_background_and_every_rank_trains_its_batches(tmp_path):
+    """Two gloo ranks, K=1, a server-backed engine: rank 0 generates and scores on the pipeline's thread while the
+    update runs collectives on the main thread; each batch reaches both ranks when collected. (Before, a torchrun
+    trainer generated inline: step 2 on waited a whole generation, 0.5 s here.)"""
+    generation, update = 0.5, 0.6
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_ranks_worker, args=(str(tmp_path / "init"), results, generation, update), nprocs=2)
+        leader, other = results[0], results[1]
+    assert leader["threads"] == ["rollouts_0"] and other["threads"] == []
+    assert leader["taken"] == other["taken"] and len(leader["taken"]) == 4
+    assert all(scores == [ground_truth for ground_truth, _ in samples] for samples, scores in leader["taken"])
+    assert leader["saved"] == other["saved"] and len(leader["saved"]) == 1  # batch 3, rows found on each rank
+    assert leader["generator"] == other["generator"]  # every rank drew the seeds of every generation
+    for waits in (leader["waits"], other["waits"]):
+        assert waits[0] > 0.8 * generation  # batch 1: nothing to overlap with
+        assert max(waits[1:]) < generation / 2, waits  # later batches were generated during the previous update

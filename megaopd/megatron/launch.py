@@ -44,9 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     require()
     rank = int(os.environ.get("RANK", 0))
-    # Every rank says where it runs: the placement of a multi-node job, read back from its own log.
-    print(f"megaopd: rank {rank} of {os.environ.get('WORLD_SIZE', 1)} (local {os.environ.get('LOCAL_RANK', 0)}) "
-          f"on {socket.gethostname()}", flush=True)
+    # Every rank says where it runs: the placement of a multi-node job, read back from its own log. One write with
+    # its newline (print writes the end separately): the ranks share the log, and a line split there was seen.
+    sys.stdout.write(f"megaopd: rank {rank} of {os.environ.get('WORLD_SIZE', 1)} "
+                     f"(local {os.environ.get('LOCAL_RANK', 0)}) on {socket.gethostname()}\n")
+    sys.stdout.flush()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     from megaopd.trainer import train
