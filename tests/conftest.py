@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,9 +83,6 @@ def smollm2(tmp_path_factory):
 
 def torchrun_trainer(config: Path, overrides: list[str]) -> None:
     """The trainer under torchrun, 2 CPU ranks on gloo (megaopd.megatron.cpu_launch), on a saved config."""
-    import subprocess
-    import sys
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(Path(__file__).parent / "megatron_train_cpu.py"), str(config), *overrides]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,

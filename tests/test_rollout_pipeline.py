@@ -50,8 +50,8 @@ def rows():
     return [Row("src", [{"role": "user", "content": str(i)}], i) for i in range(7)]
 
 
-def pipeline(engine, max_staleness, last_step, booked, score=None):
-    generator = torch.Generator().manual_seed(0)
+def pipeline(engine, max_staleness, last_step, booked, score=None, generator=None):
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
     sampler = PromptSampler(rows(), PROMPTS, seed=0)
     return RolloutPipeline(engine, sampler, lambda batch: engine.generate(batch, generator),
                            lambda batch: booked.append(len(batch.samples)) or 10 * len(batch.samples),
@@ -231,8 +231,7 @@ def _ranks_worker(rank: int, init_file: str, results, generation_seconds: float,
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     engine, generator = LeaderEngine(False, seconds=generation_seconds), torch.Generator().manual_seed(0)
     teacher = recording_teacher(engine)
-    pipe = RolloutPipeline(engine, PromptSampler(rows(), PROMPTS, seed=0), lambda b: engine.generate(b, generator),
-                           lambda batch: len(batch.samples), 1, 4, lambda samples: on_leader(lambda: teacher(samples)))
+    pipe = pipeline(engine, 1, 4, [], lambda samples: on_leader(lambda: teacher(samples)), generator)
     taken, waits, saved = [], [], None
     for step in range(1, 5):
         batch = pipe.take(step)

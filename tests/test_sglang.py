@@ -161,7 +161,7 @@ def test_a_torchrun_trainer_generates_one_version_ahead_and_checkpoints_on_every
     assert [m["rollout/weight_version"] for m in steps] == [0, 0, 1]
     assert [m["rollout/staleness_max"] for m in steps] == [0, 1, 1]
     assert fresh.get("/model_info")["weight_version"] == "3"
-    ahead = [torch.load(tmp_path / "run" / "checkpoints" / f"step_000000{step}" / "state.pt",
+    ahead = [torch.load(tmp_path / "run" / "checkpoints" / f"step_{step:07d}" / "state.pt",
                         weights_only=False)["rollouts"] for step in (2, 3)]  # checkpoint.keep=2
     assert [len(batches) for batches in ahead] == [1, 0]  # batch 3, generated during step 2; none after the last
 
