@@ -282,15 +282,23 @@ def _trl_worker(a) -> dict:
             "generated_incl_pad": counts["gen_generated"][a.warmup:], "rss_before_kb": marks.get("rss_before", 0)}
 
 
+PROFILE_KINDS = {"cprofile": "cProfile, top by cumulative time",
+                 "ops": "torch.profiler, operators by their own CPU time",
+                 "shapes": "torch.profiler with record_shapes, operators and input shapes (slowed: see the step time)"}
+
+
 def _start_profile(a):
-    """cProfile (where the Python time goes) or, with --profile-kind ops, torch.profiler (which operators, by their own
-    CPU time); one kind per run, so neither profiler's overhead lands in the other's numbers."""
+    """cProfile (where the Python time goes) or torch.profiler (which operators, by their own CPU time; "shapes": by
+    input shapes too); one kind per run, so no profiler's overhead lands in another's numbers."""
     if not a.profile:
         return None
-    if a.profile_kind == "ops":
+    if a.profile_kind in ("ops", "shapes"):
         from torch.profiler import ProfilerActivity, profile
 
-        prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        # record_shapes slows the big operators by far more than their own time (a qwen3-small forward: ~30 ms
+        # alone, ~49 ms profiled, ~120 ms profiled with shapes), so the shares come from a run without it and
+        # the shapes from a run of their own.
+        prof = profile(activities=[ProfilerActivity.CPU], record_shapes=a.profile_kind == "shapes")
         prof.__enter__()
         return prof
     import cProfile
@@ -303,12 +311,10 @@ def _start_profile(a):
 def _stop_profile(a, prof) -> None:
     if prof is None:
         return
-    if a.profile_kind == "ops":
+    if a.profile_kind in ("ops", "shapes"):
         prof.__exit__(None, None, None)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile_top)
-        shapes = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total",
-                                                                    row_limit=a.profile_top)
-        Path(a.profile).write_text(f"{table}\n---- by operator and input shapes ----\n{shapes}")
+        averages = prof.key_averages(group_by_input_shape=a.profile_kind == "shapes")
+        Path(a.profile).write_text(averages.table(sort_by="self_cpu_time_total", row_limit=a.profile_top))
         return
     import io
     import pstats
@@ -339,7 +345,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", default="")
     p.add_argument("--profile-top", type=int, default=25)
-    p.add_argument("--profile-kind", choices=["cprofile", "ops"], default="cprofile")
+    p.add_argument("--profile-kind", choices=list(PROFILE_KINDS), default="cprofile")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     import torch
@@ -417,6 +423,9 @@ def report_ab(title: str, runs: dict, peak: float) -> tuple[list[str], dict]:
         return statistics.median([n / s for n, s in zip(r["seq_tokens"], r["times"])])
 
     tok_ratios = [run_rate(a) / run_rate(b) for a, b in zip(m, t)]
+    # The ratio a free rollout would give: the bound on what any speed-up of generation alone can buy.
+    ceiling = [b["median_step_s"] / (a["median_step_s"] - statistics.median(p["rollout"][0] for p in a["phases"]))
+               for a, b in zip(m, t)]
     flops = per_step(m, "flops")
     step_m, step_t = (statistics.median(r["median_step_s"] for r in side) for side in (m, t))
     phases = {phase: tuple(statistics.median(p[phase][i] for r in m for p in r["phases"]) for i in (0, 1))
@@ -433,6 +442,9 @@ def report_ab(title: str, runs: dict, peak: float) -> tuple[list[str], dict]:
         f"{statistics.median(r['median_cpu_s'] for r in t):.3f} | |",
         f"| step CPU-time ratio (TRL / megaopd), median of {len(cpu_ratios)} A/B pairs | | | "
         f"{statistics.median(cpu_ratios):.2f}x (spread {spread(cpu_ratios)}) |",
+        f"| ratio with megaopd's rollout free (TRL time / megaopd's step less its rollout phase), median of "
+        f"{len(ceiling)} A/B pairs: the most a faster generation could buy | | | "
+        f"{statistics.median(ceiling):.2f}x (spread {spread(ceiling)}) |",
         f"| generated tokens per step | {gen_m:.0f} | {gen_t:.0f} | {gen_m / max(gen_t, 1):.3f} |",
         f"| trained tokens per step (prompt + response) | {seq_m:.0f} | {seq_t:.0f} | {seq_m / max(seq_t, 1):.3f} |",
         f"| trained tokens/s | {tok_rate(m, 'seq_tokens'):.0f} | {tok_rate(t, 'seq_tokens'):.0f} | "
@@ -499,12 +511,13 @@ def bench_main(algo: str, argv: list[str]) -> None:
             print(f"WARNING: unequal generated tokens per step (megaopd {g_m}, TRL {g_t})")
         if a.profile:
             for side in ("megaopd", "trl"):
-                for kind, title in (("cprofile", "cProfile, top by cumulative time"),
-                                    ("ops", "torch.profiler, operators by their own CPU time")):
+                for kind, title in PROFILE_KINDS.items():
                     path = tmp / f"profile_{side}_{kind}.txt"
-                    run_worker(side, algo, tmp, f"{algo}_{side}_{kind}", **kw, profile=path, profile_top=30,
-                               profile_kind=kind)
-                    print(f"\n#### {title}, {side} ({a.steps} timed steps)\n")
+                    res = run_worker(side, algo, tmp, f"{algo}_{side}_{kind}", **kw, profile=path, profile_top=30,
+                                     profile_kind=kind)
+                    print(f"\n#### {title}, {side} ({a.steps} timed steps; median step "
+                          f"{statistics.median(res['times']):.3f} s profiled, "
+                          f"{statistics.median(r['median_step_s'] for r in runs[side]):.3f} s in the A/B runs)\n")
                     print("\n".join(path.read_text().splitlines()[:70]))
 
 

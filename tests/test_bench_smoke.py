@@ -48,6 +48,7 @@ def test_rollout_throughput_smoke(bench_assets):
 def test_step_vs_trl_smoke(bench_assets, script):
     out = run_bench(script, bench_assets)
     assert "step throughput ratio" in out and "generated tokens per step" in out
+    assert "ratio with megaopd's rollout free" in out  # the bound on what generation speed alone can buy
     # the share of the measured matmul peak, for the step and for each phase (OPD's teacher scoring among them)
     assert "share of the fp32 matmul peak" in out and "| rollout |" in out and "| update |" in out
     assert ("| teacher |" in out) == ("opd" in script)
@@ -59,7 +60,8 @@ def test_step_vs_trl_profiles_both_sides_both_ways(bench_assets):
     for side in ("megaopd", "trl"):
         assert f"#### cProfile, top by cumulative time, {side}" in out
         assert f"#### torch.profiler, operators by their own CPU time, {side}" in out
-    assert "aten::mm" in out and "Self CPU" in out
+        assert f"#### torch.profiler with record_shapes, operators and input shapes (slowed: see the step time), {side}" in out
+    assert "aten::mm" in out and "Self CPU" in out and "Input Shapes" in out
 
 
 @needs_trl
