@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine
 from megaopd.serving.engine import SGLangEngine, StaleWeightsError
 from megaopd.serving.pool import ServerPool
-from megaopd.serving.server import SGLangServer
+from megaopd.serving.server import SGLangServer, ServerError
 from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
 from megaopd.serving.teacher import SGLangTeacher
 from megaopd.trainer import Trainer
@@ -74,9 +75,15 @@ def server(assets, tmp_path_factory):
 
 def reset(server, assets) -> None:
     """The server back on the base weights at version 0."""
-    answer = server.post("/update_weights_from_disk", {"model_path": str(assets / "models" / "qwen3-tiny"),
-                                                        "weight_version": "0"}, 120)
+    load_weights(server, assets / "models" / "qwen3-tiny", "0")
+
+
+def load_weights(server, model_path, version: str) -> None:
+    """Weights from disk under `version`, as the disk sync loads them: the flush deferred until the server is idle."""
+    answer = server.post("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": version,
+                                                        "flush_cache": False}, 120)
     assert answer["success"], answer
+    server.flush_cache(120)
 
 
 @pytest.fixture
@@ -177,14 +184,48 @@ def test_a_stale_server_is_detected(fresh, assets, tmp_path):
     assert engine.weight_version == 1 and fresh.get("/model_info")["weight_version"] == "1"
 
     # The server claims version 1 but serves the old weights: only the probe can tell.
-    fresh.post("/update_weights_from_disk", {"model_path": str(assets / "models" / "qwen3-tiny"),
-                                             "weight_version": "1"}, 120)
+    load_weights(fresh, assets / "models" / "qwen3-tiny", "1")
     with pytest.raises(StaleWeightsError, match="does not serve the trainer's weights"):
         engine.verify(policy, 1)
     # The server lags a version behind: every rollout it returns is refused.
-    fresh.post("/update_weights_from_disk", {"model_path": str(engine.weights_dir / "v1"), "weight_version": "0"}, 120)
+    load_weights(fresh, engine.weights_dir / "v1", "0")
     with pytest.raises(StaleWeightsError, match="served weight version '0' but the trainer is at 1"):
         engine.generate(rows(assets, 1), 1, max_new_tokens=4, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_weight_sync_while_a_request_runs_flushes_once_idle(fresh, assets, tmp_path):
+    """SGLang refuses a cache flush while any request is running or queued, and a weight update's own flush fails
+    the update so (a request can still be listed for a moment after its answer came back: a CI run failed so). The
+    sync updates without it and flushes once the server is idle."""
+    cfg = attached(assets, tmp_path, fresh)
+    policy = HFPolicy(cfg.model, cfg.optim)
+    engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+    def slowed_request() -> threading.Thread:  # 40 decode steps at 0.25 s each: ~10 s of running
+        thread = threading.Thread(target=fresh.post, args=("/generate", {
+            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}, 300))
+        thread.start()
+        time.sleep(2)
+        assert thread.is_alive(), "the slowed request ended already: the checks below would check nothing"
+        return thread
+
+    fresh.post("/slow_down", {"forward_sleep_time": 0.25}, 60)
+    try:
+        running = slowed_request()
+        with pytest.raises(ServerError, match="HTTP 400"):  # negative control: a flush that does not wait
+            fresh.post("/flush_cache", {}, 60)
+        fresh.flush_cache(120)  # waits for idle on the server
+        running.join(30)
+        assert not running.is_alive()
+        running = slowed_request()
+        engine.sync_weights(policy)  # the update, its flush once idle, the probe: all while a request was running
+        running.join(30)
+        assert engine.weight_version == 1 and fresh.get("/model_info")["weight_version"] == "1"
+    finally:
+        fresh.post("/slow_down", {"forward_sleep_time": None}, 60)
 
 
 def served_teacher_and_local_samples(fresh, assets, tmp_path, seed: int):

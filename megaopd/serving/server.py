@@ -131,14 +131,22 @@ class SGLangServer:
     # ---- HTTP ----
     def post(self, path: str, payload: dict, timeout_s: float, retries: int = 0) -> dict | list:
         """POST JSON and return the decoded answer; retried `retries` times on connection errors and 5xx."""
-        data = json.dumps(payload).encode()
+        return json.loads(self._send(path, json.dumps(payload).encode(), timeout_s, retries))
+
+    def flush_cache(self, timeout_s: float) -> None:
+        """Drop the prefix cache the old weights computed, as soon as the server is idle. A weight update's own
+        flush is refused (400) while any request is running or queued, and a request can still be listed for a
+        moment after its answer came back; this one waits for idle on the server, up to `timeout_s`."""
+        self._send(f"/flush_cache?timeout={timeout_s:g}", b"{}", timeout_s + 30)
+
+    def _send(self, path: str, data: bytes, timeout_s: float, retries: int = 0) -> bytes:
         error = None
         for attempt in range(retries + 1):
             request = urllib.request.Request(f"{self.url}{path}", data=data,
                                              headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                    return json.loads(response.read())
+                    return response.read()
             except urllib.error.HTTPError as e:
                 error = f"HTTP {e.code}: {e.read()[:500].decode(errors='replace')}"
                 if e.code < 500:

@@ -45,6 +45,14 @@ def _check(answers: list[dict], what: str, urls: list[str]) -> None:
         raise ServerError(f"{what} failed on " + "; ".join(failed))
 
 
+def _flush(engine) -> None:
+    """After the weights changed, the prefix cache still holds KV the old weights computed. The updates ask for no
+    flush of their own (SGLang refuses it, failing the update, while a just-answered request is still listed);
+    each server flushes here once idle."""
+    for server in engine.pool.servers:
+        server.flush_cache(engine.cfg.request_timeout_s)
+
+
 def sync_from_disk(engine, policy, version: str) -> None:
     path = engine.weights_dir / f"v{version}"
     tmp = engine.weights_dir / f".tmp_v{version}"
@@ -58,8 +66,9 @@ def _load_from_disk(engine, tmp, path, version: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)  # a server never reads a half-written directory
     answers = engine.pool.broadcast("/update_weights_from_disk",
-                                    {"model_path": str(path), "weight_version": version, "flush_cache": True})
+                                    {"model_path": str(path), "weight_version": version, "flush_cache": False})
     _check(answers, f"/update_weights_from_disk {path}", engine.pool.urls)
+    _flush(engine)
     for server in engine.pool.servers:  # a restarted server comes back on these weights
         server.model_path, server.weight_version = str(path), version
     for old in engine.weights_dir.glob("v*"):
@@ -82,9 +91,10 @@ def _load_from_tensors(engine, named, version: str) -> None:
     serialized = MultiprocessingSerializer.serialize(named, output_str=True)
     tp_size = int(engine.pool.servers[0].get("/get_server_info").get("tp_size", 1))
     answers = engine.pool.broadcast("/update_weights_from_tensor",
-                                    {"serialized_named_tensors": [serialized] * tp_size, "flush_cache": True,
+                                    {"serialized_named_tensors": [serialized] * tp_size, "flush_cache": False,
                                      "weight_version": version})
     _check(answers, "/update_weights_from_tensor", engine.pool.urls)
+    _flush(engine)
 
 
 class DistributedSync:
@@ -139,7 +149,7 @@ class DistributedSync:
             last = i == len(buckets) - 1
             payload = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                        "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                       "flush_cache": last, **({"weight_version": version} if last else {})}
+                       "flush_cache": False, **({"weight_version": version} if last else {})}
             answers: list = []
             request = threading.Thread(target=lambda: answers.extend(
                 engine.pool.broadcast("/update_weights_from_distributed", payload)))
@@ -148,6 +158,7 @@ class DistributedSync:
                 torch.distributed.broadcast(tensor, src=0, group=self.group)
             request.join()
             _check(answers, "/update_weights_from_distributed", engine.pool.urls)
+        _flush(engine)
 
 
 def sync_address(server_urls: list[str]) -> str:
