@@ -56,10 +56,7 @@ def server_config(threads: int) -> SGLangConfig:
 
 def run_stage(server: SGLangServer, assets: Path, run_dir: Path, k: int, a) -> dict[str, float]:
     model = str(assets / "models" / "qwen3-tiny")
-    answer = server.post("/update_weights_from_disk", {"model_path": model, "weight_version": "0", "flush_cache": False},
-                         300)
-    assert answer["success"], answer
-    server.flush_cache(300)  # once idle (the weight update's own flush is refused while a request is listed)
+    server.load_weights(model, "0", 300)
     data = train_files(assets)
     # Without a teacher server handed over (MEGAOPD_TEACHER_URLS) the trainer launches its own for the stage.
     opd = (["opd.form=sampled", "opd.teacher_engine=sglang", f"opd.teachers.arith_add={assets / 'models' / TEACHER}"]

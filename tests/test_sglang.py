@@ -75,15 +75,7 @@ def server(assets, tmp_path_factory):
 
 def reset(server, assets) -> None:
     """The server back on the base weights at version 0."""
-    load_weights(server, assets / "models" / "qwen3-tiny", "0")
-
-
-def load_weights(server, model_path, version: str) -> None:
-    """Weights from disk under `version`, as the disk sync loads them: the flush deferred until the server is idle."""
-    answer = server.post("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": version,
-                                                        "flush_cache": False}, 120)
-    assert answer["success"], answer
-    server.flush_cache(120)
+    server.load_weights(assets / "models" / "qwen3-tiny", "0", 120)
 
 
 @pytest.fixture
@@ -184,11 +176,11 @@ def test_a_stale_server_is_detected(fresh, assets, tmp_path):
     assert engine.weight_version == 1 and fresh.get("/model_info")["weight_version"] == "1"
 
     # The server claims version 1 but serves the old weights: only the probe can tell.
-    load_weights(fresh, assets / "models" / "qwen3-tiny", "1")
+    fresh.load_weights(assets / "models" / "qwen3-tiny", "1", 120)
     with pytest.raises(StaleWeightsError, match="does not serve the trainer's weights"):
         engine.verify(policy, 1)
     # The server lags a version behind: every rollout it returns is refused.
-    load_weights(fresh, engine.weights_dir / "v1", "0")
+    fresh.load_weights(engine.weights_dir / "v1", "0", 120)
     with pytest.raises(StaleWeightsError, match="served weight version '0' but the trainer is at 1"):
         engine.generate(rows(assets, 1), 1, max_new_tokens=4, generator=torch.Generator().manual_seed(0))
 

@@ -133,6 +133,14 @@ class SGLangServer:
         """POST JSON and return the decoded answer; retried `retries` times on connection errors and 5xx."""
         return json.loads(self._send(path, json.dumps(payload).encode(), timeout_s, retries))
 
+    def load_weights(self, model_path: str | Path, version: str, timeout_s: float) -> None:
+        """Serve the HF weights at `model_path` under `version` (the disk sync's two calls, for one server)."""
+        answer = self.post("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": version,
+                                                        "flush_cache": False}, timeout_s)
+        if not answer.get("success", False):
+            raise ServerError(f"SGLang server {self.url}/update_weights_from_disk {model_path}: {answer.get('message')}")
+        self.flush_cache(timeout_s)
+
     def flush_cache(self, timeout_s: float) -> None:
         """Drop the prefix cache the old weights computed, as soon as the server is idle. A weight update's own
         flush is refused (400) while any request is running or queued, and a request can still be listed for a
