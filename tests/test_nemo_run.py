@@ -74,6 +74,8 @@ def run_logged(tmp_path: Path, script: Path, env: dict[str, str]) -> tuple[int, 
     """Run a batch script under bash in ``env`` (see fake_cluster); its return code and the calls it made."""
     log = tmp_path / "calls.log"
     log.unlink(missing_ok=True)
+    for started in (tmp_path / "healthy").iterdir():  # the last script's servers are gone
+        started.unlink()
     result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     return result.returncode, log.read_text().splitlines() if log.exists() else []
 

@@ -87,8 +87,9 @@ def test_gpu_study_plan_nodes_dependencies_and_signals(tmp_path):
 
 def fake_cluster(tmp_path: Path, nodes: list[str]) -> dict[str, str]:
     """Stand-ins for srun, scontrol and python3 that log their arguments (and the env the trainer sees)."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir, log, health = tmp_path / "bin", tmp_path / "calls.log", tmp_path / "healthy"
     bin_dir.mkdir()
+    health.mkdir()
     stubs = {
         # Node k of the list has the address 10.0.0.k: the script must use addresses, not names, in its URLs.
         "scontrol": f"""nodes=({' '.join(nodes)})
@@ -98,20 +99,28 @@ if [[ $1 == show && $2 == node ]]; then
   exit 0
 fi
 echo "scontrol $*" >> {log}""",
-        # SGLang servers run until stopped; the trainer exits with $TRAINER_EXIT, or 75 once signalled.
+        # SGLang servers run until stopped, healthy once their step has logged its call (before that the job
+        # could finish and stop a server whose call was never logged); the trainer exits with $TRAINER_EXIT, or 75
+        # once signalled.
         "srun": f"""[[ $1 == --help ]] && echo "  --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH" && exit 0
 echo "srun $* ROLLOUT=${{MEGAOPD_ROLLOUT_URLS:-}} TEACHERS=${{MEGAOPD_TEACHER_URLS:-}}" \
   "SYNC=${{MEGAOPD_SYNC_ADDR:-}} OMP=$OMP_NUM_THREADS NCCL_IF=${{NCCL_SOCKET_IFNAME:-}}" \
   "GLOO_IF=${{GLOO_SOCKET_IFNAME:-}} HCA=${{NCCL_IB_HCA:-}}" >> {log}
+nodes=({' '.join(nodes)})
 case "$*" in
-  *sglang.launch_server*) exec sleep 30 ;;
+  *sglang.launch_server*)
+    for i in "${{!nodes[@]}}"; do
+      [[ " $* " == *" --nodelist=${{nodes[i]}} "* ]] && touch {health}/10.0.0.$((i + 1))
+    done
+    exec sleep 30 ;;
   *) trap 'echo "trainer got USR1" >> {log}; exit 75' USR1
      [[ -n ${{TRAINER_SLEEP:-}} ]] && {{ touch {tmp_path}/started; sleep "$TRAINER_SLEEP" & wait $!; }}
      [[ -n ${{TRAINER_KILLED:-}} ]] && kill -KILL $$
      exit "${{TRAINER_EXIT:-0}}" ;;
 esac""",
-        # The servers' health check answers; the TP check is the real one.
+        # The TP check is the real one; a server's health check answers once it started (see srun).
         "python3": f"""[[ $1 == *server_tp.py ]] && exec {sys.executable} "$@"
+if [[ $1 == -c && $3 == */health ]]; then address=${{3#http://}}; [[ -e {health}/${{address%%:*}} ]]; exit; fi
 exit 0""",
     }
     for name, body in stubs.items():
