@@ -106,12 +106,10 @@ echo "scontrol $*" >> {log}""",
 echo "srun $* ROLLOUT=${{MEGAOPD_ROLLOUT_URLS:-}} TEACHERS=${{MEGAOPD_TEACHER_URLS:-}}" \
   "SYNC=${{MEGAOPD_SYNC_ADDR:-}} OMP=$OMP_NUM_THREADS NCCL_IF=${{NCCL_SOCKET_IFNAME:-}}" \
   "GLOO_IF=${{GLOO_SOCKET_IFNAME:-}} HCA=${{NCCL_IB_HCA:-}}" >> {log}
-nodes=({' '.join(nodes)})
 case "$*" in
-  *sglang.launch_server*)
-    for i in "${{!nodes[@]}}"; do
-      [[ " $* " == *" --nodelist=${{nodes[i]}} "* ]] && touch {health}/10.0.0.$((i + 1))
-    done
+  *sglang.launch_server*)  # healthy at its node's address, as the stand-in scontrol gives it
+    [[ $* =~ --nodelist=([^[:space:]]+) ]] && node=${{BASH_REMATCH[1]}}
+    [[ $(scontrol show node "${{node:-}}") =~ NodeAddr=([^[:space:]]+) ]] && touch {health}/${{BASH_REMATCH[1]}}
     exec sleep 30 ;;
   *) trap 'echo "trainer got USR1" >> {log}; exit 75' USR1
      [[ -n ${{TRAINER_SLEEP:-}} ]] && {{ touch {tmp_path}/started; sleep "$TRAINER_SLEEP" & wait $!; }}
