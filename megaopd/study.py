@@ -25,7 +25,7 @@ from megaopd.config import ConfigError, RunConfig, load_config, save_config
 from megaopd.embedded import make_embedded
 from megaopd.errors import StudyError
 from megaopd.metrics import read_metrics
-from megaopd.trainer import FINAL_DIR, Trainer
+from megaopd.trainer import Trainer, stage_is_done
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +138,6 @@ def build_assets(study: StudyConfig) -> None:
 
         build_word_problems(out / "data", a.train_rows, a.heldout_rows, a.word_problem_digits, a.seed,
                             a.heldout_percent)
-
-
-def stage_is_done(run_dir: Path) -> bool:
-    """A finished stage: its exported model and summary exist (both written only at the end of a run)."""
-    return (run_dir / FINAL_DIR / "config.json").exists() and (run_dir / "summary.json").exists()
 
 
 def dependencies(study: StudyConfig) -> dict[str, list[str]]:

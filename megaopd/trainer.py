@@ -423,5 +423,16 @@ class Trainer:
         return summary
 
 
+def stage_is_done(run_dir: str | Path) -> bool:
+    """A finished run: its exported model and summary exist (both written only at the end, by ``_finish``)."""
+    return (Path(run_dir) / FINAL_DIR / "config.json").exists() and (Path(run_dir) / "summary.json").exists()
+
+
 def train(cfg: RunConfig) -> dict:
+    # A preemption signal that lands after the last step (in the final eval or the export) still requeues the job
+    # (torchrun exits 1 after any signal); the requeued run must not train the finished stage again.
+    if stage_is_done(cfg.run_dir):
+        log.info("%s is done (%s and summary.json exist): nothing to train; remove it or choose another run_dir "
+                 "to train again", cfg.run_dir, FINAL_DIR)
+        return json.loads((Path(cfg.run_dir) / "summary.json").read_text())
     return Trainer(cfg).fit()

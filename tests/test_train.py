@@ -273,10 +273,15 @@ def test_several_updates_per_batch(assets, tmp_path):
 
 
 def test_running_a_finished_run_again_changes_nothing(assets, tmp_path):
-    config = run_config(assets, tmp_path / "run", "grpo", **{"train.steps": 2})
+    """What a job requeued by a preemption signal that came after the last step runs (the final eval or export
+    was under way): the same command on a finished run. With no checkpoint at the end (checkpoint.every past
+    it), resuming would train the whole stage again; it must write nothing."""
+    config = run_config(assets, tmp_path / "run", "grpo", **{"train.steps": 2, "checkpoint.every": 1000})
     first = train(config)
+    written = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()}
     again = train(config)
     assert again["ledger"]["own"] == first["ledger"]["own"] and again["final"] == first["final"]
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()} == written
     assert sum(any(k.startswith("final/") for k in m) for m in read_metrics(tmp_path / "run")) == 1
 
 

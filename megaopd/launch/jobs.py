@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from megaopd.config import load_config
-from megaopd.study import StudyConfig, accuracy_flops_table, build_assets, seed_studies, stage_is_done
+from megaopd.study import StudyConfig, accuracy_flops_table, build_assets, seed_studies
+from megaopd.trainer import stage_is_done
 
 
 def write_report(study: StudyConfig) -> str:

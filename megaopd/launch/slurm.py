@@ -24,8 +24,8 @@ from pathlib import Path
 from megaopd.config import ConfigError, RunConfig, from_dict, load_config, to_dict
 from megaopd.launch.server_tp import server_tp
 from megaopd.methods import method
-from megaopd.study import (StageConfig, StudyConfig, dependencies, seed_studies, stage_is_done, stage_overrides,
-                           submission_order)
+from megaopd.study import StageConfig, StudyConfig, dependencies, seed_studies, stage_overrides, submission_order
+from megaopd.trainer import stage_is_done
 
 # The templates live beside the package in a source checkout (also the layout inside the Docker images).
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
