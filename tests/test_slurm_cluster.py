@@ -119,9 +119,11 @@ def test_study_runs_as_dependent_jobs(cluster, tmp_path, capsys):
 
 
 def test_preempted_stage_requeues_and_resumes_with_the_same_ledger(cluster, tmp_path, capsys):
-    # Two identical GRPO stages with no dependency between them run side by side; one is preempted.
+    # Two identical GRPO stages with no dependency between them run side by side; one is preempted. Long enough
+    # that USR1, sent once step 2 is logged, lands mid-stage: ~60 ms a step on an idle machine (with 10 steps it
+    # landed at step 4; a signal in the final eval lets the stage finish, and it is not requeued).
     stage = {"config": str(ROOT / "configs/embedded/grpo.yaml"),
-             "overrides": ["model.path={out}/models/qwen3-tiny", *DATA, *SMALL, "train.steps=10"]}
+             "overrides": ["model.path={out}/models/qwen3-tiny", *DATA, *SMALL, "train.steps=60"]}
     study = write_study(tmp_path, [{"name": "steady", **stage}, {"name": "preempted", **stage}])
     ids = submit_study(study, capsys)
     metrics = tmp_path / "out" / "preempted" / "metrics.jsonl"
@@ -138,7 +140,7 @@ def test_preempted_stage_requeues_and_resumes_with_the_same_ledger(cluster, tmp_
     assert job_field(ids["steady"], "Restarts") == "0"
     log = next((tmp_path / "out" / "slurm" / "logs").glob(f"*-preempted-{ids['preempted']}.out")).read_text()
     assert "requeueing job" in log and "resumed" in log
-    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == 10
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == 60
     ledgers = {name: json.loads((tmp_path / "out" / name / "summary.json").read_text())["ledger"]["own"]
                for name in ("steady", "preempted")}
     assert ledgers["preempted"] == ledgers["steady"]
