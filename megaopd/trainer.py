@@ -428,11 +428,18 @@ def stage_is_done(run_dir: str | Path) -> bool:
     return (Path(run_dir) / FINAL_DIR / "config.json").exists() and (Path(run_dir) / "summary.json").exists()
 
 
-def train(cfg: RunConfig) -> dict:
-    # A preemption signal that lands after the last step (in the final eval or the export) still requeues the job
-    # (torchrun exits 1 after any signal); the requeued run must not train the finished stage again.
-    if stage_is_done(cfg.run_dir):
-        log.info("%s is done (%s and summary.json exist): nothing to train; remove it or choose another run_dir "
-                 "to train again", cfg.run_dir, FINAL_DIR)
-        return json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+def train(cfg: RunConfig, stage_dir: str | None = None) -> dict:
+    """Train the run `cfg` describes, unless it already ended under the same step cap. `stage_dir`: the run
+    directory every rank shares where cfg.run_dir is a rank's own (megaopd.megatron.launch): all ranks decide alike.
+
+    A preemption signal that lands after the last step (in the final eval or the export) still requeues the job
+    (torchrun exits 1 after any signal): the requeued run must not train the finished stage again. A larger
+    train.steps continues a finished run from its latest checkpoint."""
+    run_dir = Path(stage_dir or cfg.run_dir)
+    if stage_is_done(run_dir):
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if summary.get("stop", {}).get("cap") == cfg.train.steps:
+            log.info("%s ended at step %d of %d (%s): nothing to train; remove it, choose another run_dir or raise "
+                     "train.steps to train on", run_dir, summary["steps"], cfg.train.steps, summary["stop"]["reason"])
+            return summary
     return Trainer(cfg).fit()

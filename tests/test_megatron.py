@@ -238,6 +238,11 @@ def test_trainer_with_the_megatron_backend_matches_the_hf_backend(assets, tmp_pa
     save_config(run_config(assets, tmp_path / "megatron", "opd", **overrides), config)
     torchrun_trainer(config, ["model.backend=megatron", "model.megatron.tp=2"])
     torchrun_trainer(config, ["model.backend=megatron", "model.megatron.pp=2", "train.steps=3"])  # resumed, at PP=2
+    # The same command again, as a job requeued after its stage ended: both ranks see it finished (rank 1's own
+    # run directory never is) and write nothing.
+    written = {p: p.stat().st_mtime_ns for p in (tmp_path / "megatron").rglob("*") if p.is_file()}
+    torchrun_trainer(config, ["model.backend=megatron", "model.megatron.pp=2", "train.steps=3"])
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "megatron").rglob("*") if p.is_file()} == written
     for steps in (2, 3):
         train(run_config(assets, tmp_path / "hf", "opd", **{**overrides, "train.steps": steps}))
 

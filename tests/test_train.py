@@ -283,6 +283,8 @@ def test_running_a_finished_run_again_changes_nothing(assets, tmp_path):
     assert again["ledger"]["own"] == first["ledger"]["own"] and again["final"] == first["final"]
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()} == written
     assert sum(any(k.startswith("final/") for k in m) for m in read_metrics(tmp_path / "run")) == 1
+    longer = train(run_config(assets, tmp_path / "run", "grpo", **{"train.steps": 3, "checkpoint.every": 1000}))
+    assert longer["steps"] == 3  # a larger cap trains on (here from the start: no checkpoint)
 
 
 # The code before the bounded-staleness rollout pipeline (rollout.max_staleness, issue 29): at K=0 this code must

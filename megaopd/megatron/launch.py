@@ -21,20 +21,22 @@ import socket
 import sys
 from pathlib import Path
 
-from megaopd.config import load_config
+from megaopd.config import RunConfig, load_config
 from megaopd.megatron import require
 
 
-def rank_config(config: str | None, overrides: list[str], rank: int):
-    """The run config as rank `rank` sees it: its own run directory unless rank 0, the shared checkpoints."""
+def rank_config(config: str | None, overrides: list[str], rank: int) -> tuple[RunConfig, str]:
+    """The run config as rank `rank` sees it (its own run directory unless rank 0, the shared checkpoints), and the
+    stage's run directory (rank 0's)."""
     cfg = load_config(config, overrides)
     if cfg.model.backend != "megatron":
         raise ValueError("megaopd.megatron.launch trains with model.backend=megatron (add it to the overrides)")
     if not cfg.model.megatron.checkpoint_dir:
         cfg.model.megatron.checkpoint_dir = str(Path(cfg.run_dir) / "megatron_checkpoints")
+    stage_dir = cfg.run_dir
     if rank:
         cfg.run_dir = str(Path(cfg.run_dir) / "ranks" / str(rank))
-    return cfg
+    return cfg, stage_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     from megaopd.trainer import train
 
-    summary = train(rank_config(argv[0], argv[1:], rank))
+    summary = train(*rank_config(argv[0], argv[1:], rank))
     if rank == 0:
         print(f"{summary['run_dir']}: {summary['steps']} steps, final {summary['final']}")
     return 0
