@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 tests/megatron_real_worker.py MODEL_DIR BATCH.pt OUT_DIR pp2
 
 TP=3, not 2: SmolLM2-135M has 9 query and 3 KV heads, which megatron splits over TP ranks only evenly. Per layout: token logprobs and logits of real text against HF before any step, one GRPO step, then the exported
-checkpoint reloaded by transformers against the Megatron logits. At PP=2 the output layer lives on the last stage,
+checkpoint reloaded by transformers against the Megatron logits; each against HF at float64 too, beside HF's own
+float32 result (float32's error on 30 real layers: ~1e-4 on these logits). At PP=2 the output layer lives on the last stage,
 apart from the embedding it is tied to, so a negative control there breaks the tied mapping (the output layer read
 from ``lm_head.weight``, which a tied checkpoint does not have) and measures the logprobs again.
 """
@@ -38,9 +39,9 @@ def cfg(model: str, tp: int, pp: int) -> ModelConfig:
     return ModelConfig(path=model, backend="megatron", megatron=MegatronConfig(tp=tp, pp=pp, adam_eps=w.EPS))
 
 
-def hf_reference(model: str | Path, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's logits at the real positions and token logprobs on the response, fp32."""
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+def hf_reference(model: str | Path, batch, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's logits and token logprobs on the response (zero elsewhere)."""
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
     with torch.no_grad():
         logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     token = logits[:, :-1].log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
@@ -56,12 +57,19 @@ def broken_tie(bridge_class):
     return Broken
 
 
+def errors(megatron: torch.Tensor, hf: torch.Tensor, exact: torch.Tensor) -> dict:
+    """Megatron's and HF's float32 results against HF's at float64 (float32's own error there), and each other."""
+    return {"megatron": w.max_diff(megatron, exact), "hf_fp32": w.max_diff(hf, exact),
+            "megatron_vs_hf": w.max_diff(megatron, hf)}
+
+
 def check(model: str, batch, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
     real = batch.attention_mask.bool()
     ref_logits, ref_token = hf_reference(model, batch)
+    exact_logits, exact_token = hf_reference(model, batch, torch.float64)
     policy = MegatronPolicy(cfg(model, tp, pp), OPTIM)
-    result = {"logprobs": w.max_diff(policy.logprobs(batch, w.MBS), ref_token),
-              "logits": w.max_diff(policy.logits(batch, w.MBS)[real], ref_logits[real])}
+    result = {"logprobs": errors(policy.logprobs(batch, w.MBS), ref_token, exact_token),
+              "logits": errors(policy.logits(batch, w.MBS)[real], ref_logits[real], exact_logits[real])}
     # One GRPO step on the same text (advantages set, old logprobs the current ones): the export must carry it.
     batch.old_logprobs = policy.logprobs(batch, w.MBS)
     batch.advantages = torch.linspace(-1, 1, batch.size)[:, None] * batch.response_mask
@@ -71,8 +79,10 @@ def check(model: str, batch, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
     policy.save_hf(export)
     dist.barrier()
     reloaded, _ = hf_reference(export, batch)
+    exact_reloaded, _ = hf_reference(export, batch, torch.float64)
     trained = policy.logits(batch, w.MBS)
-    result |= {"grad_norm": step["grad_norm"], "export_reload_logits": w.max_diff(trained[real], reloaded[real]),
+    result |= {"grad_norm": step["grad_norm"],
+               "export_reload_logits": errors(trained[real], reloaded[real], exact_reloaded[real]),
                "export_moved_logits": w.max_diff(reloaded[real], ref_logits[real])}
     return result
 

@@ -245,7 +245,11 @@ def test_flop_audit_is_exact_on_the_real_model(assets, smollm2, words, grpo_chec
 # ------------------------------------------------------------------------------------------- Megatron via mbridge
 # TP=3 rather than 2: megatron splits the 9 query heads and 3 KV heads evenly over the TP ranks, so TP=2 cannot run
 # this model (megatron-core: "num_attention_heads (9) must be a multiple of tensor_model_parallel_size (2)").
-TOL = 1e-4  # Megatron vs HF on 30 real layers, fp32: measured 3e-5 (logprobs), 8e-5 (logits); the tiny tier's 1e-5 does not hold
+# Both run 30 real layers in float32, whose own error the worker measures beside each comparison: HF at float32 and
+# Megatron against HF at float64. That error is ~1e-4 on these logits and moves with the machine's kernels (a fixed
+# 1e-4 between the two failed on one: 1.5e-4 apart, each ~1e-4 from float64). Megatron may be at most FP32_FACTOR
+# times as far from float64 as HF's own float32 result; a mapping bug is thousands of times that.
+FP32_FACTOR = 2
 
 
 def run_ranks(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -287,19 +291,20 @@ def megatron_real(smollm2, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("layout", ["tp3", "pp2"])
 def test_megatron_matches_hf_on_real_weights_and_its_export_reloads(megatron_real, layout):
     result = megatron_real[layout]
-    assert result["logprobs"] < TOL, result
+    for what in ("logprobs", "logits", "export_reload_logits"):
+        assert result[what]["megatron"] <= FP32_FACTOR * result[what]["hf_fp32"], (what, result)
     assert result["grad_norm"] > 1e-3  # the step before the export was a real one
-    assert result["export_reload_logits"] < TOL, result
-    assert result["export_moved_logits"] > 1e2 * TOL  # ... and the export carries it
+    # ... and the export carries it: the step moved the logits far beyond float32's error
+    assert result["export_moved_logits"] > 1e3 * result["export_reload_logits"]["hf_fp32"], result
 
 
 @pytest.mark.real
 def test_a_broken_tied_embedding_mapping_is_detected(megatron_real):
     """Negative control at PP=2 (the output layer on the last stage, apart from the embedding): mbridge's own Llama
     mapping reads the output layer from lm_head.weight, which a tied checkpoint does not have."""
-    control = megatron_real["pp2"]["negative_control"]
-    assert "lm_head.weight" in control.get("broken_tie_error", "") or control["broken_tie_logprobs"] > 1e3 * TOL, \
-        control
+    control, fp32_error = megatron_real["pp2"]["negative_control"], megatron_real["pp2"]["logprobs"]["hf_fp32"]
+    assert ("lm_head.weight" in control.get("broken_tie_error", "")
+            or control["broken_tie_logprobs"] > 1e3 * FP32_FACTOR * fp32_error), control
 
 
 # ------------------------------------------------------------------------------------------ an SGLang CPU server
