@@ -3,11 +3,12 @@
     torchrun --nproc-per-node 3 tests/megatron_real_worker.py MODEL_DIR BATCH.pt OUT_DIR tp3    # OUT_DIR/tp3.json
     torchrun --nproc-per-node 2 tests/megatron_real_worker.py MODEL_DIR BATCH.pt OUT_DIR pp2
 
-TP=3, not 2: SmolLM2-135M has 9 query and 3 KV heads, which megatron splits over TP ranks only evenly. Per layout: token logprobs and logits of real text against HF before any step, one GRPO step, then the exported
-checkpoint reloaded by transformers against the Megatron logits; each against HF at float64 too, beside HF's own
-float32 result (float32's error on 30 real layers: ~1e-4 on these logits). At PP=2 the output layer lives on the last stage,
-apart from the embedding it is tied to, so a negative control there breaks the tied mapping (the output layer read
-from ``lm_head.weight``, which a tied checkpoint does not have) and measures the logprobs again.
+TP=3, not 2: SmolLM2-135M has 9 query and 3 KV heads, which megatron splits over TP ranks only evenly. Per layout:
+token logprobs and logits of real text against HF before any step, one GRPO step, then the exported checkpoint
+reloaded by transformers against the Megatron logits; each against HF at float64 too, beside HF's own float32 result
+(float32's error on 30 real layers: ~1e-4 on these logits). At PP=2 the output layer lives on the last stage, apart
+from the embedding it is tied to, so a negative control there breaks the tied mapping (the output layer read from
+``lm_head.weight``, which a tied checkpoint does not have) and measures the logprobs again.
 """
 
 from __future__ import annotations
