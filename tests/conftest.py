@@ -92,6 +92,11 @@ def torchrun_trainer(config: Path, overrides: list[str]) -> None:
         pytest.fail("megatron training failed:\n" + "\n".join(errors[-60:]))
 
 
+def file_mtimes(root: Path) -> dict[Path, int]:
+    """Every file under `root` with its modification time: equal before and after a call that wrote nothing."""
+    return {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+
+
 def run_config(assets, run_dir, algorithm: str = "grpo", **overrides):
     """A small RunConfig over the session's tiny assets, for tests that train a few steps."""
     from megaopd.config import load_config

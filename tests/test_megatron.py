@@ -225,7 +225,7 @@ def test_megatron_backend_outside_torchrun_says_how_to_launch(assets, monkeypatc
 def test_trainer_with_the_megatron_backend_matches_the_hf_backend(assets, tmp_path):
     """The trainer under torchrun with model.backend=megatron (TP=2, then resumed at PP=2) runs OPD with the same
     rollouts, losses and evaluations as the HF backend: every logged number agrees within 1e-5."""
-    from conftest import run_config, torchrun_trainer
+    from conftest import file_mtimes, run_config, torchrun_trainer
     from megaopd.config import save_config
     from megaopd.metrics import read_metrics
     from megaopd.trainer import train
@@ -240,9 +240,9 @@ def test_trainer_with_the_megatron_backend_matches_the_hf_backend(assets, tmp_pa
     torchrun_trainer(config, ["model.backend=megatron", "model.megatron.pp=2", "train.steps=3"])  # resumed, at PP=2
     # The same command again, as a job requeued after its stage ended: both ranks see it finished (rank 1's own
     # run directory never is) and write nothing.
-    written = {p: p.stat().st_mtime_ns for p in (tmp_path / "megatron").rglob("*") if p.is_file()}
+    written = file_mtimes(tmp_path / "megatron")
     torchrun_trainer(config, ["model.backend=megatron", "model.megatron.pp=2", "train.steps=3"])
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "megatron").rglob("*") if p.is_file()} == written
+    assert file_mtimes(tmp_path / "megatron") == written
     for steps in (2, 3):
         train(run_config(assets, tmp_path / "hf", "opd", **{**overrides, "train.steps": steps}))
 

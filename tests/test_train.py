@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_config, tiny_overrides
+from conftest import file_mtimes, run_config, tiny_overrides
 from megaopd.config import save_config
 from megaopd.metrics import read_metrics
 from megaopd.trainer import PREEMPTED_EXIT, train
@@ -278,10 +278,10 @@ def test_running_a_finished_run_again_changes_nothing(assets, tmp_path):
     it), resuming would train the whole stage again; it must write nothing."""
     config = run_config(assets, tmp_path / "run", "grpo", **{"train.steps": 2, "checkpoint.every": 1000})
     first = train(config)
-    written = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    written = file_mtimes(tmp_path / "run")
     again = train(config)
     assert again["ledger"]["own"] == first["ledger"]["own"] and again["final"] == first["final"]
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()} == written
+    assert file_mtimes(tmp_path / "run") == written
     assert sum(any(k.startswith("final/") for k in m) for m in read_metrics(tmp_path / "run")) == 1
     longer = train(run_config(assets, tmp_path / "run", "grpo", **{"train.steps": 3, "checkpoint.every": 1000}))
     assert longer["steps"] == 3  # a larger cap trains on (here from the start: no checkpoint)
