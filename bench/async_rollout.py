@@ -37,11 +37,12 @@ import torch  # noqa: E402
 from common import DEFAULT_ASSETS, REPO, machine, prepare_assets, train_files  # noqa: E402
 
 from megaopd.config import SGLangConfig, load_config  # noqa: E402
+from megaopd.environment import sglang_python, sglang_servers  # noqa: E402
+from megaopd.methods import METHODS, method  # noqa: E402
 from megaopd.metrics import read_metrics  # noqa: E402
-from megaopd.serving.engine import env_urls  # noqa: E402
 from megaopd.serving.server import SGLangServer  # noqa: E402
 from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env  # noqa: E402
-from megaopd.trainer import Trainer  # noqa: E402
+from megaopd.trainer import train  # noqa: E402
 
 MAX_TOTAL_TOKENS = 16384  # each server's KV cache
 TEACHER = "qwen3-small"  # OPD's teacher: a larger model of the student's family
@@ -49,7 +50,7 @@ CLUSTER_STATE = Path(os.environ.get("MEGAOPD_MULTINODE_STATE", "/tmp/megaopd-mul
 
 
 def server_config(threads: int) -> SGLangConfig:
-    return SGLangConfig(python=os.environ.get("MEGAOPD_SGLANG_PYTHON", ""), max_total_tokens=MAX_TOTAL_TOKENS,
+    return SGLangConfig(python=sglang_python(), max_total_tokens=MAX_TOTAL_TOKENS,
                         startup_timeout_s=600, server_args=cpu_server_args(0.5), env=cpu_server_env(threads),
                         request_timeout_s=300)
 
@@ -60,7 +61,7 @@ def run_stage(server: SGLangServer, assets: Path, run_dir: Path, k: int, a) -> d
     data = train_files(assets)
     # Without a teacher server handed over (MEGAOPD_TEACHER_URLS) the trainer launches its own for the stage.
     opd = (["opd.form=sampled", "opd.teacher_engine=sglang", f"opd.teachers.arith_add={assets / 'models' / TEACHER}"]
-           if a.algorithm == "opd" else [])
+           if method(a.algorithm).teacher_term else [])
     cfg = load_config(None, [
         f"run_dir={run_dir}", f"model.path={model}", f"data.train=[{data[0]}]", f"data.eval=[{data[0]}]",
         f"train.algorithm={a.algorithm}", f"train.steps={a.steps}", f"train.prompts_per_step={a.prompts}",
@@ -69,7 +70,7 @@ def run_stage(server: SGLangServer, assets: Path, run_dir: Path, k: int, a) -> d
         "eval.final_prompts_per_domain=1", "checkpoint.every=0", *opd])
     cfg.rollout.sglang = server_config(a.threads)
     cfg.rollout.sglang.urls = [server.url]
-    summary = Trainer(cfg).fit()
+    summary = train(cfg)  # with the teacher server a multi-node job hands over (megaopd.environment)
     steps = [m for m in read_metrics(run_dir) if "perf/rollout_wait_seconds" in m][1:]  # step 1 fills the pipeline
     step_seconds = sum(m["perf/step_seconds"] for m in steps)
     return {"step_seconds": statistics.mean(m["perf/step_seconds"] for m in steps),
@@ -82,7 +83,7 @@ def measure(a) -> dict:
     """Every K against one rollout server (attached, handed over by a multi-node job, or launched here)."""
     torch.set_num_threads(a.threads)
     assets = prepare_assets(Path(a.assets), ("qwen3-tiny", TEACHER), rows=64 if a.smoke else 512)
-    url = a.url or next(iter(env_urls("MEGAOPD_ROLLOUT_URLS")), "")
+    url = a.url or next(iter(sglang_servers(SGLangConfig()).urls), "")  # a multi-node job's server
     server = SGLangServer(url) if url else SGLangServer.launch(
         str(assets / "models" / "qwen3-tiny"), server_config(a.threads), "float32",
         Path(tempfile.mkdtemp()) / "server.log")
@@ -110,7 +111,7 @@ def job_script(a, argv: list[str], assets: Path, out: Path, sglang: str) -> str:
                           trainer_module="bench.async_rollout", sglang_python=sglang, sglang_args=cpu_server_args(0.5),
                           sglang_env=cpu_server_env(a.threads), server_start_timeout_s=600)
     inner = [arg for arg in argv if arg != "--cluster"] + ["--results", str(out / "results.json")]
-    teachers = [("arith_add", str(assets / "models" / TEACHER))] if a.algorithm == "opd" else []
+    teachers = [("arith_add", str(assets / "models" / TEACHER))] if method(a.algorithm).teacher_term else []
     return render_multinode(StudyConfig(out=str(out)), f"async-{a.algorithm}", launch, inner, 1,
                             str(assets / "models" / "qwen3-tiny"), teachers, "float32", MAX_TOTAL_TOKENS)
 
@@ -120,12 +121,12 @@ def on_cluster(a, argv: list[str]) -> dict:
     from megaopd.launch.local_cluster import LocalCluster
 
     cluster = LocalCluster(4, CLUSTER_STATE, name="mns", subnet="10.77.0")
-    needed = 3 if a.algorithm == "opd" else 2
+    needed = 3 if method(a.algorithm).teacher_term else 2
     idle = [node for node, state in cluster.node_states().items() if state.startswith("idle")]
     if len(idle) < needed:
         sys.exit(f"--cluster needs {needed} idle nodes of the local cluster at {CLUSTER_STATE}, found {len(idle)}: "
                  "start it as root with `PY=.venv/bin/python .ci/slurm_multinode_up.sh`")
-    sglang = os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
+    sglang = sglang_python()
     if not sglang:
         sys.exit("--cluster: set MEGAOPD_SGLANG_PYTHON to the Python of SGLang's environment (.venv-sglang/bin/python)")
     assets = prepare_assets(Path(a.assets), ("qwen3-tiny", TEACHER), rows=64 if a.smoke else 512)
@@ -155,7 +156,8 @@ def print_table(measured: dict, a) -> None:
              f"one machine, server {measured['server']}")
     print(f"# {a.algorithm.upper()} with bounded-staleness rollouts on SGLang CPU servers\n\nmachine: {machine()}\n"
           f"load average (1, 5, 15 min) at start {measured['load'][0]}, at end {measured['load'][1]}\n")
-    print(f"model qwen3-tiny (fixed length){f', teacher {TEACHER}' if a.algorithm == 'opd' else ''}, {a.steps} steps "
+    teacher = f", teacher {TEACHER}" if method(a.algorithm).teacher_term else ""
+    print(f"model qwen3-tiny (fixed length){teacher}, {a.steps} steps "
           f"of {a.prompts} x {a.samples} samples x {a.max_new} tokens, {a.threads} thread(s) trainer and each server, "
           f"{len(rounds)} round(s) of every K; {where}\n")
     print("| rollout.max_staleness | s / step (steps 2..) | trainer wait share | staleness max | stage FLOPs | "
@@ -178,7 +180,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                              "default: the first of $MEGAOPD_ROLLOUT_URLS (a multi-node job's)")
     p.add_argument("--cluster", action="store_true",
                    help="run the trainer and the servers on separate nodes of the local multi-node Slurm cluster")
-    p.add_argument("--algorithm", choices=("grpo", "opd"), default="grpo")
+    p.add_argument("--algorithm", choices=[name for name, spec in METHODS.items() if spec.rollouts], default="grpo")
     p.add_argument("--ks", default="0,1,2", help="the rollout.max_staleness values, comma-separated")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=1, help="run every K this many times, alternating the order")

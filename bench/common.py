@@ -135,6 +135,7 @@ def _megaopd_worker(a) -> dict:
         f"run_dir={a.run_dir}", f"model.path={student}", f"data.train={json.dumps(train_files(assets))}",
         f"train.algorithm={a.algo}", f"train.steps={a.warmup + a.steps}", f"train.prompts_per_step={a.prompts}",
         f"train.micro_batch_size={a.prompts * a.group}", f"train.recompute_old_logprobs={bool(a.recompute)}",
+        f"train.shared_prompt={bool(a.shared_prompt)}",
         f"rollout.samples_per_prompt={a.group}", f"rollout.max_new_tokens={a.max_new}",
         "rollout.temperature=1.0", "rollout.top_p=1.0",
         f"optim.lr={a.lr}", "optim.betas=[0.9, 0.99]", "optim.weight_decay=0.0", "optim.grad_clip=1.0",
@@ -167,12 +168,18 @@ def _megaopd_worker(a) -> dict:
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
         flops = {c: trainer.ledger.own[c] - booked[c] for c in booked}
-        phases.append({phase: (metrics.get(f"perf/{phase}_seconds", 0.0), sum(flops[c] for c in components))
+        # The work executed beside the ledger's model FLOPs: the update less what shared prompts did not run, plus the
+        # teachers' re-projections (they run inside the update).
+        beyond = {"update": metrics.get("perf/teacher_recompute_flops", 0) - metrics["perf/shared_prompt_saved_flops"]}
+        phases.append({phase: (metrics.get(f"perf/{phase}_seconds", 0.0), sum(flops[c] for c in components),
+                               sum(flops[c] for c in components) + beyond.get(phase, 0))
                        for phase, components in PHASE_COMPONENTS.items()})
+        assert sum(p[2] for p in phases[-1].values()) == metrics["perf/hardware_flops"]
     _stop_profile(a, prof)
     return {"times": times, "cpu_times": cpu_times, "gen_tokens": counts["gen"][a.warmup:], "seq_tokens":
             [g + p for g, p in zip(counts["gen"][a.warmup:], counts["prompt"][a.warmup:])], "rss_before_kb": rss_before,
-            "flops": [sum(f for _, f in p.values()) for p in phases], "phases": phases}
+            "flops": [sum(p[1] for p in step.values()) for step in phases],
+            "executed": [sum(p[2] for p in step.values()) for step in phases], "phases": phases}
 
 
 # megaopd's step phases (perf/<phase>_seconds) and the ledger components each one computes.
@@ -340,6 +347,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--recompute", type=int, default=0)
+    p.add_argument("--shared-prompt", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
@@ -426,9 +434,9 @@ def report_ab(title: str, runs: dict, peak: float) -> tuple[list[str], dict]:
     # The ratio a free rollout would give: the bound on what any speed-up of generation alone can buy.
     ceiling = [b["median_step_s"] / (a["median_step_s"] - statistics.median(p["rollout"][0] for p in a["phases"]))
                for a, b in zip(m, t)]
-    flops = per_step(m, "flops")
+    flops, executed = per_step(m, "flops"), per_step(m, "executed")
     step_m, step_t = (statistics.median(r["median_step_s"] for r in side) for side in (m, t))
-    phases = {phase: tuple(statistics.median(p[phase][i] for r in m for p in r["phases"]) for i in (0, 1))
+    phases = {phase: tuple(statistics.median(p[phase][i] for r in m for p in r["phases"]) for i in (0, 1, 2))
               for phase in PHASE_COMPONENTS}
     lines = [
         f"### {title}",
@@ -454,12 +462,19 @@ def report_ab(title: str, runs: dict, peak: float) -> tuple[list[str], dict]:
         f"| model GFLOP per step (megaopd's ledger; the same work on both sides) | {flops / 1e9:.2f} | | |",
         f"| share of the fp32 matmul peak ({peak / 1e9:.1f} GFLOP/s, measured): model FLOP/s over it | "
         f"{flops / step_m / peak:.1%} | {flops / step_t / peak:.1%} | |",
+        f"| executed GFLOP per step (megaopd: perf/hardware_flops, its shared prompts and recomputation; TRL runs "
+        f"the unshared passes, the model FLOPs) | {executed / 1e9:.2f} | {flops / 1e9:.2f} | |",
+        f"| share of the fp32 matmul peak: executed FLOP/s over it | {executed / step_m / peak:.1%} | "
+        f"{flops / step_t / peak:.1%} | |",
         "",
-        "megaopd's step by phase (wall time of the timed steps, medians; the ledger's model FLOPs of each):",
+        "megaopd's step by phase (wall time of the timed steps, medians; the ledger's model FLOPs of each, and the work "
+        "executed):",
         "",
-        "| phase | s per step | GFLOP per step | share of the fp32 matmul peak |",
-        "|---|---|---|---|",
-        *(f"| {phase} | {s:.3f} | {f / 1e9:.2f} | {f / s / peak:.1%} |" for phase, (s, f) in phases.items() if s > 0),
+        "| phase | s per step | model GFLOP per step | share of the fp32 matmul peak | executed GFLOP per step | "
+        "executed share of the peak |",
+        "|---|---|---|---|---|---|",
+        *(f"| {phase} | {s:.3f} | {f / 1e9:.2f} | {f / s / peak:.1%} | {x / 1e9:.2f} | {x / s / peak:.1%} |"
+          for phase, (s, f, x) in phases.items() if s > 0),
         "",
     ]
     return lines, {"ratio_median": statistics.median(ratios), "ratios": ratios, "cpu_ratios": cpu_ratios, "gen": (gen_m, gen_t),
@@ -483,6 +498,8 @@ def bench_main(algo: str, argv: list[str]) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--recompute", type=int, default=0,
                    help="megaopd train.recompute_old_logprobs (TRL skips that forward at num_iterations=1)")
+    p.add_argument("--shared-prompt", type=int, default=1,
+                   help="megaopd train.shared_prompt (off by itself at one sample per prompt; TRL has no such pass)")
     p.add_argument("--profile", action="store_true", help="also profile one run per side: cProfile and torch.profiler's operator table")
     p.add_argument("--assets", default=str(DEFAULT_ASSETS))
     a = p.parse_args(argv)
@@ -497,13 +514,15 @@ def bench_main(algo: str, argv: list[str]) -> None:
         return
     assets = prepare_assets(Path(a.assets), {a.student, a.teacher}, rows=64 if a.smoke else 512)
     kw = dict(assets=assets, student=a.student, teacher=a.teacher, prompts=a.prompts, group=a.group,
-              max_new=a.max_new, threads=a.threads, recompute=a.recompute, steps=a.steps, warmup=a.warmup)
+              max_new=a.max_new, threads=a.threads, recompute=a.recompute, shared_prompt=a.shared_prompt,
+              steps=a.steps, warmup=a.warmup)
     with tempfile.TemporaryDirectory(prefix=f"bench_{algo}_") as tmp:
         tmp = Path(tmp)
         runs = ab_compare(algo, a.rounds, tmp, **kw)
         shape = (f"student {a.student}" + (f", teacher {a.teacher}" if method(algo).teacher_term else "") +
                  f", {a.prompts} prompts x {a.group} samples, {a.max_new} new tokens (fixed length), "
-                 f"{a.threads} thread(s), megaopd recompute_old_logprobs={bool(a.recompute)}")
+                 f"{a.threads} thread(s), megaopd recompute_old_logprobs={bool(a.recompute)} "
+                 f"shared_prompt={bool(a.shared_prompt)}")
         lines, summary = report_ab(f"{algo.upper()} step, {shape}", runs, matmul_peak(a.threads))
         print("\n".join(lines))
         g_m, g_t = summary["gen"]

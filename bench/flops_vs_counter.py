@@ -12,8 +12,10 @@ Rows:
   DynamicCache, vs generation_flops;
 * LocalEngine group: megaopd's own sampler on 1 prompt x n samples (prefill once, cache shared by the group, the
   fused decode step), vs generation_flops(prefix_cached=True) with the real prompt and response lengths;
-* trainer steps: one real GRPO step (with reference KL) and one full-vocabulary OPD step through ``Trainer.rl_step``,
-  each phase counted on its own (``megaopd.flop_audit``), vs the ledger's components for that step.
+* trainer steps: one real GRPO step (with reference KL; and with train.shared_prompt, the group's prompt forwarded
+  once: vs the shared passes' formula, where the ledger bills the unshared ones) and one full-vocabulary OPD step
+  through ``Trainer.rl_step``, each phase counted on its own (``megaopd.flop_audit``), vs the ledger's components
+  for that step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def rows_for(preset: str, model_dir: Path, batch: int, seq: int, gen_p: int, gen
 
     from megaopd.config import ModelConfig
     from megaopd.data.rows import Row
-    from megaopd.policy import HFPolicy
+    from megaopd.hf_policy import HFPolicy
     from megaopd.rollout import LocalEngine
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -106,17 +108,18 @@ def trainer_rows(preset: str, model_dir: Path, teacher_dir: Path, data: Path, ru
     from megaopd.flop_audit import audit_step
 
     out = []
-    for algorithm, extra in [("grpo", ["grpo.kl_coef=0.01"]),
-                             ("opd", [f"opd.teachers.*={teacher_dir}", "opd.form=full_vocab"])]:
+    for name, algorithm, extra in [("grpo", "grpo", ["grpo.kl_coef=0.01"]),
+                                   ("grpo shared-prompt", "grpo", ["grpo.kl_coef=0.01", "train.shared_prompt=true"]),
+                                   ("opd", "opd", [f"opd.teachers.*={teacher_dir}", "opd.form=full_vocab"])]:
         cfg = load_config(None, [
-            f"run_dir={run_dir / algorithm}", f"model.path={model_dir}", f"train.algorithm={algorithm}",
+            f"run_dir={run_dir / name.replace(' ', '_')}", f"model.path={model_dir}", f"train.algorithm={algorithm}",
             f"data.train=[{data / 'arith_add' / 'train.jsonl'}]", f"data.eval=[{data / 'arith_add' / 'heldout.jsonl'}]",
             "train.prompts_per_step=1", f"rollout.samples_per_prompt={group}", f"rollout.max_new_tokens={max_new}",
             "train.recompute_old_logprobs=true", *extra])
         for component, row in audit_step(cfg).items():
             if row.executed_form:
                 # the analytic side: the billed passes plus the teacher's recomputation (hardware work)
-                out.append((preset, f"{algorithm} step ({group} x R={max_new}): {component}", row.measured,
+                out.append((preset, f"{name} step ({group} x R={max_new}): {component}", row.measured,
                             row.executed_form + row.recomputed))
     return out
 

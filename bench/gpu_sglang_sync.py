@@ -20,7 +20,7 @@ import time
 import torch
 
 from megaopd.config import load_config
-from megaopd.policy import HFPolicy
+from megaopd.hf_policy import HFPolicy
 from megaopd.serving.engine import SGLangEngine
 
 

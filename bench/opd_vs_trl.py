@@ -1,6 +1,7 @@
 """OPD step throughput, megaopd vs TRL, on the same tiny HF model, prompts, group size, generation length and optimizer.
 
     python bench/opd_vs_trl.py            # 5 A/B rounds, 1 warm-up + 3 timed steps per run, 1 thread
+    python bench/opd_vs_trl.py --rounds 11  # more A/B rounds (the quiet-machine measurement)
     python bench/opd_vs_trl.py --profile  # also cProfile one run per side (where the time goes)
     python bench/opd_vs_trl.py --smoke    # CI: one tiny round, checks that the script still runs
 

@@ -13,7 +13,6 @@ one OpenMP thread, like the trainer side. Tokens/s counts generated tokens only.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,8 @@ from common import DEFAULT_ASSETS, machine, prepare_assets, spread, train_files 
 
 from megaopd.config import load_config  # noqa: E402
 from megaopd.data.rows import load_rows  # noqa: E402
-from megaopd.policy import HFPolicy  # noqa: E402
+from megaopd.environment import sglang_python  # noqa: E402
+from megaopd.hf_policy import HFPolicy  # noqa: E402
 from megaopd.rollout import LocalEngine  # noqa: E402
 from megaopd.serving.engine import SGLangEngine  # noqa: E402
 from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env  # noqa: E402
@@ -64,6 +64,7 @@ def main(argv: list[str]) -> None:
         cfg.rollout.sglang.server_args = cpu_server_args(0.05)
         cfg.rollout.sglang.env = cpu_server_env(a.threads)
         cfg.rollout.sglang.urls = [a.url] if a.url else []
+        cfg.rollout.sglang.python = sglang_python()  # $MEGAOPD_SGLANG_PYTHON, else this python
         policy = HFPolicy(cfg.model)
         policy.model.eval()
         engines = {"local": LocalEngine(policy), "sglang": SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)}
@@ -71,7 +72,7 @@ def main(argv: list[str]) -> None:
             print(f"# Rollout throughput: SGLang server (CPU) vs LocalEngine\n\nmachine: {machine()}\n")
             print(f"model {Path(model).name}, {a.max_new} new tokens per sample, {a.threads} thread(s) each side, "
                   f"{a.rounds} alternating rounds, server {'attached' if a.url else 'launched'} "
-                  f"({os.environ.get('MEGAOPD_SGLANG_PYTHON', 'this python')})\n")
+                  f"({cfg.rollout.sglang.python or 'this python'})\n")
             print("| prompts x samples | tokens per call | SGLang tok/s | LocalEngine tok/s | "
                   "ratio SGLang/local (median, spread) |")
             print("|---|---|---|---|---|")

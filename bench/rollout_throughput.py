@@ -26,7 +26,7 @@ from common import DEFAULT_ASSETS, machine, prepare_assets, spread, train_files 
 from megaopd.config import ModelConfig  # noqa: E402
 from megaopd.data.rows import load_rows  # noqa: E402
 from megaopd.chat import chat_prompt_ids  # noqa: E402
-from megaopd.policy import HFPolicy  # noqa: E402
+from megaopd.hf_policy import HFPolicy  # noqa: E402
 from megaopd.rollout import LocalEngine  # noqa: E402
 
 

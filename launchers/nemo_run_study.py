@@ -27,8 +27,8 @@ import nemo_run as run
 
 from megaopd.config import ConfigError, load_config, save_config
 from megaopd.launch.slurm import (Job, LaunchConfig, add_study_arguments, dependencies, for_stage, plan,
-                                  study_and_launch, study_file, submission_order)
-from megaopd.study import StudyConfig, stage_is_done, stage_overrides
+                                  study_and_launch, submission_order, write_job_inputs)
+from megaopd.study import StudyConfig, stage_finished, stage_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 # nemo-run names the job and its log itself (it reads the log back from its own job directory).
@@ -55,7 +55,8 @@ def add_local(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig, sta
     save_config(study, study_path)
     by_name = {s.name: s for s in study.stages}
     deps = dependencies(study)
-    todo = [n for n in submission_order(study) if (stages is None or n in stages) and not stage_is_done(out / n)]
+    todo = [n for n in submission_order(study) if (stages is None or n in stages)
+            and not stage_finished(study, by_name[n], for_stage(launch, n).overrides)]
     task_ids: dict[str, str] = {}
     if study.assets.presets or study.assets.domains:
         task_ids["assets"] = exp.add(
@@ -117,8 +118,7 @@ def add_slurm(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig,
     # Not under a directory named nemo_run: nemo-run rewrites "/nemo_run" in its scripts (its container mount).
     script_dir = Path(study.out) / "slurm" / "nemo"
     script_dir.mkdir(parents=True, exist_ok=True)
-    study_file(study).parent.mkdir(parents=True, exist_ok=True)
-    save_config(study, study_file(study))  # what the assets and report jobs read
+    write_job_inputs(study, launch)  # what the assets and report jobs read
     prefix = f"megaopd-{Path(study.out).name}-"
     jobs = [j for j in plan(study, launch)
             if stages is None or j.name == "assets" or j.name in stages]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -47,11 +47,13 @@ class TokenBatch:
     teacher_topk_ids: torch.Tensor | None = None  # [B, S-1, K] long
     teacher_topk_logprobs: torch.Tensor | None = None  # [B, S-1, K]
     teacher_tail: torch.Tensor | None = None  # [B, S-1]
+    # [B, S-1] 1 where a token's teacher logprob is the teacher's own: all of them but where a teacher of another
+    # tokenizer split one of its tokens over several of the student's (megaopd.align); None without such a teacher
+    teacher_exact: torch.Tensor | None = None
     teacher_route: torch.Tensor | None = None  # [B] long: index of each sample's teacher in TeacherRouter.routes
     teacher_row_start: torch.Tensor | None = None  # [B] long: first row of each sample's kept full-vocab teacher rows
     # [B, S-1] policy-gradient weights from p_trainer / p_rollout: truncated IS (train.tis) x mask (train.is_mask)
     is_weights: torch.Tensor | None = None
-    extras: dict = field(default_factory=dict)
 
     @property
     def size(self) -> int:

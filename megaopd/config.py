@@ -21,6 +21,22 @@ import yaml
 
 from megaopd.errors import UserError, require_file
 
+# The enumerated settings, each listed once: a field's type is its choices (the loader refuses any other value), and
+# ``choices(T)`` gives them to the code that needs the list.
+Backend = Literal["hf", "megatron"]
+RolloutEngine = Literal["local", "sglang"]
+OPDForm = Literal["full_vocab", "topk", "sampled"]  # docs/opd.md
+KLDirection = Literal["reverse", "forward"]  # the KL of the full_vocab and topk forms
+ISLevel = Literal["none", "token", "sequence"]  # train.tis, train.is_mask: per token or per response
+CountsAs = Literal["training", "cold_start", "external"]  # docs/flops.md, "Totals"
+DType = Literal["float32", "bfloat16", "float16"]
+OPSAScope = Literal["response", "batch"]  # opsa.scope: the tokens the lowest fraction is taken among
+
+
+def choices(literal: Any) -> tuple:
+    """The values an enumerated setting (a ``Literal``) admits."""
+    return typing.get_args(literal)
+
 
 @dataclass
 class MegatronConfig:
@@ -44,12 +60,12 @@ class MegatronConfig:
 class ModelConfig:
     path: str = ""  # an HF causal-LM directory: config.json + safetensors + tokenizer
     # hf (one process, CPU or one GPU) | megatron (megatron-core under torchrun, TP/PP/DP)
-    backend: Literal["hf", "megatron"] = "hf"
+    backend: Backend = "hf"
     # The compute dtype: the weights the forward, backward and local rollouts use. With bfloat16 the HF backend
     # keeps fp32 master weights and optimizer state beside them (master_dtype), so small updates are not lost.
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DType = "float32"
     # The optimizer's copy of the weights and its Adam state; = dtype keeps no copy.
-    master_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    master_dtype: DType = "float32"
     # HF backend: keep only each layer's input for backward and recompute the layer (one more forward per train
     # pass, not billed: the ledger counts model FLOPs); what fits 4k-token responses at micro-batch 8 on one GPU.
     activation_checkpointing: bool = False
@@ -70,11 +86,12 @@ class DataConfig:
 class SGLangConfig:
     """SGLang servers for rollouts (``rollout.engine=sglang``) and teachers (``opd.teacher_engine=sglang``)."""
 
-    # Attach to running servers instead of launching; $MEGAOPD_ROLLOUT_URLS also sets it. Give the workers, not a
-    # router: megaopd balances over them itself and must reach each one to sync and verify its weights.
+    # Attach to running servers instead of launching (a multi-node job hands its own over: megaopd.environment).
+    # Give the workers, not a router: megaopd balances over them itself and must reach each one to sync and verify
+    # its weights.
     urls: list[str] = field(default_factory=list)
     num_servers: int = 1  # servers launched for data-parallel rollouts when no URL is given
-    # The interpreter of SGLang's own environment (it pins its torch); "" means $MEGAOPD_SGLANG_PYTHON, else this one.
+    # The interpreter of SGLang's own environment (it pins its torch); "": this one.
     python: str = ""
     server_args: list[str] = field(default_factory=list)  # extra `sglang.launch_server` flags, e.g. [--tp-size, 8]
     env: dict[str, str] = field(default_factory=dict)  # extra environment for launched servers
@@ -84,12 +101,15 @@ class SGLangConfig:
     retries: int = 2  # per request, after which a launched server is restarted once, then dropped
     # disk (HF export + /update_weights_from_disk) | tensor (colocated GPU) | distributed (NCCL)
     sync: Literal["disk", "tensor", "distributed"] = "disk"
+    # sync=distributed: the address at which the servers reach trainer rank 0 for the NCCL group (a multi-node job
+    # sets its node's); "": this host's address on the route to the first server.
+    sync_address: str = ""
     probe_tolerance: float = 1e-4  # max |server - trainer| logprob on the probe after a sync; loosen for bf16
 
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["local", "sglang"] = "local"  # local (in-process, the trainer's own model) | sglang (HTTP servers)
+    engine: RolloutEngine = "local"  # local (in-process, the trainer's own model) | sglang (HTTP servers)
     samples_per_prompt: int = 8  # the GRPO group size; usually 1 for OPD
     max_new_tokens: int = 64
     temperature: float = 1.0  # 1 / 1 keeps the behaviour policy equal to the student
@@ -127,9 +147,9 @@ class GRPOConfig:
 
 @dataclass
 class OPDConfig:
-    form: Literal["full_vocab", "topk", "sampled"] = "full_vocab"  # full_vocab | topk | sampled (docs/opd.md)
+    form: OPDForm = "full_vocab"
     topk: int = 0  # K of form=topk: the teacher's K most likely tokens per response position, plus a tail bucket
-    kl: Literal["reverse", "forward"] = "reverse"  # reverse | forward: the KL of the full_vocab and topk forms
+    kl: KLDirection = "reverse"
     coef: float = 1.0  # train.algorithm=grpo_opd: weight of the OPD term added to GRPO's group advantage / loss
     # The teacher scores under the rollout's sampling settings: its logits divided by rollout.temperature (and, on
     # the local teacher, its distribution cut to its own top-p nucleus when rollout.top_p < 1). False: temperature 1.
@@ -137,11 +157,31 @@ class OPDConfig:
     # Routing key -> teacher HF directory. The key is a row's domain (extra_info.domain, else data_source);
     # "*" serves every domain. A domain with no teacher fails loudly at start-up.
     teachers: dict[str, str] = field(default_factory=dict)
+    # Route -> the tokenizer directory a teacher of another tokenizer than the student's is read with (default: its
+    # own directory's). A teacher of another vocabulary, or one named here, scores its own tokens of the response
+    # text, aligned to the student's on the text's bytes (megaopd/align.py; opd.form=sampled only, docs/opd.md).
+    teacher_tokenizer: dict[str, str] = field(default_factory=dict)
     clip: float = 0.2  # clip of the importance ratio in the sampled-token form
     # local (HF forward in the trainer) | sglang (prefill on servers; rollout.sglang settings, sampled or topk form).
     # Teacher servers are launched per teacher, or attached by route from $MEGAOPD_TEACHER_URLS / teacher_urls.
-    teacher_engine: Literal["local", "sglang"] = "local"
+    teacher_engine: RolloutEngine = "local"
     teacher_urls: dict[str, list[str]] = field(default_factory=dict)
+    # The teachers' dtype (HF in-process and SGLang teachers); "" = model.dtype. A frozen teacher needs no fp32
+    # master: bfloat16 halves a 1.5B teacher beside a float32 student (the memory plan counts it so).
+    teacher_dtype: Literal["", "float32", "bfloat16", "float16"] = ""
+
+
+@dataclass
+class OPSAConfig:
+    """train.algorithm=opsa, the teacher-free control (docs/opd.md): the student's own lowest-logprob tokens pushed
+    down by a fixed advantage, no teacher, no reward, no reference. Defaults: the paper's fixed-negative control."""
+
+    fraction: float = 0.2  # the lowest-logprob share of the tokens that get the advantage: max(1, floor(f * N))
+    advantage: float = -0.5  # the fixed advantage of those tokens (the others: 0)
+    # response: the lowest of each response's tokens (the paper's text); batch: of all the step's response tokens
+    # pooled (the paper's code pools a data-parallel rank's batch; here the step's whole batch, any layout)
+    scope: OPSAScope = "response"
+    clip: float = 0.2  # clip of the importance ratio in the policy-gradient surrogate
 
 
 @dataclass
@@ -169,8 +209,9 @@ class StopConfig:
 
 @dataclass
 class TrainConfig:
-    # grpo_opd: GRPO's advantage plus opd.coef times the OPD term
-    algorithm: Literal["sft", "grpo", "opd", "grpo_opd"] = "grpo"
+    # A row of the algorithm table, ``megaopd.methods.METHODS``, which checks the name where a run starts (sft, grpo,
+    # opd, grpo_opd: GRPO's advantage plus opd.coef times the OPD term; opsa: the teacher-free control)
+    algorithm: str = "grpo"
     steps: int = 100
     prompts_per_step: int = 16
     micro_batch_size: int = 64  # sequences per forward/backward; gradients accumulate over the rest
@@ -186,17 +227,21 @@ class TrainConfig:
     # Truncated IS: weight min(ratio, tis_cap), per token or per sequence (the product over the response).
     # auto: token where rollouts can be stale (rollout.max_staleness >= 1, a method with such terms), else none. It
     # also corrects staleness: at K=1 without it the embedded GRPO expert trailed K=0 (docs/serving.md).
-    tis: Literal["auto", "none", "token", "sequence"] = "auto"  # auto | none | token | sequence
+    tis: Literal["auto", ISLevel] = "auto"
     tis_cap: float = 2.0
     # Two-sided mask (IcePop; verl's rollout_rs): a token (token) or a whole response (sequence: the product)
     # whose ratio lies outside [is_mask_low, is_mask_high] gets weight 0. The defaults are IcePop's.
-    is_mask: Literal["none", "token", "sequence"] = "none"  # none | token | sequence
+    is_mask: ISLevel = "none"
     is_mask_low: float = 0.5
     is_mask_high: float = 5.0
     seed: int = 0
     # Response rows per vocabulary-projection chunk ([rows x V] float32 at most); 0: the memory plan picks
     # (unchunked where the budget allows, plan.chunk_rows).
     logit_chunk_rows: int = 0
+    # Forward a group's prompt once in the policy's and the reference's passes (docs/shared_prompt.md): the same
+    # logprobs and gradients, less work. Off, with the reason logged, with one sample per prompt or an attention the
+    # layout cannot express. The ledger bills the same either way (docs/flops.md); perf/hardware_flops shows the work.
+    shared_prompt: bool = False
     stop: StopConfig = field(default_factory=StopConfig)
 
 
@@ -231,9 +276,15 @@ class PlanConfig:
 
 @dataclass
 class SandboxConfig:
+    """The code sandbox of this process (megaopd.verifiers.sandbox; docs/verifiers.md has the two modes)."""
+
     # Accept the fallback mode (root without namespaces: uid drop, seccomp, Landlock where the kernel has them)
     # when namespaces do not work here; without it such a machine refuses at start-up.
     allow_fallback: bool = False
+    namespaces: bool = True  # False: the fallback mode even where namespaces work (as root), asked for, so accepted
+    # The interpreter the sandbox runs programs with ("": this one, else a system python3): one the sandbox uid can
+    # run, installed in a world-readable place (not, say, a pyenv under /root).
+    python: str = ""
 
 
 @dataclass
@@ -254,6 +305,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     opd: OPDConfig = field(default_factory=OPDConfig)
+    opsa: OPSAConfig = field(default_factory=OPSAConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -261,7 +313,7 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     # What this run's FLOPs count as when a later run builds on its model: cold_start | training | external.
-    counts_as: Literal["training", "cold_start", "external"] = "training"
+    counts_as: CountsAs = "training"
 
 
 class ConfigError(UserError):
@@ -280,19 +332,20 @@ def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
     return ConfigError(f"unknown config key {where + key!r}{hint}")
 
 
-def _unknown_choice(value: Any, choices: tuple, where: str) -> ConfigError:
-    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
+def unknown_choice(value: Any, valid_values: tuple, where: str) -> ConfigError:
+    """The error for a value outside an enumerated setting's choices: them, and the closest one."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in valid_values], n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else "; set one of them"
-    valid = ", ".join(repr(c) for c in choices)
+    valid = ", ".join(repr(c) for c in valid_values)
     return ConfigError(f"{where.rstrip('.')}: {value!r} is not one of {valid}{hint}")
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
-            raise _unknown_choice(value, choices, where)
+        valid = choices(tp)
+        if value not in valid or isinstance(value, bool) != isinstance(valid[0], bool):
+            raise unknown_choice(value, valid, where)
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):

@@ -1,9 +1,15 @@
 """The distribution helpers every backend shares: the top-p nucleus cut, the top-k view of a log-softmax, and the
 top-k tail (the mass outside the K tokens, always by logsumexp) with its floor. The HF policy, the local sampler,
 the Megatron policy, the objectives and the SGLang teacher call these (the Megatron vocabulary shard's tail is the
-same logsumexp over TP slices: ``megaopd.megatron.vocab``)."""
+same logsumexp over TP slices: ``megaopd.megatron.vocab``).
+
+``VocabView`` is how a training backend hands the objectives the student's distribution at a chunk of rows: the HF
+policy holds it whole (``WholeVocab``), a Megatron TP rank one slice of the vocabulary (``VocabShard``); the KL terms
+read it only through this interface, so they are the same code on every backend."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -37,3 +43,29 @@ def topk_view(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     most V)."""
     top, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
     return top, ids, tail_logprob(logprobs, ids)
+
+
+class VocabView(Protocol):
+    """A student's log-softmax at some rows [..., V], as a backend holds it."""
+
+    vocab_size: int
+    device: torch.device  # where the rows are: the teacher's numbers meet them there
+
+    def logprobs_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """log p of the tokens ``ids`` [..., K] at each row, differentiable, on every rank."""
+
+    def tail(self, ids: torch.Tensor) -> torch.Tensor:
+        """log of the mass outside ``ids`` [..., K] at each row [...] (``tail_logprob``), on every rank."""
+
+
+class WholeVocab:
+    """The whole vocabulary on one device: a log-softmax [c, V] (the HF backend's chunk of response rows)."""
+
+    def __init__(self, logprobs: torch.Tensor):
+        self.logprobs, self.vocab_size, self.device = logprobs, logprobs.shape[-1], logprobs.device
+
+    def logprobs_of(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.logprobs.gather(-1, ids)
+
+    def tail(self, ids: torch.Tensor) -> torch.Tensor:
+        return tail_logprob(self.logprobs, ids)

@@ -2,9 +2,13 @@
 
 ``audit_step(cfg)`` builds the run's ``Trainer`` and runs one step of its method with every phase counted on its
 own: the rollout, the old-logprob recompute, the reference and teacher passes, the update (an SFT step: the update
-only). Attention runs eager, so the counter sees its matmuls (the ledger's ``causal=False`` form; SDPA on CPU counts
-0), and responses run to the length limit (EOS never matches) with one prompt per step, so no row is padded and the
-executed work is the real one.
+only). Two numbers per component: the ledger's (what the trainer booked, model FLOPs) and the work executed (what
+the counter measured: the same passes with the run's shared prompts, and the teachers' recomputation), each against
+its formula; with the step's ``perf/hardware_flops``, the executed work in the ledger's convention. Attention runs
+eager, so the counter sees its matmuls (the ledger's ``causal=False`` form; SDPA on CPU counts 0), and responses
+run to the length limit (EOS never matches) with one prompt per step, so no row is padded and the executed work is
+the real one. A teacher of another tokenizer scores its own tokens of the samples, whose lengths differ even
+then: its micro-batches must hold one sample (``train.micro_batch_size=1``) to be unpadded.
 
     from megaopd.config import load_config
     from megaopd.flop_audit import audit_step
@@ -22,8 +26,8 @@ from unittest import mock
 
 from megaopd import flops
 from megaopd.config import RunConfig
+from megaopd.hf_policy import HFPolicy
 from megaopd.methods import method
-from megaopd.policy import HFPolicy
 
 
 @dataclass
@@ -35,9 +39,18 @@ class Audit:
     # Hardware work beyond the billed passes, in the executed form (the teachers' re-projections and re-runs:
     # TeacherRouter.recompute_flops); measured == executed_form + recomputed.
     recomputed: int = 0
+    # The executed work in the ledger's convention (causal attention halved), recomputation included: what the
+    # trainer's perf/hardware_flops sums over the components (StepAudit.hardware_logged).
+    hardware_form: int = 0
 
 
-def audit_step(cfg: RunConfig) -> dict[str, Audit]:
+class StepAudit(dict):
+    """{component: Audit}, and the step's perf/hardware_flops as the trainer logged it."""
+
+    hardware_logged: float = 0.0
+
+
+def audit_step(cfg: RunConfig) -> StepAudit:
     from torch.utils.flop_counter import FlopCounterMode
 
     from megaopd.trainer import Trainer
@@ -75,6 +88,10 @@ def audit_step(cfg: RunConfig) -> dict[str, Audit]:
     with to_length:
         trainer = Trainer(cfg)
         try:
+            if trainer.teachers and trainer.teachers.aligners and cfg.train.micro_batch_size > 1:
+                raise ValueError("a teacher of another tokenizer scores its own tokens, as many per sample as its "
+                                 "tokenizer makes, so its micro-batches would be padded: audit with "
+                                 "train.micro_batch_size=1")
             rollout, samples = counted("rollout", trainer.engine.generate), []
 
             def generate(*args, **kwargs):  # keeps the step's samples: their real lengths give the formulas
@@ -98,8 +115,9 @@ def audit_step(cfg: RunConfig) -> dict[str, Audit]:
                       "teacher": list({id(t): t for t in trainer.teachers.teachers.values()}.values())
                       if trainer.teachers else []}
             for component, models in frozen.items():
-                for model in models:
+                for model in models:  # every form's call: sampled, top-k, full (and the tests' full grid)
                     model.logprobs = counted(component, model.logprobs)
+                    model.topk_logprobs = counted(component, model.topk_logprobs)
                     model.full_logprobs = counted(component, model.full_logprobs)
                     if component == "teacher":
                         model.full_rows = counted_rows(model.full_rows)
@@ -107,7 +125,7 @@ def audit_step(cfg: RunConfig) -> dict[str, Audit]:
             for policy in [trainer.policy, *frozen["reference"], *frozen["teacher"]]:
                 policy.model.set_attn_implementation("eager")
             before = dict(trainer.ledger.own)
-            trainer.step_fn(trainer.start_step + 1)
+            metrics = trainer.step_fn(trainer.start_step + 1)
         finally:
             trainer.close()
 
@@ -117,10 +135,18 @@ def audit_step(cfg: RunConfig) -> dict[str, Audit]:
         response = int(batches[0].response_mask.sum())
         prompt_lens, response_lens = [int(batches[0].attention_mask.sum()) - response], [response]
     teachers = [trainer.teachers.shape(trainer.teachers.route(samples[0].row.domain))] if trainer.teachers else None
+    teacher_lens = trainer.teachers.token_counts(samples, len(samples)) if trainer.teachers else None
 
-    def formula(causal):
-        return trainer.method.step_flops(cfg, trainer.policy.shape, teachers, prompt_lens, response_lens, True, causal)
-    executed, ledger = formula(False), formula(True)
-    recomputed = {"teacher": trainer.teachers.recompute_flops(causal=False)} if trainer.teachers else {}
-    return {c: Audit(measured[c], executed[c], ledger[c], trainer.ledger.own[c] - before[c], recomputed.get(c, 0))
-            for c in flops.COMPONENTS}
+    def formula(causal, shared=False):
+        return trainer.method.step_flops(cfg, trainer.policy.shape, teachers, prompt_lens, response_lens, causal,
+                                         teacher_lens, shared_prompt=shared)
+    shared = trainer.cfg.train.shared_prompt  # as the trainer resolved it
+    executed, ledger, hardware = formula(False, shared), formula(True), formula(True, shared)
+
+    def recomputed(causal):
+        return {"teacher": trainer.teachers.recompute_flops(causal=causal)} if trainer.teachers else {}
+    dense, halved = recomputed(False), recomputed(True)
+    audit = StepAudit({c: Audit(measured[c], executed[c], ledger[c], trainer.ledger.own[c] - before[c],
+                                dense.get(c, 0), hardware[c] + halved.get(c, 0)) for c in flops.COMPONENTS})
+    audit.hardware_logged = metrics["perf/hardware_flops"] if trainer.method.rollouts else 0.0
+    return audit

@@ -34,7 +34,7 @@ Formulas (L layers, d model width, nq/nkv query/key-value heads, dh head dim, df
     prefill     = F_fwd(P, 1)
     decode      = 2*N_mm*(R-1) + 4*L*nq*dh*((R-1)*P + (R-1)*R/2)   (fed-back token t = 1..R-1 attends to P+t keys)
 
-Per step (``grpo_step_flops`` / ``opd_step_flops`` return the components separately)::
+Per step (``step_flops`` returns the components separately; ``megaopd.methods`` says which passes a method runs)::
 
     GRPO: gen + (1[old-logprob recompute] + 1[reference KL] + 3*epochs) * sum_i F_score_student(P_i, R_i)
     OPD:  gen_student + sum_i [F_score_teacher(P_i, R_i) + (1[recompute] + 3*epochs) * F_score_student(P_i, R_i)]
@@ -51,6 +51,7 @@ from typing import Any, Union
 __all__ = [
     "COMPONENTS",
     "ModelShape",
+    "attention_heads",
     "forward_flops",
     "train_flops",
     "prefill_flops",
@@ -58,8 +59,7 @@ __all__ = [
     "generation_flops",
     "rollout_flops",
     "scoring_flops",
-    "grpo_step_flops",
-    "opd_step_flops",
+    "step_flops",
     "teacher_passes",
     "recompute_flops",
 ]
@@ -115,39 +115,55 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, cfg: Union[Mapping[str, Any], Any], gated_mlp: bool = True) -> "ModelShape":
         """Build from a transformers ``PretrainedConfig`` (Qwen3 / Qwen2 / Llama / Mistral kind) or a plain dict of
-        the same keys (the contents of ``config.json``).
+        the same keys (the contents of ``config.json``): the one reader of a model's shape (the memory plan's
+        ``Arch`` and the launchers' head checks read it through here).
 
-        Reads num_hidden_layers, hidden_size, num_attention_heads, num_key_value_heads (default: attention heads),
+        Reads num_hidden_layers, hidden_size, num_attention_heads, num_key_value_heads (``attention_heads``),
         head_dim (default: hidden_size // num_attention_heads; Qwen3 sets it explicitly, e.g. 128 with hidden 2048
         and 16 heads), intermediate_size and vocab_size. The SwiGLU families listed are gated; pass
         ``gated_mlp=False`` for a plain 2-matrix MLP.
         """
-        if isinstance(cfg, Mapping):
-            get = cfg.get
-        else:
-            def get(key: str, default: Any = None) -> Any:
-                return getattr(cfg, key, default)
+        get = _config_getter(cfg)
 
         def req(key: str) -> int:
-            v = get(key, None)
+            v = get(key)
             if v is None:
                 raise ValueError(f"config lacks required key {key!r}")
             return int(v)
 
         hidden = req("hidden_size")
-        heads = req("num_attention_heads")
-        kv = get("num_key_value_heads", None)
-        head_dim = get("head_dim", None)
+        heads, kv_heads = attention_heads(cfg)
+        if not heads:
+            raise ValueError("config lacks required key 'num_attention_heads'")
+        head_dim = get("head_dim")
         return cls(
             n_layers=req("num_hidden_layers"),
             d_model=hidden,
             n_heads=heads,
-            n_kv_heads=int(kv) if kv is not None else heads,
-            head_dim=int(head_dim) if head_dim is not None else hidden // heads,
+            n_kv_heads=kv_heads,
+            head_dim=int(head_dim) if head_dim else hidden // heads,
             d_ff=req("intermediate_size"),
             vocab_size=req("vocab_size"),
             gated_mlp=gated_mlp,
         )
+
+
+def _config_getter(cfg: Union[Mapping[str, Any], Any]):
+    """key -> value (None when absent) of an HF config object or dict; a multimodal config's language model is
+    its ``text_config``."""
+    if isinstance(cfg, Mapping):
+        cfg = cfg.get("text_config") or cfg
+        return lambda key: cfg.get(key)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return lambda key: getattr(cfg, key, None)
+
+
+def attention_heads(cfg: Union[Mapping[str, Any], Any]) -> tuple[int, int]:
+    """(query heads, KV heads) of an HF config (0 query heads where it names none): KV heads absent or null mean
+    multi-head attention, as many as the query heads."""
+    get = _config_getter(cfg)
+    heads = int(get("num_attention_heads") or 0)
+    return heads, int(get("num_key_value_heads") or heads)
 
 
 def _nonneg(name: str, v: int) -> int:
@@ -246,43 +262,27 @@ def scoring_flops(
     response_lens: Sequence[int],
     group_size: int,
     causal: bool = True,
+    shared_prompt: bool = False,
 ) -> int:
     """Teacher-forced passes over every sample that read its response logits (old-logprob, reference, teacher
     scoring, and one third of training): sum_i F_fwd(P_i + R_i, head at R_i positions). Samples are grouped
-    consecutively, ``group_size`` per prompt."""
+    consecutively, ``group_size`` per prompt.
+
+    ``shared_prompt``: each group's prompt forwarded once (``train.shared_prompt``, docs/shared_prompt.md): per group
+    the prompt's forward without the LM head, and per sample its R tokens through the body and the LM head, attending
+    to the P prompt keys and causally to its own: F_fwd(P, 0) + sum_i [F_fwd(R_i, R_i) + 4*L*nq*dh*P*R_i]. Causal,
+    that is the unshared passes less (samples - 1) * F_fwd(P, 0) per group; dense (``causal=False``, what eager
+    attention executes) it also drops the P x R block of scores the unshared pass computes and masks."""
     _check_groups(prompt_lens, response_lens, group_size)
-    return sum(
-        forward_flops(shape, _nonneg("prompt_len", prompt_lens[i // group_size]) + _nonneg("response_len", r), causal,
-                      head_positions=r)
-        for i, r in enumerate(response_lens)
-    )
-
-
-def grpo_step_flops(
-    shape: ModelShape,
-    prompt_lens: Sequence[int],
-    response_lens: Sequence[int],
-    group_size: int,
-    recompute_old: bool = True,
-    use_reference: bool = True,
-    epochs: int = 1,
-    prefix_cached: bool = True,
-    causal: bool = True,
-) -> dict[str, int]:
-    """FLOPs of one GRPO step, by component.
-
-    prompt_lens: one real prompt length per prompt; response_lens: one real response length per sample, grouped
-    consecutively (``group_size`` samples per prompt). Returns {"rollout", "old_logprob", "reference", "teacher"
-    (always 0), "train"}; the step total is ``sum(result.values())``.
-    """
-    fwd = scoring_flops(shape, prompt_lens, response_lens, group_size, causal)
-    return {
-        "rollout": rollout_flops(shape, prompt_lens, response_lens, group_size, prefix_cached, causal),
-        "old_logprob": fwd if recompute_old else 0,
-        "reference": fwd if use_reference else 0,
-        "teacher": 0,
-        "train": 3 * _nonneg("epochs", epochs) * fwd,
-    }
+    total = 0
+    for k, p in enumerate(prompt_lens):
+        p = _nonneg("prompt_len", p)
+        total += forward_flops(shape, p, causal, head_positions=0) if shared_prompt else 0
+        for r in response_lens[k * group_size:(k + 1) * group_size]:
+            r = _nonneg("response_len", r)
+            total += forward_flops(shape, r, causal) + 4 * shape.attn_width * p * r if shared_prompt \
+                else forward_flops(shape, p + r, causal, head_positions=r)
+    return total
 
 
 def teacher_passes(form: str, epochs: int, recompute: bool = False) -> int:
@@ -304,40 +304,52 @@ def recompute_flops(shape: ModelShape, head_rows: int, seq_lens: Sequence[int], 
         forward_flops(shape, s, causal, head_positions=0) for s in seq_lens)
 
 
-def opd_step_flops(
+Lengths = tuple[Sequence[int], Sequence[int]]  # (one real prompt length per prompt, one response length per sample)
+
+
+def step_flops(
     student: ModelShape,
-    teacher: Union[ModelShape, Sequence[ModelShape], None],
     prompt_lens: Sequence[int],
     response_lens: Sequence[int],
-    samples_per_prompt: int,
+    group_size: int,
+    generate: bool = True,
     recompute_old: bool = True,
+    use_reference: bool = False,
     epochs: int = 1,
+    teachers: Union[ModelShape, Sequence[ModelShape], None] = None,
+    teacher_lens: Lengths | None = None,
     prefix_cached: bool = True,
     causal: bool = True,
+    shared_prompt: bool = False,
 ) -> dict[str, int]:
-    """FLOPs of one on-policy-distillation step, by component: one teacher pass per sample in every form
-    (``teacher_passes``; recomputation is hardware work, not billed here).
+    """FLOPs of one training step by component, each from its one formula: ``rollout`` (``generate``: the samples
+    generated, else 0), ``old_logprob`` (one student scoring pass when ``recompute_old``), ``reference`` (one when
+    ``use_reference``), ``teacher`` (one pass of each sample's teacher in every OPD form: ``teacher_passes``) and
+    ``train`` (3 x ``epochs`` scoring passes). The step total is ``sum(result.values())``. ``shared_prompt``: the
+    student's passes with each group's prompt forwarded once (``scoring_flops``'s: the work executed, where
+    the ledger bills the unshared passes, docs/flops.md).
 
-    ``teacher`` is one ``ModelShape``, or a sequence with one (routed) teacher shape per prompt, or None when the
-    caller bills the teacher itself (e.g. with ``scoring_flops`` per routed group); then "teacher" is 0.
-    Lengths as in ``grpo_step_flops``. Returns {"rollout", "old_logprob", "reference" (always 0), "teacher",
-    "train"}; the step total is ``sum(result.values())``.
+    prompt_lens: one real prompt length per prompt; response_lens: one real response length per sample, grouped
+    consecutively (``group_size`` samples per prompt). ``teachers``: None (no teacher term), one shape, or one
+    (routed) shape per prompt. ``teacher_lens``: the same lengths in the teachers' own tokens (a teacher with
+    another tokenizer scores its own tokenisation of the prompt and response); default the student's.
     """
-    g = samples_per_prompt
-    fwd = scoring_flops(student, prompt_lens, response_lens, g, causal)
-    if teacher is None:
+    fwd = scoring_flops(student, prompt_lens, response_lens, group_size, causal, shared_prompt)
+    if teachers is None:
         teach = 0
-    elif isinstance(teacher, ModelShape):
-        teach = scoring_flops(teacher, prompt_lens, response_lens, g, causal)
     else:
-        if len(teacher) != len(prompt_lens):
-            raise ValueError(f"{len(teacher)} teacher shapes for {len(prompt_lens)} prompts")
-        teach = sum(scoring_flops(t, [p], response_lens[k * g:(k + 1) * g], g, causal)
-                    for k, (t, p) in enumerate(zip(teacher, prompt_lens)))
+        t_prompts, t_responses = teacher_lens or (prompt_lens, response_lens)
+        routed = [teachers] * len(t_prompts) if isinstance(teachers, ModelShape) else list(teachers)
+        if len(routed) != len(t_prompts):
+            raise ValueError(f"{len(routed)} teacher shapes for {len(t_prompts)} prompts")
+        g = group_size
+        teach = sum(scoring_flops(t, [p], t_responses[k * g:(k + 1) * g], g, causal)
+                    for k, (t, p) in enumerate(zip(routed, t_prompts)))
     return {
-        "rollout": rollout_flops(student, prompt_lens, response_lens, g, prefix_cached, causal),
+        "rollout": rollout_flops(student, prompt_lens, response_lens, group_size, prefix_cached, causal)
+        if generate else 0,
         "old_logprob": fwd if recompute_old else 0,
-        "reference": 0,
+        "reference": fwd if use_reference else 0,
         "teacher": teach,
         "train": 3 * _nonneg("epochs", epochs) * fwd,
     }

@@ -20,6 +20,7 @@ import json
 import uuid
 from pathlib import Path
 
+from megaopd.config import CountsAs, choices
 from megaopd.flops import COMPONENTS
 
 LEDGER_FILE = "megaopd_ledger.json"
@@ -27,8 +28,8 @@ LEDGER_FILE = "megaopd_ledger.json"
 
 class Ledger:
     def __init__(self, name: str, counts_as: str = "training"):
-        if counts_as not in ("training", "cold_start", "external"):
-            raise ValueError(f"counts_as must be training, cold_start or external, got {counts_as!r}")
+        if counts_as not in choices(CountsAs):
+            raise ValueError(f"counts_as must be one of {', '.join(choices(CountsAs))}, got {counts_as!r}")
         self.run_id = uuid.uuid4().hex
         self.name = name
         self.counts_as = counts_as
@@ -63,7 +64,7 @@ class Ledger:
         return runs
 
     def totals(self) -> dict[str, float]:
-        by_kind = {"training": 0.0, "cold_start": 0.0, "external": 0.0}
+        by_kind = dict.fromkeys(choices(CountsAs), 0.0)
         for state in self._upstream_runs().values():
             by_kind[state["counts_as"]] += sum(state["own"].values())
         stage = self.stage_total

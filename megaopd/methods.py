@@ -1,13 +1,16 @@
 """The training algorithms, one row each: what a ``train.algorithm`` needs, which objective terms it trains with, which
 FLOP components it books, and the one function that gives a step's FLOPs by component.
 
-The trainer, the planner (``megaopd plan``), the Slurm renderer, the rehearsal, the FLOP audit and the benches read
-this table; none of them tests an algorithm's name. A new method is one row here plus its name in
-``config.TrainConfig.algorithm``'s ``Literal`` (and, if it brings a new loss, its class in ``megaopd.objectives``).
+The trainer, the planner (``megaopd plan``), the Slurm renderer, the rehearsal and the FLOP audit read this table;
+none of them tests an algorithm's name (the benches name the algorithms they compare). The table is the list of
+algorithm names: ``method(name)`` refuses any other where a run starts. A new method is one row here (and, if it
+brings a new loss, its class in ``megaopd.objectives``).
 
     from megaopd.methods import method
     spec = method(cfg.train.algorithm)
-    spec.rollouts, spec.uses_reference(cfg), spec.local_teachers(cfg), spec.step_flops(cfg, student, ...)
+    spec.rollouts, spec.uses_reference(cfg.grpo), spec.local_teachers(cfg.opd), spec.step_flops(cfg, student, ...)
+
+Each predicate reads the one config section it depends on; ``step_flops`` reads the run's (it bills every pass).
 """
 
 from __future__ import annotations
@@ -16,9 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megaopd import flops
-from megaopd.config import ConfigError, RunConfig
-
-OPD_FORMS = ("sampled", "topk", "full_vocab")  # docs/opd.md
+from megaopd.config import GRPOConfig, OPDConfig, RolloutConfig, RunConfig, unknown_choice
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,10 @@ class Method:
     # policy-gradient or KL objective; False: teacher-forced NLL on the rows' worked solutions (the cold start).
     rollouts: bool
     group_term: bool  # GRPO's group-relative advantage from verifier rewards (+ k3 KL to a reference if kl_coef > 0)
-    teacher_term: bool  # frozen teachers score the rollouts: the OPD term, in one of OPD_FORMS (opd.form)
-
-    @property
-    def opd_forms(self) -> tuple[str, ...]:
-        return OPD_FORMS if self.teacher_term else ()
+    teacher_term: bool  # frozen teachers score the rollouts: the OPD term, in one of the forms of opd.form
+    # The teacher-free control (opsa): a fixed advantage on the policy's own lowest-logprob sampled tokens; it
+    # reads no reward and no model beside the policy
+    self_term: bool = False
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -43,51 +43,48 @@ class Method:
         return tuple(c for c in flops.COMPONENTS if (c != "reference" or self.group_term)
                      and (c != "teacher" or self.teacher_term))
 
-    def samples_per_prompt(self, cfg: RunConfig) -> int:
-        return cfg.rollout.samples_per_prompt if self.rollouts else 1
+    def samples_per_prompt(self, rollout: RolloutConfig) -> int:
+        return rollout.samples_per_prompt if self.rollouts else 1
 
-    def uses_reference(self, cfg: RunConfig) -> bool:
+    def uses_reference(self, grpo: GRPOConfig) -> bool:
         """A frozen copy of the initial policy for GRPO's KL penalty."""
-        return self.group_term and cfg.grpo.kl_coef > 0
+        return self.group_term and grpo.kl_coef > 0
 
-    def teachers(self, cfg: RunConfig) -> dict[str, str]:
+    def teachers(self, opd: OPDConfig) -> dict[str, str]:
         """Route -> teacher model directory, wherever the teachers run."""
-        return dict(cfg.opd.teachers) if self.teacher_term else {}
+        return dict(opd.teachers) if self.teacher_term else {}
 
-    def local_teachers(self, cfg: RunConfig) -> dict[str, str]:
+    def local_teachers(self, opd: OPDConfig) -> dict[str, str]:
         """The teachers loaded in the trainer's process (their weights share the trainer's GPUs)."""
-        return self.teachers(cfg) if cfg.opd.teacher_engine == "local" else {}
+        return self.teachers(opd) if opd.teacher_engine == "local" else {}
 
-    def teacher_servers(self, cfg: RunConfig) -> bool:
-        return self.teacher_term and cfg.opd.teacher_engine == "sglang"
+    def teacher_servers(self, opd: OPDConfig) -> bool:
+        return self.teacher_term and opd.teacher_engine == "sglang"
 
-    def vocab_kl(self, cfg: RunConfig) -> bool:
+    def vocab_kl(self, opd: OPDConfig) -> bool:
         """A KL over the vocabulary in the training step (top-k with its tail, or full): more [rows x V] tensors
         beside the student's log-softmax in each chunk."""
-        return self.teacher_term and cfg.opd.form != "sampled"
+        return self.teacher_term and opd.form != "sampled"
 
-    def has_policy_gradient(self, cfg: RunConfig) -> bool:
+    def has_policy_gradient(self, opd: OPDConfig) -> bool:
         """Whether some term weights sampled tokens' policy gradients (what train.tis corrects)."""
-        return self.group_term or (self.teacher_term and cfg.opd.form == "sampled")
+        return self.group_term or self.self_term or (self.teacher_term and opd.form == "sampled")
 
     def step_flops(self, cfg: RunConfig, student: flops.ModelShape, teachers: Sequence[flops.ModelShape] | None,
-                   prompt_lens: Sequence[int], response_lens: Sequence[int], prefix_cached: bool = True,
-                   causal: bool = True) -> dict[str, int]:
+                   prompt_lens: Sequence[int], response_lens: Sequence[int], causal: bool = True,
+                   teacher_lens: flops.Lengths | None = None, shared_prompt: bool = False) -> dict[str, int]:
         """One step's FLOPs by component (every key of flops.COMPONENTS): ``prompt_lens`` one per prompt,
         ``response_lens`` one per sample (``samples_per_prompt`` per prompt, consecutive; for SFT the solutions),
-        ``teachers`` one (routed) teacher shape per prompt when the method has a teacher term."""
-        if not self.rollouts:  # SFT: one training pass over prompt + solution
-            return dict.fromkeys(flops.COMPONENTS, 0) | {
-                "train": 3 * flops.scoring_flops(student, prompt_lens, response_lens, 1, causal)}
-        n, t = self.samples_per_prompt(cfg), cfg.train
-        common = dict(recompute_old=t.recompute_old_logprobs, epochs=t.epochs, prefix_cached=prefix_cached,
-                      causal=causal)
-        parts = flops.grpo_step_flops(student, prompt_lens, response_lens, n, use_reference=self.uses_reference(cfg),
-                                      **common)
-        if self.teacher_term:  # the student's passes as above, plus the teachers'
-            parts["teacher"] = flops.opd_step_flops(student, teachers, prompt_lens, response_lens, n,
-                                                    **common)["teacher"]
-        return parts
+        ``teachers`` one (routed) teacher shape per prompt when the method has a teacher term, and ``teacher_lens``
+        the same lengths in the teachers' own tokens where they tokenise otherwise than the student. Generation is
+        billed one prefill per prompt, whatever the engine (docs/flops.md, "Shared work"). ``shared_prompt``: the
+        work the student's passes execute with train.shared_prompt (the ledger's is without)."""
+        t = cfg.train
+        return flops.step_flops(student, prompt_lens, response_lens, self.samples_per_prompt(cfg.rollout),
+                                generate=self.rollouts, recompute_old=self.rollouts and t.recompute_old_logprobs,
+                                use_reference=self.uses_reference(cfg.grpo), epochs=t.epochs if self.rollouts else 1,
+                                teachers=teachers if self.teacher_term else None, teacher_lens=teacher_lens,
+                                causal=causal, shared_prompt=shared_prompt)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -95,10 +92,11 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("grpo", "grpo", rollouts=True, group_term=True, teacher_term=False),
     Method("opd", "opd", rollouts=True, group_term=False, teacher_term=True),
     Method("grpo_opd", "grpo+opd", rollouts=True, group_term=True, teacher_term=True),  # GRPO + opd.coef x OPD
+    Method("opsa", "opsa", rollouts=True, group_term=False, teacher_term=False, self_term=True),
 )}
 
 
 def method(name: str) -> Method:
     if name not in METHODS:
-        raise ConfigError(f"train.algorithm must be one of {', '.join(METHODS)}, got {name!r}")
+        raise unknown_choice(name, tuple(METHODS), "train.algorithm")
     return METHODS[name]

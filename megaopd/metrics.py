@@ -72,6 +72,9 @@ def rollout_metrics(samples: list[Sample], batch: TokenBatch, routes: dict,
         k1 = ((batch.old_logprobs[indices] - batch.teacher_logprobs[indices]) * mask).sum()
         metrics[f"train/teacher/{route}/reverse_kl_k1"] = float(k1 / mask.sum().clamp(min=1))
         metrics[f"train/teacher/{route}/token_share"] = float(mask.sum()) / total_tokens
+        if batch.teacher_exact is not None:  # a teacher of another tokenizer: how much credit needed no split
+            exact = (batch.teacher_exact[indices] * mask).sum()
+            metrics[f"train/teacher/{route}/exact_credit_share"] = float(exact / mask.sum().clamp(min=1))
     return metrics
 
 

@@ -11,27 +11,35 @@ accumulation.
   both distributions' mass, exact when K covers the vocabulary.
 - GRPO + OPD in one objective: GRPO's group advantage plus ``opd.coef`` times the OPD term (the sampled-token
   advantage, or the KL added to the loss).
+- OPSA, the teacher-free control of OPD: a fixed negative advantage on the lowest-logprob fraction of each
+  response's sampled tokens under the policy before the step, 0 elsewhere, in the same clipped surrogate; no teacher,
+  no reward, no reference.
+- SFT (the cold start): the NLL of the worked solution's tokens.
 
 A KL form hands the policy a ``VocabTerm``: per micro-batch, a function from the student's log-softmax on a chunk of
-response rows [c, V] to one differentiable number per row, so no [rows x V] tensor exists beyond one chunk.
+response rows (``distributions.VocabView``: whole on the HF backend, a TP rank's slice on Megatron's) to one
+differentiable number per row, so no [rows x V] tensor exists beyond one chunk. The objective owns the term; a
+backend only hands it its view of the student's distribution. ``check_opd`` is the one place that refuses an OPD
+setting a backend or teacher engine cannot run.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from megaopd.batch import Sample, TokenBatch
-from megaopd.config import ConfigError, GRPOConfig, OPDConfig, RunConfig, TrainConfig
-from megaopd.distributions import TAIL_FLOOR, tail_logprob
-from megaopd.methods import OPD_FORMS, Method, method
+from megaopd.config import ConfigError, GRPOConfig, OPDConfig, OPSAConfig, OPSAScope, RunConfig, TrainConfig, choices
+from megaopd.distributions import TAIL_FLOOR, VocabView, WholeVocab
+from megaopd.methods import Method, method
 from megaopd.rollout import reported_sampling
 
-KL_DIRECTIONS = ("reverse", "forward")
-# (student log-softmax of rows [start, start + c) of the micro-batch's response rows, [c, V]; start) -> [c]
-RowTerm = Callable[[torch.Tensor, int], torch.Tensor]
+# (the student's distribution at rows ``index`` of the micro-batch's rows, [c, V]; ``index``) -> one KL per row [c]
+RowTerm = Callable[[VocabView, slice], torch.Tensor]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_std: bool = True,
@@ -52,9 +60,6 @@ def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
-
-
-IS_LEVELS = ("none", "token", "sequence")  # train.tis, train.is_mask
 
 
 def _log_ratio(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
@@ -122,7 +127,7 @@ def resolve_tis(cfg: RunConfig, spec: Method) -> RunConfig:
     (K=0: the behaviour policy is the trainer's own, today's synchronous loop bit for bit)."""
     if cfg.train.tis != "auto":
         return cfg
-    stale = spec.rollouts and cfg.rollout.max_staleness >= 1 and spec.has_policy_gradient(cfg)
+    stale = spec.rollouts and cfg.rollout.max_staleness >= 1 and spec.has_policy_gradient(cfg.opd)
     return replace(cfg, train=replace(cfg.train, tis="token" if stale else "none"))
 
 
@@ -132,9 +137,7 @@ def check_is_correction(cfg: RunConfig, spec: Method) -> None:
     train = cfg.train
     for name in ("tis", "is_mask"):
         level = getattr(train, name)
-        if level not in IS_LEVELS:
-            raise ConfigError(f"train.{name} must be one of {', '.join(IS_LEVELS)}, got {level!r}; set one of them")
-        if level != "none" and spec.rollouts and not spec.has_policy_gradient(cfg):
+        if level != "none" and spec.rollouts and not spec.has_policy_gradient(cfg.opd):
             raise ConfigError(f"train.{name}={level} weights the sampled tokens' policy-gradient terms, and "
                               f"opd.form={cfg.opd.form} has none: its loss is the KL over the vocabulary at each "
                               f"response position, so the weights would be dropped; set train.{name}=none, or "
@@ -175,57 +178,59 @@ def full_vocab_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
     return (teacher_logprobs.exp() * (teacher_logprobs - student_logprobs)).sum(-1)
 
 
-def topk_kl(student_logprobs: torch.Tensor, teacher_ids: torch.Tensor, teacher_topk: torch.Tensor,
-            teacher_tail: torch.Tensor, direction: str = "reverse") -> torch.Tensor:
+def topk_kl(student: VocabView, teacher_ids: torch.Tensor, teacher_topk: torch.Tensor, teacher_tail: torch.Tensor,
+            direction: str = "reverse") -> torch.Tensor:
     """The KL between the two distributions coarsened to {teacher's top-K tokens, everything else}, per row.
 
-    student_logprobs: [c, V] log-softmax; teacher_ids / teacher_topk: [c, K] token ids and teacher logprobs;
-    teacher_tail: [c] log of the teacher's remaining mass. By the data-processing inequality it is a lower bound
-    of the full KL that tightens as K grows, and equals it when K covers the vocabulary (both tails are then 0).
+    student: the student's distribution at c rows (a ``VocabView``: whole, or a TP rank's slice); teacher_ids /
+    teacher_topk: [c, K] token ids and teacher logprobs; teacher_tail: [c] log of the teacher's remaining mass. By
+    the data-processing inequality it is a lower bound of the full KL that tightens as K grows, and equals it when K
+    covers the vocabulary (both tails are then 0: no tail and no 0 * log 0 to differentiate).
     """
-    covers = teacher_ids.shape[-1] >= student_logprobs.shape[-1]
-    return coarse_kl(student_logprobs.gather(-1, teacher_ids),
-                     None if covers else tail_logprob(student_logprobs, teacher_ids), teacher_topk, teacher_tail,
-                     direction)
-
-
-def coarse_kl(student_topk: torch.Tensor, student_tail: torch.Tensor | None, teacher_topk: torch.Tensor,
-              teacher_tail: torch.Tensor, direction: str = "reverse") -> torch.Tensor:
-    """``topk_kl`` from both sides' logprobs at the K tokens [..., K] and their tails [...] (None: the K tokens are
-    the whole vocabulary, no tail and no 0 * log 0 to differentiate)."""
-    p, q = (student_topk, teacher_topk) if direction == "reverse" else (teacher_topk, student_topk)
+    p, q = student.logprobs_of(teacher_ids), teacher_topk
+    if direction == "forward":
+        p, q = q, p
     head = (p.exp() * (p - q)).sum(-1)
-    if student_tail is None:
+    if teacher_ids.shape[-1] >= student.vocab_size:
         return head
-    teacher_tail = teacher_tail.clamp(min=TAIL_FLOOR)
-    p_tail, q_tail = (student_tail, teacher_tail) if direction == "reverse" else (teacher_tail, student_tail)
+    p_tail, q_tail = student.tail(teacher_ids), teacher_tail.clamp(min=TAIL_FLOOR)
+    if direction == "forward":
+        p_tail, q_tail = q_tail, p_tail
     return head + p_tail.exp() * (p_tail - q_tail)
 
 
 class VocabTerm:
-    """The KL to the teacher at a micro-batch's response rows, for the policy's chunked vocabulary projection.
+    """The KL to the teacher at a micro-batch's rows, for the policy's chunked vocabulary projection.
 
-    ``rows(mb)`` returns a ``RowTerm``: the student's log-softmax on rows [start, start + c) -> the KL per row. The
-    top-k form reads the teacher's top-K from the batch; the full form asks the teachers for their distribution
-    on those rows only (``TeacherRouter.full_rows``), so neither side ever holds [rows x V] beyond one chunk.
+    ``rows(mb)`` returns a ``RowTerm`` over the micro-batch's response rows in ``response_mask.nonzero()`` order (the
+    HF backend projects those only); ``sequences(mb)`` over its whole sequences, every target position [c, S-1]
+    (Megatron's output layer projects whole sequences; the loss masks the rest). The top-k form reads the teacher's
+    top-K from the batch; the full form asks the teachers for their distribution on those rows only
+    (``TeacherRouter.full_rows``), so neither side ever holds [rows x V] beyond one chunk.
     """
 
     def __init__(self, form: str, direction: str, teachers=None):
         self.form, self.direction, self.teachers = form, direction, teachers
 
     def rows(self, mb: TokenBatch) -> RowTerm:
-        where = mb.response_mask.bool()
         if self.form == "topk":
-            ids, topk, tail = (mb.teacher_topk_ids[where], mb.teacher_topk_logprobs[where], mb.teacher_tail[where])
-
-            def term(student: torch.Tensor, start: int) -> torch.Tensor:
-                end, device = start + student.shape[0], student.device
-                return topk_kl(student, ids[start:end].to(device), topk[start:end].to(device),
-                               tail[start:end].to(device), self.direction)
-            return term
+            where = mb.response_mask.bool()
+            return self._topk(mb.teacher_topk_ids[where], mb.teacher_topk_logprobs[where], mb.teacher_tail[where])
         teacher_rows = self.teachers.full_rows(mb)
-        return lambda student, start: full_vocab_kl(
-            student, teacher_rows(slice(start, start + student.shape[0])).to(student.device), self.direction)
+
+        def term(student: WholeVocab, index: slice) -> torch.Tensor:
+            return full_vocab_kl(student.logprobs, teacher_rows(index).to(student.device), self.direction)
+        return term
+
+    def sequences(self, mb: TokenBatch) -> RowTerm:
+        return self._topk(mb.teacher_topk_ids, mb.teacher_topk_logprobs, mb.teacher_tail)  # check_opd: top-k only
+
+    def _topk(self, ids: torch.Tensor, topk: torch.Tensor, tail: torch.Tensor) -> RowTerm:
+        def term(student: VocabView, index: slice) -> torch.Tensor:
+            device = student.device
+            return topk_kl(student, ids[index].to(device), topk[index].to(device), tail[index].to(device),
+                           self.direction)
+        return term
 
 
 def form_label(algorithm: str, opd: OPDConfig) -> str:
@@ -238,14 +243,29 @@ def form_label(algorithm: str, opd: OPDConfig) -> str:
     return f"{spec.label}:{opd.form}" + (f"({','.join(detail)})" if detail else "")
 
 
-def _check_opd(cfg: OPDConfig) -> None:
-    if cfg.form not in OPD_FORMS:
-        raise ConfigError(f"opd.form must be one of {', '.join(OPD_FORMS)}, got {cfg.form!r}; set one of them")
-    if cfg.kl not in KL_DIRECTIONS:
-        raise ConfigError(f"opd.kl must be one of {', '.join(KL_DIRECTIONS)}, got {cfg.kl!r}; set one of them")
-    if cfg.form == "topk" and cfg.topk < 1:
-        raise ConfigError(f"opd.form=topk needs opd.topk=K >= 1 (teacher logprobs kept per position), got {cfg.topk}; "
+def check_opd(opd: OPDConfig, backend: str, aligned: Collection[str] = ()) -> None:
+    """Refuses, before any model loads, an OPD setting that the backend or the teacher engine cannot run: the one
+    place these refusals live (the trainer, the planner and the Slurm renderer call it). ``aligned``: the routes
+    whose teacher has another tokenizer than the student (``align.alignment_tokenizers``; the trainer knows them)."""
+    if unknown := sorted(set(opd.teacher_tokenizer) - set(opd.teachers)):
+        raise ConfigError(f"opd.teacher_tokenizer names route(s) {unknown} that opd.teachers does not have "
+                          f"({sorted(opd.teachers)}); key it by the teacher's route")
+    if aligned and opd.form != "sampled":
+        raise ConfigError(f"the teacher(s) of route(s) {sorted(aligned)} have another tokenizer than the student: "
+                          f"the two distributions are over different vocabularies, so opd.form={opd.form} has no "
+                          "per-token KL to compute; set opd.form=sampled (its log-ratio is aligned on the text)")
+    if aligned and backend == "megatron":
+        raise ConfigError(f"the teacher(s) of route(s) {sorted(aligned)} have another tokenizer than the student: "
+                          "cross-tokenizer OPD runs on model.backend=hf (local or SGLang teachers)")
+    if opd.form == "topk" and opd.topk < 1:
+        raise ConfigError(f"opd.form=topk needs opd.topk=K >= 1 (teacher logprobs kept per position), got {opd.topk}; "
                           "set opd.topk=K (e.g. opd.topk=8)")
+    if opd.form == "full_vocab" and opd.teacher_engine == "sglang":
+        raise ConfigError("teacher servers return at most a top-k per position; set opd.form=topk (opd.topk=K) or "
+                          "sampled, or opd.teacher_engine=local for the full-vocabulary form")
+    if opd.form == "full_vocab" and backend == "megatron":
+        raise ConfigError("model.backend=megatron computes the top-k OPD form, not full_vocab (docs/opd.md): set "
+                          "opd.form=topk with opd.topk=K (K = the vocabulary size is the exact full loss)")
 
 
 class GRPO:
@@ -282,13 +302,13 @@ class OPD:
     """Vanilla on-policy distillation from a frozen teacher (one per domain with routing), in one of three forms."""
 
     def __init__(self, cfg: OPDConfig, teachers=None):
-        _check_opd(cfg)
         self.cfg, self.form = cfg, cfg.form
         self.vocab_term = None if cfg.form == "sampled" else VocabTerm(cfg.form, cfg.kl, teachers)
 
     def prepare(self, batch: TokenBatch, samples: list[Sample]) -> dict[str, float]:
-        # Detached per-token advantage of the sampled form; for the KL forms it is logged as the k1 estimate.
-        batch.advantages = -(batch.old_logprobs - batch.teacher_logprobs) * batch.response_mask
+        # The sampled form's detached per-token advantage; the KL forms read the teacher in the loss instead.
+        if self.vocab_term is None:
+            batch.advantages = -(batch.old_logprobs - batch.teacher_logprobs) * batch.response_mask
         return {}
 
     def token_loss(self, logp, vocab, mb: TokenBatch):
@@ -320,13 +340,14 @@ class GRPOWithOPD:
     def prepare(self, batch: TokenBatch, samples: list[Sample]) -> dict[str, float]:
         metrics = self.grpo.prepare(batch, samples)
         group = batch.advantages
-        self.opd.prepare(batch, samples)
-        opd_advantage = batch.advantages
-        weighted = group if batch.is_weights is None or self.vocab_term is not None else batch.is_weights * group
-        batch.advantages = weighted + (self.coef * opd_advantage if self.vocab_term is None else 0.0)
         tokens = batch.response_mask.sum().clamp(min=1)
-        return metrics | {"opd_advantage": float((self.coef * opd_advantage).abs().sum() / tokens),
-                          "group_advantage": float(group.abs().sum() / tokens)}
+        metrics["group_advantage"] = float(group.abs().sum() / tokens)
+        if self.vocab_term is not None:  # a KL form: its term is in the loss, the advantage is GRPO's
+            return metrics
+        self.opd.prepare(batch, samples)
+        opd_advantage = self.coef * batch.advantages
+        batch.advantages = (group if batch.is_weights is None else batch.is_weights * group) + opd_advantage
+        return metrics | {"opd_advantage": float(opd_advantage.abs().sum() / tokens)}
 
     def token_loss(self, logp, vocab, mb: TokenBatch):
         # The sampled form carries the IS weights in its advantage (prepare); a KL form weights the surrogate.
@@ -337,11 +358,75 @@ class GRPOWithOPD:
         return loss, metrics
 
 
+def lowest_logprob_tokens(logprobs: torch.Tensor, mask: torch.Tensor, fraction: float,
+                          scope: str = "response") -> torch.Tensor:
+    """1 at the max(1, floor(fraction * N)) response tokens of lowest logprob, 0 elsewhere: N counts each response's
+    tokens (``response``) or the batch's (``batch``: one pool). Ties go to the earlier token; an empty response
+    has none. ``logprobs``, ``mask``: [B, S-1]."""
+    if scope not in choices(OPSAScope):
+        raise ValueError(f"a selection scope must be one of {choices(OPSAScope)}, got {scope!r}")
+    shape, response = logprobs.shape, mask.bool()
+    if scope == "batch":
+        logprobs, response = logprobs.reshape(1, -1), response.reshape(1, -1)
+    n = response.sum(-1, keepdim=True)
+    k = torch.where(n > 0, (fraction * n.double()).floor().clamp(min=1), 0)
+    # Each token's rank among its row's response tokens by logprob (non-response positions rank last).
+    rank = torch.where(response, logprobs, math.inf).argsort(dim=-1, stable=True).argsort(dim=-1)
+    return (response & (rank < k)).to(mask.dtype).reshape(shape)
+
+
+def check_opsa(cfg: OPSAConfig) -> None:
+    """Refuses, before any model loads, settings of the teacher-free control that would train nothing."""
+    if not 0 < cfg.fraction <= 1:
+        raise ConfigError(f"opsa.fraction must be in (0, 1] (the share of tokens given the advantage), got "
+                          f"{cfg.fraction:g}; set e.g. opsa.fraction=0.2")
+    if cfg.advantage == 0:
+        raise ConfigError("opsa.advantage=0 trains nothing; set the fixed advantage, e.g. opsa.advantage=-0.5")
+    if not cfg.clip > 0:
+        raise ConfigError(f"opsa.clip must be > 0 (the importance ratio's clip), got {cfg.clip:g}; set e.g. 0.2")
+
+
+class OPSA:
+    """The teacher-free control of OPD (docs/opd.md): ``opsa.advantage`` on the ``opsa.fraction`` of sampled tokens
+    with the lowest logprob under the policy before the step (the old logprobs), 0 on the others, in the clipped
+    surrogate. Every selected token is pushed the same way: no teacher, reward or reference decides anything."""
+
+    vocab_term = None
+
+    def __init__(self, cfg: OPSAConfig):
+        check_opsa(cfg)
+        self.cfg = cfg
+
+    def prepare(self, batch: TokenBatch, samples: list[Sample]) -> dict[str, float]:
+        selected = lowest_logprob_tokens(batch.old_logprobs, batch.response_mask, self.cfg.fraction, self.cfg.scope)
+        batch.advantages = self.cfg.advantage * selected
+        chosen = selected.sum().clamp(min=1)
+        return {"opsa_selected_share": float(selected.sum() / batch.response_mask.sum().clamp(min=1)),
+                "opsa_selected_logprob": float((batch.old_logprobs * selected).sum() / chosen)}
+
+    def token_loss(self, logp, vocab, mb: TokenBatch):
+        loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip, self.cfg.clip)
+        if mb.is_weights is not None:
+            loss = loss * mb.is_weights
+        return loss, {"clip_fraction": clipped}
+
+
+class SFT:
+    """The cold start: the NLL of the worked solution's tokens (teacher-forced, no rollouts)."""
+
+    vocab_term = None
+
+    def token_loss(self, logp, vocab, mb: TokenBatch):
+        return -logp, {}
+
+
 def build_objective(spec: Method, cfg: RunConfig, teachers=None):
-    """The objective of a method's terms; None for SFT (its NLL is the trainer's sft_step)."""
-    n = spec.samples_per_prompt(cfg)
+    """The objective of a method's terms, from their config sections."""
+    n = spec.samples_per_prompt(cfg.rollout)
+    if spec.self_term:
+        return OPSA(cfg.opsa)
     if spec.group_term and spec.teacher_term:
         return GRPOWithOPD(cfg.grpo, cfg.opd, n, teachers)
     if spec.group_term:
         return GRPO(cfg.grpo, n)
-    return OPD(cfg.opd, teachers) if spec.teacher_term else None
+    return OPD(cfg.opd, teachers) if spec.teacher_term else SFT()

@@ -11,8 +11,10 @@ phase. The formulas, per rank (b = bytes of model.dtype):
   and one fp32 step counter per tensor; masters (fp32) only when model.master_dtype differs from model.dtype.
 * activations per micro-batch: what the HF Qwen3 / Llama forward saves for backward with the SDPA (flash) kernel,
   read off the code and checked on CPU against autograd's saved tensors (tests/test_plan.py); with
-  model.activation_checkpointing the layer inputs plus one layer's. The Megatron backend uses the same per-token
-  figure divided by TP, with PP micro-batches in flight on the first stage (an estimate: TE kernels differ).
+  model.activation_checkpointing the layer inputs plus one layer's. With train.shared_prompt, over the micro-batch's
+  flat sequence (whole groups: each prompt once), with each response's keys and values over its prompt beside it.
+  The Megatron backend uses the same per-token figure divided by TP, with PP micro-batches in flight on the first
+  stage (an estimate: TE kernels differ).
 * logits / KL workspace: a chunk of train.logit_chunk_rows response rows x V (0, the default: the most rows that fit
   beside the rest of the train phase, so the whole micro-batch unchunked wherever it fits; on CPU, without a device
   budget, the most that fit in CPU_CHUNK_BYTES) (Megatron: whole sequences, at least
@@ -76,9 +78,9 @@ class Arch:
 
     @classmethod
     def from_hf(cls, c: dict) -> "Arch":
-        heads = c["num_attention_heads"]
-        return cls(c["num_hidden_layers"], c["hidden_size"], heads, c.get("num_key_value_heads") or heads,
-                   c.get("head_dim") or c["hidden_size"] // heads, c["intermediate_size"], c["vocab_size"],
+        """The shape as ``flops.ModelShape`` reads it (the one reader of a model's shape), and what memory adds."""
+        s = flops.ModelShape.from_hf_config(c)
+        return cls(s.n_layers, s.d_model, s.n_heads, s.n_kv_heads, s.head_dim, s.d_ff, s.vocab_size,
                    bool(c.get("tie_word_embeddings", False)), c.get("model_type") == "qwen3",
                    bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
 
@@ -120,6 +122,19 @@ class Arch:
         layers = self.layers if layers is None else layers
         one_layer = self.activation_bytes(tokens, seq, b, 1) - self.activation_bytes(tokens, seq, b, 0)
         return self.activation_bytes(tokens, seq, b, 0) + tokens * layers * self.hidden * b + one_layer
+
+    def shared_activation_bytes(self, groups: int, samples: int, prompt: int, response: int, b: int,
+                                layers: int | None = None, checkpointed: bool = False) -> int:
+        """The same over a shared-prompt micro-batch (``megaopd.shared_prompt``): the flat sequence of
+        groups x prompt + samples x response tokens, and beyond its per-token tensors, per layer the joined attention
+        output and each response's keys and values over prompt + response (repeated to every query head), and once
+        the response mask and the sample-to-group index. Checkpointed: one layer's extra at a time."""
+        layers = self.layers if layers is None else layers
+        tokens = groups * prompt + samples * response
+        per_layer = tokens * self.q * b + 2 * samples * (prompt + response) * self.q * b
+        once = samples * response * (prompt + response) * b + 8 * samples
+        saved = self.checkpointed_activation_bytes if checkpointed else self.activation_bytes
+        return saved(tokens, tokens, b, layers) + (1 if checkpointed else layers) * per_layer + once
 
     def kv_bytes(self, positions: int, b: int) -> int:
         return positions * self.layers * 2 * self.kv * b
@@ -223,7 +238,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     ``teacher_recompute``: plan the full form's teacher rows re-run per micro-batch instead of kept for the step."""
     p, t, r, m = cfg.plan, cfg.train, cfg.rollout, cfg.model
     spec = method(t.algorithm)
-    n = spec.samples_per_prompt(cfg)
+    n = spec.samples_per_prompt(cfg.rollout)
     arch = resolve_arch(m.path, aliases)
     b = BYTES[m.dtype]
     megatron = m.backend == "megatron"
@@ -254,10 +269,18 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     rows_per_mb = min(t.micro_batch_size, t.prompts_per_step * n)
     tokens = rows_per_mb * seq
     in_flight = min(pp, math.ceil(t.prompts_per_step * n / (rows_per_mb * dp))) if megatron else 1
-    saved = arch.checkpointed_activation_bytes if m.activation_checkpointing and not megatron \
-        else arch.activation_bytes
-    acts = saved(tokens, seq, b, layers) * in_flight / tp
-    items.append(Item(f"activations ({rows_per_mb} x {seq} tokens)", "train", acts,
+    checkpointed = m.activation_checkpointing and not megatron
+    if t.shared_prompt and n > 1:  # whole groups per micro-batch (a group larger than one: in parts)
+        groups = max(1, rows_per_mb // n)
+        rows_per_mb = min(groups * n, rows_per_mb)
+        tokens = groups * p.prompt_tokens + rows_per_mb * r.max_new_tokens
+        acts = arch.shared_activation_bytes(groups, rows_per_mb, p.prompt_tokens, r.max_new_tokens, b, layers,
+                                            checkpointed)
+        shape = f"shared prompts: {groups} x {p.prompt_tokens} + {rows_per_mb} x {r.max_new_tokens} tokens"
+    else:
+        saved = arch.checkpointed_activation_bytes if checkpointed else arch.activation_bytes
+        acts, shape = saved(tokens, seq, b, layers), f"{rows_per_mb} x {seq} tokens"
+    items.append(Item(f"activations ({shape})", "train", acts * in_flight / tp,
                       "lower train.micro_batch_size" + ("" if m.activation_checkpointing or megatron
                                                          else ", or model.activation_checkpointing=true"),
                       ("train.micro_batch_size", t.micro_batch_size)))
@@ -274,7 +297,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
         items.append(Item("rollout sampling workspace", "rollout", rows * arch.vocab * (b + 16),
                           "lower rollout.batch_prompts", knob))
     servers = []
-    if r.engine == "sglang" or spec.teacher_servers(cfg):
+    if r.engine == "sglang" or spec.teacher_servers(cfg.opd):
         colocated = r.engine == "sglang" and r.sglang.sync == "tensor"
         share = _mem_fraction(r.sglang.server_args) if colocated else 0.0
         total = budget / p.usable if budget else 0.0
@@ -285,24 +308,25 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
                        f"for the KV cache ({'colocated with the trainer' if colocated else 'own GPUs'})")
 
     teacher_tp = (m.megatron.teacher_tp or tp) if megatron else 1
-    for route, path in sorted(spec.local_teachers(cfg).items()):
+    teacher_b = BYTES[cfg.opd.teacher_dtype or m.dtype]
+    for route, path in sorted(spec.local_teachers(cfg.opd).items()):
         teacher = resolve_arch(path, aliases)
-        items.append(Item(f"teacher {route} ({teacher.params() / 1e9:.2f}B)", "all",
-                          teacher.params() * b / teacher_tp,
+        items.append(Item(f"teacher {route} ({teacher.params() / 1e9:.2f}B) {cfg.opd.teacher_dtype or m.dtype}",
+                          "all", teacher.params() * teacher_b / teacher_tp,
                           "opd.teacher_engine=sglang (sampled form)" if not megatron
                           else "raise model.megatron.teacher_tp"))
-    if spec.uses_reference(cfg):
+    if spec.uses_reference(cfg.grpo):
         items.append(Item("reference model", "all", local * b, fits_more))
     keeps_rows = keeps_teacher_rows(cfg) and not teacher_recompute
     if keeps_rows:
         rows = t.prompts_per_step * n * r.max_new_tokens
-        hidden = max(resolve_arch(v, aliases).hidden for v in spec.teachers(cfg).values())
-        items.append(Item(f"teacher rows kept for the update ({rows} x {hidden})", "train", rows * hidden * b,
+        hidden = max(resolve_arch(v, aliases).hidden for v in spec.teachers(cfg.opd).values())
+        items.append(Item(f"teacher rows kept for the update ({rows} x {hidden})", "train", rows * hidden * teacher_b,
                           "re-run per micro-batch when they do not fit (automatic)"))
 
     unit = seq if megatron else 1  # positions per chunk unit: Megatron's output layer projects whole sequences
     units = rows_per_mb if megatron else rows_per_mb * r.max_new_tokens  # one chunk: the micro-batch unchunked
-    per_entry = (16 if megatron else 2 * b + 8 if b < 4 else 12) + (8 if spec.vocab_kl(cfg) else 0)
+    per_entry = (16 if megatron else 2 * b + 8 if b < 4 else 12) + (8 if spec.vocab_kl(cfg.opd) else 0)
     per_unit = unit * (arch.vocab * per_entry / tp + arch.hidden * b)
     if t.logit_chunk_rows:  # the override
         bound = max(1, t.logit_chunk_rows // unit) * unit
@@ -321,7 +345,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     prompt_lens = [p.prompt_tokens] * t.prompts_per_step
     response_lens = [r.max_new_tokens] * (t.prompts_per_step * n)
     # Every prompt routed to the costliest teacher: an upper bound, like the lengths.
-    shapes = [resolve_arch(v, aliases).flop_shape() for v in spec.teachers(cfg).values()]
+    shapes = [resolve_arch(v, aliases).flop_shape() for v in spec.teachers(cfg.opd).values()]
     teachers = [max(shapes, key=lambda s: s.matmul_params)] * t.prompts_per_step if shapes else None
     parts = spec.step_flops(cfg, arch.flop_shape(), teachers, prompt_lens, response_lens)
     step = sum(parts.values())
@@ -333,7 +357,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
 
 def keeps_teacher_rows(cfg: RunConfig) -> bool:
     """Whether the run's teachers keep their full-vocabulary rows for the step (HF in-process teachers)."""
-    return (method(cfg.train.algorithm).local_teachers(cfg) != {} and cfg.opd.form == "full_vocab"
+    return (method(cfg.train.algorithm).local_teachers(cfg.opd) != {} and cfg.opd.form == "full_vocab"
             and cfg.model.backend == "hf")
 
 

@@ -64,6 +64,45 @@ def _plot_accuracy(seeds: list[tuple[dict, list[Stage]]], domain: str, metric: s
     plt.close(fig)
 
 
+def _plot_controls(loaded: list[tuple[dict, list[Stage]]], seeds: list[dict], metric: str, x: str,
+                   path: Path) -> bool:
+    """(g): each teacher-free control's curve beside the curves of the OPD stages it controls, on the domain they
+    are compared on, with each OPD stage's final accuracy (the first seed's) as the target; False if none."""
+    pairs = seeds[0]["teacher_free"]
+    panels = list(dict.fromkeys((c["control"], c["domain"]) for c in pairs))
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for ax, (control, domain) in zip(axes[0], panels):
+        opds = [c for c in pairs if c["control"] == control]
+        for k, c in enumerate([c for c in opds if c["teacher"] is not None]):
+            ax.axhline(c["teacher"], color="grey", ls=TARGET_STYLES[k % 3], lw=1,
+                       label=f"target: {c['opd']} final {c['teacher']:.3f}")
+        colors = {}
+        for k, (_, stages) in enumerate(loaded):
+            by_name = {s.name: s for s in stages}
+            for name in [control] + [c["opd"] for c in opds]:
+                f, a = by_name[name].curve(domain, metric, x) if name in by_name else ([], [])
+                pts = [(fi, ai) for fi, ai in zip(f, a) if fi > 0]  # 0 FLOPs has no place on a log axis
+                if not pts:
+                    continue
+                role = "teacher-free" if name == control else "OPD"
+                ax.plot(*zip(*pts), styles[k % 4], marker="o", ms=3, color=colors.setdefault(name, f"C{len(colors)}"),
+                        label=f"{name} ({role})" if k == 0 else None)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"cumulative training FLOPs (flops/total_{x}, log scale)")
+        ax.set_ylabel(f"held-out accuracy ({metric}, {domain})")
+        ax.set_title(f"{control} beside the OPD it controls: {domain}"
+                     + (" (line style = seed)" if len(loaded) > 1 else ""))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def _plot_length(seeds: list[tuple[dict, list[Stage]]], path: Path) -> bool:
     fig, (by_step, by_flops) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors, drawn = {}, False
@@ -100,29 +139,37 @@ def _f(v, fmt: str = ".3e") -> str:
     return ("never" if v > 0 else "-inf") if math.isinf(v) else format(v, fmt)
 
 
+def _ratio(v, fmt: str = ".3g") -> str:
+    """A finding's number or a ratio: an infinite one is inf (its denominator needs no FLOPs, or its numerator's
+    stage never reaches the target), not "never" as for FLOPs."""
+    if isinstance(v, str) or (isinstance(v, float) and math.isinf(v)):
+        return v if isinstance(v, str) else ("inf" if v > 0 else "-inf")
+    return _f(v, fmt)
+
+
 def _pct(v: float | None) -> str:
     return "not measurable" if v is None else f"{100 * v:.1f}%"
 
 
-def _ci(r: dict, path: tuple, fmt: str = ".3e", scale: float = 1.0) -> str:
+def _ci(r: dict, path: tuple, fmt: str = ".3e", scale: float = 1.0, show=_f) -> str:
     """ " [lo, hi]" after a number when it has an interval (and how often it is defined when not always)."""
     interval = r.get("intervals", {}).get(pointer(path))
     if interval is None:
         return ""
-    lo, hi = (_f(v * scale if not math.isinf(v) else v, fmt) for v in interval[:2])
+    lo, hi = (show(v * scale if not math.isinf(v) else v, fmt) for v in interval[:2])
     return f" [{lo}, {hi}]" + (f" (defined in {100 * interval[2]:.0f}% of resamples)" if len(interval) > 2 else "")
 
 
 def _check_line(label: str, c: dict) -> str:
-    interval = "" if c["interval"] is None else f" [{_f(c['interval'][0], '.3g')}, {_f(c['interval'][1], '.3g')}]"
+    interval = "" if c["interval"] is None else f" [{_ratio(c['interval'][0])}, {_ratio(c['interval'][1])}]"
     defined = f" (defined in {100 * c['defined']:.0f}% of resamples)" if c.get("defined", 1.0) < 1 else ""
-    return (f"  - {label}: {c['detail']} {_f(c['value'], '.3g')}{interval}{defined} "
+    return (f"  - {label}: {c['detail']} {_ratio(c['value'])}{interval}{defined} "
             f"{c['op']} {c['threshold']:g}: {c['verdict']}")
 
 
 def budget_line(budget: dict) -> str:
     """A finding's verdict (and check values) at each cut of BUDGET_RULE, and whether it depends on the budget."""
-    cuts = " / ".join(f"{cut} {r['verdict']} ({', '.join(_f(v, '.3g') for v in r['values'].values()) or '-'})"
+    cuts = " / ".join(f"{cut} {r['verdict']} ({', '.join(_ratio(v) for v in r['values'].values()) or '-'})"
                       for cut, r in budget["cuts"].items())
     dependent = (f"**budget-dependent** (changes at {budget['changes_at']})" if budget["budget_dependent"]
                  else "not budget-dependent")
@@ -152,6 +199,22 @@ def _spread(v: dict | None, fmt: str, scale: float = 1.0, unit: str = "") -> str
     return f"{mean} ({lo}-{hi}, n={v['n']})"
 
 
+def _target_cells(r: dict, path: tuple, t: dict, roles: tuple[str, str], show=_f) -> str:
+    """A comparison's cells for one target: the accuracy, each role's FLOPs to it (or how close it got) and their
+    ratio, each with its interval."""
+    flops = " | ".join(f"{reached(t[f'{x}_flops'], t[f'{x}_best_smoothed'])}{_ci(r, path + (f'{x}_flops',))}"
+                       for x in roles)
+    return (f"| {t['target']:.3f}{_ci(r, path + ('target',), '.3f')} | {flops} | "
+            f"{show(t['ratio'], '.2f')}{_ci(r, path + ('ratio',), '.2f', show=show)} |")
+
+
+def _matched(r: dict, c: dict, path: tuple, roles: tuple[str, str]) -> str:
+    """Both stages' smoothed accuracy at the FLOPs both curves reach, with intervals."""
+    m = c["matched"]
+    return f"At matched FLOPs ({m['flops']:.3e}), smoothed accuracy: " + ", ".join(
+        f"{c[x]} {_f(m[f'{x}_acc'], '.3f')}{_ci(r, path + (f'{x}_acc',), '.3f')}" for x in roles)
+
+
 def _same_method_markdown(r: dict, fraction: float) -> list[str]:
     """Stages compared with their `compare_with` outside OPD vs GRPO (one method, another setting), each named with
     its K; nothing when the study has none."""
@@ -168,11 +231,7 @@ def _same_method_markdown(r: dict, fraction: float) -> list[str]:
                      else f"base + {fraction} x reference gain (base {c['base']:.3f})")
             path = ("stage_comparisons", i, "targets", name)
             md.append(f"| {c['stage']} ({k['stage']}) | {c['reference']} ({k['reference']}) | {label} "
-                      f"| {t['target']:.3f}{_ci(r, path + ('target',), '.3f')} | "
-                      f"{reached(t['reference_flops'], t['reference_best_smoothed'])}"
-                      f"{_ci(r, path + ('reference_flops',))} | "
-                      f"{reached(t['stage_flops'], t['stage_best_smoothed'])}{_ci(r, path + ('stage_flops',))} | "
-                      f"{_f(t['ratio'], '.2f')}{_ci(r, path + ('ratio',), '.2f')} |")
+                      + _target_cells(r, path, t, ("reference", "stage")))
     for i, c in enumerate(r["stage_comparisons"]):
         path = ("stage_comparisons", i)
         final = ", ".join(f"{c[role]} {_f(v, '.3f')}{_ci(r, path + ('final', role), '.3f')}"
@@ -180,16 +239,31 @@ def _same_method_markdown(r: dict, fraction: float) -> list[str]:
         md.append(f"\n{c['stage']} vs {c['reference']} on {c['domain']}: final accuracy (all held-out prompts) "
                   f"{final}.")
         if "matched" in c:
-            m, p = c["matched"], path + ("matched",)
-            md.append(f"At matched FLOPs ({m['flops']:.3e}), smoothed accuracy: "
-                      f"{c['reference']} {_f(m['reference_acc'], '.3f')}{_ci(r, p + ('reference_acc',), '.3f')}, "
-                      f"{c['stage']} {_f(m['stage_acc'], '.3f')}{_ci(r, p + ('stage_acc',), '.3f')}, "
-                      f"stage - reference {_f(m['gap'], '+.3f')}{_ci(r, p + ('gap',), '+.3f')}.")
+            p = path + ("matched",)
+            md.append(_matched(r, c, p, ("reference", "stage")) + f", stage - reference "
+                      f"{_f(c['matched']['gap'], '+.3f')}{_ci(r, p + ('gap',), '+.3f')}.")
     # The reference's final accuracy is its curve's last point: over equal budgets the stage reaches it by about the
     # same FLOPs or never, so that ratio is one-sided; the fraction target and the gap are two-sided.
     md.append("\nOver equal budgets the ratio to the reference's final accuracy is about >= 1 or undefined (its last "
               "point is the target): read the fraction target's ratio and the matched-FLOPs gap for a difference "
               "either way.")
+    return md
+
+
+def _control_markdown(r: dict, fraction: float) -> list[str]:
+    """(g): each OPD stage against its teacher-free control (same base, same training data, no teacher)."""
+    md = ["", "#### OPD vs its teacher-free control (g): FLOPs to reach OPD's accuracy", ""]
+    if not r["teacher_free"]:
+        return md + ["- no teacher_free stage with an OPD stage of its base and training data in this study"]
+    md += ["| OPD stage | control | domain | target | accuracy | OPD FLOPs | control FLOPs | control/OPD |",
+           "|---" * 8 + "|"]
+    for i, c in enumerate(r["teacher_free"]):
+        for name, t in c["targets"].items():
+            label = "OPD final" if name == "teacher" else f"base + {fraction} x OPD gain (base {c['base']:.3f})"
+            md.append(f"| {c['opd']} | {c['control']} | {c['domain']} | {label} "
+                      + _target_cells(r, ("teacher_free", i, "targets", name), t, ("opd", "control"), _ratio))
+    md += [f"\n{_matched(r, c, ('teacher_free', i, 'matched'), ('opd', 'control'))} ({c['domain']})."
+           for i, c in enumerate(r["teacher_free"]) if "matched" in c]
     return md
 
 
@@ -202,18 +276,10 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
     for i, c in enumerate(r["comparisons"]):
         for name, t in c["targets"].items():
             label = "GRPO final" if name == "teacher" else f"base + {fraction} x GRPO gain (base {c['base']:.3f})"
-            path = ("comparisons", i, "targets", name)
             md.append(f"| {c['opd']} ({c['method']}) | {c['grpo']} | {_f(c['teacher_cost_ratio'], '.2f')}x | {label} "
-                      f"| {t['target']:.3f}{_ci(r, path + ('target',), '.3f')} | "
-                      f"{reached(t['grpo_flops'], t['grpo_best_smoothed'])}{_ci(r, path + ('grpo_flops',))} | "
-                      f"{reached(t['opd_flops'], t['opd_best_smoothed'])}{_ci(r, path + ('opd_flops',))} | "
-                      f"{_f(t['ratio'], '.2f')}{_ci(r, path + ('ratio',), '.2f')} |")
-    for i, c in enumerate(r["comparisons"]):
-        if "matched" in c:
-            m, path = c["matched"], ("comparisons", i, "matched")
-            md.append(f"\nAt matched FLOPs ({m['flops']:.3e}), smoothed accuracy: "
-                      f"{c['grpo']} {_f(m['grpo_acc'], '.3f')}{_ci(r, path + ('grpo_acc',), '.3f')}, "
-                      f"{c['opd']} {_f(m['opd_acc'], '.3f')}{_ci(r, path + ('opd_acc',), '.3f')}.")
+                      + _target_cells(r, ("comparisons", i, "targets", name), t, ("grpo", "opd")))
+    md += [f"\n{_matched(r, c, ('comparisons', i, 'matched'), ('grpo', 'opd'))}."
+           for i, c in enumerate(r["comparisons"]) if "matched" in c]
     md += _same_method_markdown(r, fraction)
     md += ["", "#### Multi-teacher OPD (E6)", ""]
     for i, m in enumerate(r["multi_teacher"]):
@@ -242,6 +308,7 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
                   f"{_ci(r, path + ('saving_experts_to_final',), '.1f', 100)}")
     if not r["split_vs_joint"]:
         md.append("- no joint_grpo stage (with a multi_teacher_opd stage) in this study")
+    md += _control_markdown(r, fraction)
     md += ["", "#### FLOPs ledger, wall-clock and response length per stage", "",
            "| stage | method | steps | stopped | final mean acc | stage | + teachers | + cold start | external | "
            + " | ".join(COMPONENTS) + " | length first | length last | K | s / step | train s | rollout wait |",
@@ -280,6 +347,8 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
         plots.append(f"accuracy_{domain}.png")
     if _plot_length(loaded, out / "response_length.png"):
         plots.append("response_length.png")
+    if _plot_controls(loaded, seeds, metric, x, out / "teacher_free.png"):
+        plots.append("teacher_free.png")
     wall = wall_clock_across(seeds)
     report = json_safe({
         "x_axis": f"flops/total_{x}", "metric": metric, "target_fraction": target_fraction, "window": window,
@@ -350,8 +419,8 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
 
 def finding_line(finding: dict) -> str:
     """One printed line per finding: its verdict, then each check's number [interval] against its threshold."""
-    checks = "; ".join(f"{label} {_f(c['value'], '.3g')}"
-                       + (f" [{_f(c['interval'][0], '.3g')}, {_f(c['interval'][1], '.3g')}]" if c["interval"] else "")
+    checks = "; ".join(f"{label} {_ratio(c['value'])}"
+                       + (f" [{_ratio(c['interval'][0])}, {_ratio(c['interval'][1])}]" if c["interval"] else "")
                        + f" {c['op']} {c['threshold']:g}" for label, c in finding["checks"].items())
     seeds = (f" (reproduced in {finding['seeds_reproduced']} seeds)"
              if finding["n_seeds"] > 1 and finding["verdict"] != NOT_MEASURED else "")

@@ -11,7 +11,7 @@ The interface every engine implements:
     engine.close()                  # stop what the engine started
 
 The local engine prefills each distinct prompt once and shares its KV cache across the group
-(``batch_repeat_interleave``), so the ledger counts prefill once per prompt (``prefix_cached=True``). Decode steps go
+(``batch_repeat_interleave``), the prefill the ledger bills (docs/flops.md, "Shared work"). Decode steps go
 through ``megaopd.decode.FusedDecoder`` for the families it knows, else through the model's own forward.
 """
 
@@ -27,7 +27,7 @@ from megaopd.config import ConfigError
 from megaopd.decode import FusedDecoder
 from megaopd.data.rows import Row
 from megaopd.distributions import nucleus
-from megaopd.policy import HFPolicy
+from megaopd.policy_protocol import Policy
 
 
 def sampling_generator(device: torch.device | str, seed: int) -> torch.Generator:
@@ -72,10 +72,9 @@ def reported_sampling(engine: str, temperature: float, top_p: float) -> tuple[fl
 class LocalEngine:
     """Batched KV-cache sampling with the trainer's own model (no copy, so no weight sync to get wrong)."""
 
-    prefix_cached = True
     shares_policy_weights = True  # generating while the trainer updates would sample half-updated weights
 
-    def __init__(self, policy: HFPolicy, batch_prompts: int = 64):
+    def __init__(self, policy: Policy, batch_prompts: int = 64):
         """``batch_prompts``: prompts per generation chunk (``rollout.batch_prompts``); the KV cache of a chunk,
         batch_prompts x samples x (prompt + new tokens) positions, is all that exists at once."""
         if batch_prompts < 1:
@@ -84,7 +83,7 @@ class LocalEngine:
         self.batch_prompts = batch_prompts
         self.weight_version = 0
 
-    def sync_weights(self, policy: HFPolicy, version: int | None = None) -> None:
+    def sync_weights(self, policy: Policy, version: int | None = None) -> None:
         assert policy is self.policy, "the local engine samples from the trainer's own model"
         self.weight_version = self.weight_version + 1 if version is None else version
 

@@ -2,15 +2,15 @@
 before handing them over the pipeline makes sure the batches of steps k..k+K exist, drawn from the prompt sampler
 in step order and generated with the engine's current weights.
 
-    rollouts = pipeline.take(step)      # a Batch: its rows, its samples, how long their generation took (and
+    rollouts = pipeline.take(step)      # StepRollouts: its rows, its samples, how long their generation took (and
                                         # the teacher servers' scores, when they scored it as it arrived)
     ... rewards, teachers, update ...
     pipeline.sync_weights(policy)       # waits for a generation in flight, then pushes the new weights
-    metrics, rollout_flops = pipeline.step_end()
+    metrics, generated = pipeline.step_end()  # the batches generated during this step, for the ledger
 
 So the first K+1 batches come from weight version 0 and every later one trains exactly K versions after the one that
 generated it (K=1: one-step-off-policy); K=0 is the synchronous loop, with the same sampler draws and generator use.
-A sample more than K versions old is never trained on (dropped and counted; by construction there are none).
+A sample more than K versions old is never trained on: by construction there are none, and one would stop the run.
 
 Where the generation runs: an engine that samples from the trainer's own model (``LocalEngine``) generates inline
 when the pipeline is refilled: the same staleness, no overlap. An engine with its own copy of the weights (SGLang
@@ -23,12 +23,12 @@ nothing is in flight at an eval or a checkpoint.
 
 Teacher servers (OPD, ``score``) score each batch on that thread right after its generation, at K >= 1: a frozen
 teacher's scores of a sample hold whatever weights generated it, so they overlap the update as the generation does,
-and the batch comes with them (``Batch.teacher``). Local teachers share the trainer's devices, and at K=0 there is
-nothing to overlap: the training step scores those, as before the pipeline existed.
+and the batch comes with them (``StepRollouts.teacher``). Local teachers share the trainer's devices, and at K=0
+there is nothing to overlap: the training step scores those, as before the pipeline existed.
 
-The ledger bills a batch's rollout FLOPs once, in the step that generated it (``book``), with its teacher FLOPs when
-the servers scored it there; the lookahead stops at the stage's last step, so only a plateau stop leaves batches
-generated and never trained (up to K, billed: work done). A checkpoint holds the generated-but-untrained batches,
+The trainer bills a batch's rollout FLOPs once, in the step that generated it (``step_end`` hands it over then), with
+its teacher FLOPs when the servers scored it there; the lookahead stops at the stage's last step, so only a plateau
+stop leaves batches generated and never trained (up to K, billed: work done). A checkpoint holds the generated-but-untrained batches,
 with their teacher scores; the resumed run trains them as the uninterrupted one would, without scoring them again.
 """
 
@@ -47,7 +47,7 @@ from megaopd.serving.leader import is_leader, leader_only, on_leader
 
 
 @dataclass
-class Batch:
+class StepRollouts:
     """One step's prompts and the samples generated for them."""
 
     rows: list[Row]
@@ -59,29 +59,27 @@ class Batch:
 
 class RolloutPipeline:
     def __init__(self, engine, sampler: PromptSampler, generate: Callable[[list[Row]], list[Sample]],
-                 book: Callable[[Batch], int], max_staleness: int, last_step: int,
-                 score: Callable[[list[Sample]], TeacherScores] | None = None):
-        """``generate(rows)``: the engine's samples with the run's sampling settings and generator; ``book(batch)``:
-        bills its rollout FLOPs (and teacher FLOPs, if scored) in the ledger and returns them; ``score(samples)``:
-        the teacher servers' scores (None: no teachers, or local ones)."""
-        self.engine, self.sampler, self.generate, self.book = engine, sampler, generate, book
+                 max_staleness: int, last_step: int, score: Callable[[list[Sample]], TeacherScores] | None = None):
+        """``generate(rows)``: the engine's samples with the run's sampling settings and generator;
+        ``score(samples)``: the teacher servers' scores (None: no teachers, or local ones)."""
+        self.engine, self.sampler, self.generate = engine, sampler, generate
         self.max_staleness, self.last_step = max_staleness, last_step
         self.background = not engine.shares_policy_weights
         self.score = score if self.background and max_staleness > 0 else None  # else the training step scores
         self._pool: ThreadPoolExecutor | None = None
-        self._ready: dict[int, Batch] = {}  # step -> its generated batch, in step order
+        self._ready: dict[int, StepRollouts] = {}  # step -> its generated batch, in step order
         self._in_flight: tuple[int, list[Row], Future | None] | None = None  # step, its rows, rank 0's job
         self._drawn = 0  # the last step whose prompts were drawn
         self._row_index = {id(row): i for i, row in enumerate(sampler.rows)}  # rows go to a checkpoint by index
         self._wait = 0.0
-        self._booked = 0
+        self._generated: list[StepRollouts] = []  # this step's generations, for the trainer to bill
         self._staleness: list[int] = []
-        self._dropped = 0
         self._draw_index = 0
 
     # ---- one step ----
-    def take(self, step: int) -> Batch:
-        """The batch step `step` trains on, its stale samples (none, by construction) dropped."""
+    def take(self, step: int) -> StepRollouts:
+        """The batch step `step` trains on; a sample more than K versions old is a bug of the pipeline, and stops
+        the run (a batch trains whole: its groups and teacher scores are by sample index)."""
         start = time.perf_counter()
         for ahead in range(self._drawn + 1, min(step + self.max_staleness, self.last_step) + 1):
             self._launch(ahead)
@@ -91,15 +89,12 @@ class RolloutPipeline:
         self._wait += time.perf_counter() - start
         version = self.engine.weight_version
         staleness = [version - s.weight_version for s in batch.samples]
-        fresh = [s for s, age in zip(batch.samples, staleness) if age <= self.max_staleness]
-        # One generation samples one weight version: its batch is fresh or stale as a whole (teacher scores too).
-        if not fresh or (batch.teacher is not None and len(fresh) < len(batch.samples)):
+        if max(staleness) > self.max_staleness:
             raise RuntimeError(f"step {step}: rollouts more than rollout.max_staleness={self.max_staleness} weight "
                                f"versions old (trainer at {version}); this is a bug of the rollout pipeline")
-        self._staleness += [age for age in staleness if age <= self.max_staleness]
-        self._dropped += len(batch.samples) - len(fresh)
+        self._staleness += staleness
         self._draw_index = batch.draw_index
-        return replace(batch, samples=fresh)
+        return batch
 
     def sync_weights(self, policy) -> None:
         """After the update: wait for the generation in flight (it samples the previous weights), then push."""
@@ -109,14 +104,15 @@ class RolloutPipeline:
         self._wait += time.perf_counter() - start
         self.engine.sync_weights(policy)
 
-    def step_end(self) -> tuple[dict[str, float], int]:
-        """This step's metrics, and the rollout FLOPs billed in it (of the batches it generated)."""
+    def step_end(self) -> tuple[dict[str, float], list[StepRollouts]]:
+        """This step's metrics, and the batches generated during it (billed in this step's ledger, whichever step
+        trains on them)."""
         metrics = {"rollout/staleness_mean": sum(self._staleness) / max(len(self._staleness), 1),
-                   "rollout/staleness_max": max(self._staleness, default=0), "rollout/stale_dropped": self._dropped,
-                   "rollout/draw_index": self._draw_index, "perf/rollout_wait_seconds": self._wait}
-        booked = self._booked
-        self._wait, self._booked, self._staleness, self._dropped = 0.0, 0, [], 0
-        return metrics, booked
+                   "rollout/staleness_max": max(self._staleness, default=0), "rollout/draw_index": self._draw_index,
+                   "perf/rollout_wait_seconds": self._wait}
+        generated = self._generated
+        self._wait, self._generated, self._staleness = 0.0, [], []
+        return metrics, generated
 
     # ---- generation ----
     def _launch(self, step: int) -> None:
@@ -138,14 +134,14 @@ class RolloutPipeline:
                 self.generate(rows)  # rank 0's generator draws: its samples arrive when the batch is collected
         self._in_flight = (step, rows, job)
 
-    def _generate_leader_only(self, rows: list[Row], draw_index: int) -> Batch:
+    def _generate_leader_only(self, rows: list[Row], draw_index: int) -> StepRollouts:
         with leader_only():
             return self._generate(rows, draw_index)
 
-    def _generate(self, rows: list[Row], draw_index: int) -> Batch:
+    def _generate(self, rows: list[Row], draw_index: int) -> StepRollouts:
         start = time.perf_counter()
         samples = self.generate(rows)
-        batch = Batch(rows, samples, draw_index, time.perf_counter() - start)
+        batch = StepRollouts(rows, samples, draw_index, time.perf_counter() - start)
         return replace(batch, teacher=self.score(samples)) if self.score else batch
 
     def _collect(self) -> None:
@@ -157,8 +153,8 @@ class RolloutPipeline:
             batch = replace(batch, rows=rows, samples=[replace(s, row=copies[id(s.row)]) for s in batch.samples])
         self._store(step, batch)
 
-    def _store(self, step: int, batch: Batch) -> None:
-        self._booked += self.book(batch)  # on the main thread: the ledger is not shared
+    def _store(self, step: int, batch: StepRollouts) -> None:
+        self._generated.append(batch)
         self._ready[step] = batch
 
     # ---- checkpoint ----
@@ -178,7 +174,7 @@ class RolloutPipeline:
                               f"rollout.max_staleness={self.max_staleness} allows; resume with "
                               f"rollout.max_staleness={len(batches)} or more")
         rows = self.sampler.rows
-        self._ready = {step + 1 + i: Batch([rows[r] for r in b["rows"]],
+        self._ready = {step + 1 + i: StepRollouts([rows[r] for r in b["rows"]],
                                            [Sample(**(s | {"row": rows[s["row"]]})) for s in b["samples"]],
                                            b["draw_index"], b["seconds"],
                                            TeacherScores(**b["teacher"]) if b.get("teacher") else None)

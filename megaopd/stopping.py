@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from megaopd.analysis.curves import smooth
-from megaopd.config import ConfigError, RunConfig
+from megaopd.config import ConfigError, StopConfig
 
 TEACHER_GAP = "teacher_gap"
 METRIC = "accuracy_greedy"  # always evaluated (eval.sampled may be off)
@@ -42,14 +42,15 @@ class StopRule:
     """The stage's stop rule, fed every eval's metrics; `record` says why the stage ended, for the summary and
     the ledger."""
 
-    def __init__(self, cfg: RunConfig, domains: list[str], eval_domains: list[str], logged: list[dict] = ()):
-        """`domains`: those the stage trains on (each teacher's, for the gap); `eval_domains`: those evaluated."""
-        self.cfg, self.stop = cfg, cfg.train.stop
+    def __init__(self, stop: StopConfig, cap: int, teachers: dict[str, str], domains: list[str],
+                 eval_domains: list[str], logged: list[dict] = ()):
+        """`cap`: train.steps; `teachers`: the stage's OPD teachers by route (none without a teacher term);
+        `domains`: those the stage trains on (each teacher's, for the gap); `eval_domains`: those evaluated."""
+        self.stop, self.cap = stop, cap
         self.reason = None
         self.teachers = {}
         if self.stop.rule == "plateau":
             if self.stop.metric == TEACHER_GAP:
-                teachers = cfg.opd.teachers
                 if not teachers:
                     raise ConfigError(f"train.stop.metric={TEACHER_GAP} needs opd.teachers (an OPD run); watch a "
                                       "domain or 'mean' instead")
@@ -85,7 +86,7 @@ class StopRule:
     def record(self, step: int) -> dict:
         """Why the stage ended at `step`: plateau, sft_band or max_steps (the cap), with the rule behind it."""
         stop = self.stop
-        rule = {"rule": stop.rule, "cap": self.cfg.train.steps}
+        rule = {"rule": stop.rule, "cap": self.cap}
         if stop.rule == "plateau":
             rule |= {"metric": stop.metric, "window": stop.window, "min_delta": stop.min_delta}
             if self.teachers:

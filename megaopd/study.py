@@ -1,5 +1,6 @@
 """A study: a list of stages, each a normal run directory, run after the stages it names; a finished stage is
-reused and an interrupted one resumes from its last checkpoint.
+reused, an interrupted one resumes from its last checkpoint, and one whose train.steps was raised trains on from it
+(``megaopd.finished``: the rule of ``trainer.train``, which runs every stage).
 
     megaopd study configs/studies/self_teacher.yaml [seeds=[0,1,2]]
 
@@ -24,8 +25,10 @@ import torch
 from megaopd.config import ConfigError, RunConfig, load_config, save_config
 from megaopd.embedded import make_embedded
 from megaopd.errors import StudyError
+from megaopd.finished import finished_summary
+from megaopd.methods import method
 from megaopd.metrics import read_metrics
-from megaopd.trainer import Trainer, stage_is_done
+from megaopd.trainer import train
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ class AssetsConfig:
     heldout_percent: int = 10  # share of distinct problems kept for held-out (2-digit addition has 8100 in all)
     verbosity: dict[str, int] = field(default_factory=dict)  # worded solutions (the length sweep): domain -> 0..2
     seed: int = 0
-    # Published checkpoints, imported into {out}/models/<name> (`megaopd import-model <name>`)
+    # Published checkpoints, imported into {out}/models/<name> (`megaopd import-model <name>`; names may use {var})
     imported: list[str] = field(default_factory=list)
     # Natural-language word problems with \boxed{} answers in {out}/data/arith_word (megaopd.data.word_problems):
     # digits per operand, 0 for none
@@ -50,8 +53,9 @@ class AssetsConfig:
 
 
 # What a stage is, for the report: its curves, targets and comparisons are chosen by these labels.
-METHODS = ("base", "teacher_sft", "grpo", "expert", "joint_grpo", "opd_external", "opd_external_grpo", "opd_self",
-           "multi_teacher_opd", "other")
+# teacher_free: the teacher-free control of the OPD stages that start from its model and train on its data.
+STAGE_LABELS = ("base", "teacher_sft", "grpo", "expert", "joint_grpo", "opd_external", "opd_external_grpo",
+                "opd_self", "multi_teacher_opd", "teacher_free", "other")
 
 
 @dataclass
@@ -59,11 +63,12 @@ class StageConfig:
     name: str = ""
     config: str = ""  # the stage's run config (YAML); overrides below apply on top
     overrides: list[str] = field(default_factory=list)
-    method: str = "other"  # one of METHODS
+    method: str = "other"  # one of STAGE_LABELS
     # For opd_self / opd_external*: the GRPO stage it is compared with (E1-E3); for any other method, a stage it is
     # compared with as another setting of one method (the report's "Stage vs stage"; e.g. K=1 vs K=0).
     compare_with: str = ""
-    # For expert: the domain it owns.
+    # For expert: the domain it owns; for teacher_free: the domain it is compared with its OPD stages on (else the
+    # mean of the domains).
     domain: str = ""
     # With seeds: one run for all of them, in the first seed's directory, which the other seeds' {out}/<name> links
     # to. For the study's inputs (the external teacher "trained elsewhere"), not for what the seeds measure.
@@ -112,11 +117,23 @@ def stage_overrides(study: StudyConfig, stage: StageConfig) -> list[str]:
     return [f"train.seed={study.seed}"] + [study.substitute(o) for o in stage.overrides]
 
 
-def stage_config(study: StudyConfig, stage: StageConfig) -> RunConfig:
-    if stage.method not in METHODS:
-        raise StudyError(f"stage {stage.name!r}: method must be one of {', '.join(METHODS)}, got {stage.method!r}; "
-                         "set one of them")
-    return load_config(stage.config, stage_overrides(study, stage) + [f"run_dir={study.out}/{stage.name}"])
+def stage_config(study: StudyConfig, stage: StageConfig, launch_overrides: list[str] = ()) -> RunConfig:
+    """The stage's run config as its job loads it: its config file, the study's overrides, then (on a cluster) the
+    launch file's ``overrides`` for that stage."""
+    if stage.method not in STAGE_LABELS:
+        raise StudyError(f"stage {stage.name!r}: method must be one of {', '.join(STAGE_LABELS)}, got "
+                         f"{stage.method!r}; set one of them")
+    cfg = load_config(stage.config, stage_overrides(study, stage) + list(launch_overrides)
+                      + [f"run_dir={study.out}/{stage.name}"])
+    method(cfg.train.algorithm)  # a name the algorithm table lacks is refused here, before any stage runs
+    return cfg
+
+
+def stage_finished(study: StudyConfig, stage: StageConfig, launch_overrides: list[str] = ()) -> bool:
+    """Whether the stage's run ended under the step cap its config (as its job loads it) sets: the rule of
+    ``megaopd.finished``, for the launchers that decide before any job runs."""
+    cap = stage_config(study, stage, launch_overrides).train.steps
+    return finished_summary(Path(study.out) / stage.name, cap) is not None
 
 
 def build_assets(study: StudyConfig) -> None:
@@ -128,7 +145,7 @@ def build_assets(study: StudyConfig) -> None:
     if a.presets or a.domains:
         make_embedded(out, [study.substitute(p) for p in a.presets], [study.substitute(d) for d in a.domains] or None,
                       a.seed, a.train_rows, a.heldout_rows, a.difficulty, a.heldout_percent, a.verbosity)
-    for name in a.imported:
+    for name in map(study.substitute, a.imported):
         if not (out / "models" / name / "config.json").exists():
             from megaopd.model_import import import_model
 
@@ -211,14 +228,14 @@ def run_study(study: StudyConfig) -> list[Path]:
                 configs[run_dir] = stage_config(one, stages[name])
                 needs[run_dir] = {(Path(one.out) / d).resolve() for d in deps[name]}
     todo = []
-    for run_dir in configs:
-        if stage_is_done(run_dir):
+    for run_dir, cfg in configs.items():
+        if finished_summary(run_dir, cfg.train.steps) is not None:
             log.info("stage %s is done; reusing it", run_dir)
         else:
             todo.append(run_dir)
     if study.workers == 1:
         for run_dir in todo:
-            Trainer(configs[run_dir]).fit()
+            train(configs[run_dir])
     else:
         _run_side_by_side(configs, needs, todo, study.workers, study.threads)
     return [Path(one.out) / stage.name for one in seeds for stage in one.stages]
@@ -234,17 +251,13 @@ def _run_side_by_side(configs: dict[Path, RunConfig], needs: dict[Path, set[Path
         while todo or running:
             for run_dir in [d for d in todo if not needs[d] & (set(todo) | set(running.values()))]:
                 if len(running) < workers:
-                    running[pool.submit(_fit, configs[run_dir])] = run_dir
+                    running[pool.submit(train, configs[run_dir])] = run_dir
                     todo.remove(run_dir)
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
                 run_dir = running.pop(future)
                 future.result()  # a failed stage stops the study here (the running ones finish first)
                 log.info("stage %s finished", run_dir)
-
-
-def _fit(cfg: RunConfig) -> None:
-    Trainer(cfg).fit()
 
 
 def accuracy_flops_table(run_dirs: list[Path]) -> str:

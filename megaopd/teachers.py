@@ -2,8 +2,7 @@
 
 ``opd.teachers`` maps a domain (``extra_info.domain``, else ``data_source``) to an HF directory; ``"*"`` serves every
 domain not named. A domain with no teacher is an error before the first step, not a silent skip. A teacher is
-anything with ``tokenizer``, ``shape``, ``logprobs`` and ``topk_logprobs`` (and ``scored_rows`` / ``full_rows`` for
-the full-vocabulary form): an in-process ``HFPolicy``, or an ``SGLangTeacher`` (``megaopd.serving.teacher``);
+a ``Teacher`` (below): an in-process ``HFPolicy``, or an ``SGLangTeacher`` (``megaopd.serving.teacher``);
 ``load(route, path)`` builds one per distinct directory.
 
 What the batch holds per form (docs/opd.md): sampled, the teacher's logprob of each realised token [B, S-1]; topk,
@@ -14,35 +13,66 @@ projects to the vocabulary chunk by chunk (``full_rows``). Where the memory plan
 (``recompute``), the teacher runs again per micro-batch inside the training step; every re-projection and re-run is
 hardware work (``recompute_flops``), never billed in the ledger (``flops.teacher_passes``).
 All of them are scored under the rollout's temperature (and top-p on local teachers) when ``opd.match_sampling``.
+
+A teacher of another tokenizer (or one named in ``opd.teacher_tokenizer``) scores its own tokens of each sample
+through ``megaopd.align``, whichever engine it runs on, in the sampled form only; ``token_counts`` gives the
+ledger its tokens.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
+from megaopd.align import CrossTokenizer
 from megaopd.batch import Sample, TokenBatch
 from megaopd.config import ConfigError, ModelConfig
 from megaopd.errors import ModelError
 from megaopd.flops import ModelShape, recompute_flops
-from megaopd.policy import HFPolicy
+from megaopd.hf_policy import HFPolicy
 
 log = logging.getLogger(__name__)
 ANY_DOMAIN = "*"
 
 
-def local_teachers(model_cfg: ModelConfig, logit_chunk_rows: int = 1024) -> Callable[[str, str], HFPolicy]:
-    """Teachers as frozen in-process HF models, in the student's dtype and on its device."""
-    return lambda route, path: HFPolicy(ModelConfig(path=path, dtype=model_cfg.dtype, device=model_cfg.device),
-                                        logit_chunk_rows=logit_chunk_rows)
+@runtime_checkable
+class Teacher(Protocol):
+    """What ``TeacherRouter`` asks of a teacher engine (``HFPolicy`` in process, ``SGLangTeacher`` on servers,
+    ``MegatronPolicy``): the tokenizer its directory reads text with, its shape (what the ledger bills), and its
+    scores of a batch of its own token ids: each realised token's logprob [B, S-1] and a top-k view (``realised``,
+    ``topk_ids``, ``topk``, ``tail``), 0 off the response, under the given sampling settings (an engine that cannot
+    follow them refuses). A teacher of another tokenizer asks nothing more: ``megaopd.align`` hands it its own ids.
+    Local teachers also give the full form's rows (``scored_rows``, ``full_rows``); a server cannot.
+    tests/test_teacher_contract.py runs the same cases on the local and the server engine."""
+
+    tokenizer: Any
+    shape: ModelShape
+
+    def logprobs(self, batch: TokenBatch, micro_batch_size: int = 64, temperature: float = 1.0,
+                 top_p: float = 1.0) -> torch.Tensor: ...
+
+    def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,
+                      top_p: float = 1.0) -> dict[str, torch.Tensor]: ...
+
+
+def local_teachers(model_cfg: ModelConfig, logit_chunk_rows: int = 1024,
+                   dtype: str = "") -> Callable[[str, str], HFPolicy]:
+    """Teachers as frozen in-process HF models on the student's device, in `dtype` ("": the student's)."""
+    return lambda route, path: HFPolicy(ModelConfig(path=path, dtype=dtype or model_cfg.dtype,
+                                                    device=model_cfg.device), logit_chunk_rows=logit_chunk_rows)
 
 
 class TeacherRouter:
-    def __init__(self, teachers: dict[str, str], load: Callable[[str, str], object], student_tokenizer,
-                 temperature: float = 1.0, top_p: float = 1.0, recompute: bool = False, servers: bool = False):
+    def __init__(self, teachers: dict[str, str], load: Callable[[str, str], Teacher], student_tokenizer,
+                 temperature: float = 1.0, top_p: float = 1.0, recompute: bool = False, servers: bool = False,
+                 teacher_tokenizers: dict[str, str] | None = None):
+        """``teacher_tokenizers``: route -> tokenizer directory of each teacher that scores through the alignment
+        (``align.alignment_tokenizers``; its own directory for a teacher of another vocabulary)."""
+        from transformers import AutoTokenizer
+
         if not teachers:
             raise ConfigError("OPD needs at least one teacher; set opd.teachers.<domain>=<HF dir> (or '*')")
         self.paths = dict(teachers)
@@ -53,18 +83,23 @@ class TeacherRouter:
         self.recompute = recompute  # the memory plan's call: full-vocabulary rows re-run per micro-batch, not kept
         self.kept: dict[str, Callable] = {}  # route -> this step's full-vocabulary rows(index) (one forward/sample)
         self.work: dict[str, list] = {}  # route -> [rows re-projected, sequence lengths re-run] this step
-        loaded: dict[str, object] = {}
+        loaded: dict[str, Teacher] = {}
         for route, path in self.paths.items():
-            if path in loaded:
-                continue
-            loaded[path] = load(route, path)
-            teacher_tokenizer = loaded[path].tokenizer
-            if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
-                raise ModelError(f"teacher {path} has a different vocabulary from the student's: per-token "
-                                 "supervision compares both models' logprobs of the same token ids; use a "
-                                 "teacher of the student's tokenizer")
+            if path not in loaded:
+                loaded[path] = load(route, path)
+        # route -> the alignment of a teacher of another tokenizer: it scores its own tokens (megaopd.align)
+        self.aligners: dict[str, CrossTokenizer] = {}
+        for route, path in self.paths.items():
+            teacher, named = loaded[path], (teacher_tokenizers or {}).get(route)
+            if named is not None:
+                tokenizer = teacher.tokenizer if named == path else AutoTokenizer.from_pretrained(named)
+                self.aligners[route] = CrossTokenizer(student_tokenizer, tokenizer, teacher.shape.vocab_size)
+            elif teacher.tokenizer.get_vocab() != student_tokenizer.get_vocab():  # align.alignment_tokenizers' job
+                raise ModelError(f"teacher {path} has a different vocabulary from the student's and no alignment: "
+                                 f"name its tokenizer in teacher_tokenizers (opd.teacher_tokenizer.{route}=DIR)")
             # The teacher scores the prompt as the student's chat template renders it; its own template is unused.
-            if getattr(teacher_tokenizer, "chat_template", None) != getattr(student_tokenizer, "chat_template", None):
+            elif getattr(teacher.tokenizer, "chat_template", None) != getattr(student_tokenizer, "chat_template",
+                                                                                None):
                 log.warning("teacher %s has another chat template than the student: it scores prompts in the "
                             "student's format", path)
         self.teachers = {domain: loaded[path] for domain, path in self.paths.items()}
@@ -85,6 +120,14 @@ class TeacherRouter:
     def check_domains(self, domains: set[str]) -> None:
         for domain in sorted(domains):
             self.route(domain)
+
+    def token_counts(self, samples: list[Sample], samples_per_prompt: int) -> tuple[list[int], list[int]]:
+        """The routed teachers' own token counts, what their scoring passes run over: one prompt length per prompt
+        (its group's first sample) and one response length per sample; the student's where a teacher shares its
+        tokenizer."""
+        counts = [self.aligners[route].token_counts(s) if (route := self.route(s.row.domain)) in self.aligners
+                  else (len(s.prompt_ids), len(s.response_ids)) for s in samples]
+        return [p for p, _ in counts[::samples_per_prompt]], [r for _, r in counts]
 
     def shape(self, route: str) -> ModelShape:
         return self.teachers[route].shape
@@ -107,10 +150,15 @@ class TeacherRouter:
         batch.teacher_topk_ids = batch.teacher_topk_logprobs = batch.teacher_tail = None  # sized by the first view
         batch.teacher_route = torch.tensor([self.routes.index(self.route(s.row.domain)) for s in samples])
         batch.teacher_row_start = torch.zeros(len(samples), dtype=torch.long)
+        batch.teacher_exact = batch.response_mask.clone() if self.aligners else None
         for route, indices in groups.items():
             sub, teacher = batch.select(torch.tensor(indices)), self.teachers[route]
+            if route in self.aligners:  # its own tokens of the samples, credited to the student's (align.py)
+                batch.teacher_logprobs[indices], batch.teacher_exact[indices] = self.aligners[route].score(
+                    teacher, sub, [samples[i] for i in indices], micro_batch_size, **sampling)
+                continue
             if form == "full_vocab" and not self.recompute:
-                batch.teacher_logprobs[indices], self.kept[route] = self._full(route, "scored_rows").scored_rows(
+                batch.teacher_logprobs[indices], self.kept[route] = teacher.scored_rows(
                     sub, micro_batch_size, **sampling)
                 rows = sub.response_mask.sum(1).long()
                 batch.teacher_row_start[indices] = rows.cumsum(0) - rows  # each sample's first row in the route's
@@ -168,20 +216,13 @@ class TeacherRouter:
             index, kept = index.to(sub.response_mask.device), self.kept[route]
         else:
             work[1] += sub.attention_mask.sum(1).tolist()
-            index, kept = None, self._full(route, "full_rows").full_rows(sub, self.temperature, self.top_p)
+            index, kept = None, self.teachers[route].full_rows(sub, self.temperature, self.top_p)
 
         def counted(rows):
             out = kept(rows if index is None else index[rows])
             work[0] += out.shape[0]
             return out
         return counted
-
-    def _full(self, route: str, call: str):
-        teacher = self.teachers[route]
-        if not hasattr(teacher, call):
-            raise ConfigError(f"teacher {self.paths[route]} cannot give full-vocabulary rows (a server returns "
-                              "at most a top-k): use opd.form=topk or sampled, or a local teacher")
-        return teacher
 
     def release(self) -> None:
         """Free the step's kept full-vocabulary rows (after the update: the rollout's KV cache needs the room)."""

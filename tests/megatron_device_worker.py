@@ -40,7 +40,8 @@ from megaopd.batch import TokenBatch  # noqa: E402
 from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig, OptimConfig  # noqa: E402
 from megaopd.megatron import cpu_rehearsal  # noqa: E402
 from megaopd.megatron.policy import MegatronPolicy  # noqa: E402
-from megaopd.objectives import GRPO, OPD, tail_logprob  # noqa: E402
+from megaopd.distributions import tail_logprob  # noqa: E402
+from megaopd.objectives import GRPO, OPD  # noqa: E402
 from policy_contract import contract_batch  # noqa: E402
 from vocab_bytes import VocabBytes  # noqa: E402
 

@@ -27,11 +27,11 @@ from megatron.core import parallel_state as mpu  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from megaopd.batch import TokenBatch  # noqa: E402
-from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig, OptimConfig  # noqa: E402
+from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig, OptimConfig, OPSAConfig  # noqa: E402
 from megaopd.distributions import tail_logprob  # noqa: E402
+from megaopd.hf_policy import HFPolicy  # noqa: E402
 from megaopd.megatron.policy import MegatronPolicy, megatron_teachers  # noqa: E402
-from megaopd.objectives import GRPO, OPD  # noqa: E402
-from megaopd.policy import HFPolicy  # noqa: E402
+from megaopd.objectives import GRPO, OPD, OPSA  # noqa: E402
 from megaopd.teachers import TeacherRouter  # noqa: E402
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1), "tp1": (1, 1)}
@@ -120,7 +120,8 @@ def set_teacher_targets(batch, teacher, topk: int) -> None:
 
 
 def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
-    """GRPO then OPD (top-16 + tail for Qwen3, sampled-token for Llama) on both backends from the same state."""
+    """GRPO, OPD (top-16 + tail for Qwen3, sampled-token for Llama), then the teacher-free control (OPSA) on both
+    backends from the same state."""
     results = {}
     teacher = AutoModelForCausalLM.from_pretrained(assets / "models" / "qwen3-tiny-seed1", dtype=torch.float32)
     for name, form in (("qwen3-tiny", "topk"), ("llama-tiny", "sampled")):
@@ -128,7 +129,9 @@ def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict
         megatron = MegatronPolicy(policy_cfg(assets, name, tp, pp), OPTIM, logit_chunk_rows=14)
         hf = hf_reference(assets, name)
         steps = []
-        for step, objective in enumerate((GRPO(GRPOConfig(), group_size=3), OPD(OPDConfig(form=form, topk=TOPK)))):
+        objectives = {"grpo": GRPO(GRPOConfig(), group_size=3), form: OPD(OPDConfig(form=form, topk=TOPK)),
+                      "opsa": OPSA(OPSAConfig())}
+        for step, (label, objective) in enumerate(objectives.items()):
             batch = make_batch(259, seed=10 + step)
             old = hf.logprobs(batch, MBS)
             noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(step)) * 0.3
@@ -140,7 +143,7 @@ def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict
                 objective.prepare(batch, [])
             m = megatron.train_minibatch(batch, objective.token_loss, MBS, objective.vocab_term)
             h = hf.train_minibatch(batch, objective.token_loss, MBS, objective.vocab_term)
-            steps.append({"algorithm": type(objective).__name__, "form": form if step else "grpo",
+            steps.append({"algorithm": type(objective).__name__, "form": label,
                           "loss_megatron": m["loss"], "loss_hf": h["loss"],
                           "loss": abs(m["loss"] - h["loss"]), "grad_norm": abs(m["grad_norm"] - h["grad_norm"]),
                           "grad_norm_hf": h["grad_norm"],
@@ -176,6 +179,53 @@ def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict
                                      "continued_grad_norm": after["grad_norm"],
                                      "continued_weights": str(out_dir / f"continued_{tag}.pt")}
     return results
+
+
+def make_group_batch(seed: int) -> TokenBatch:
+    """Three prompts of different lengths, three samples each: responses of different lengths (one of a single
+    token), right-padded; byte tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (n,), generator=g) for n in (5, 3, 7)]
+    responses = [torch.randint(0, 256, (n,), generator=g) for n in (4, 1, 6, 3, 3, 5, 2, 6, 1)]
+    width = max(len(prompts[i // 3]) + len(r) for i, r in enumerate(responses))
+    ids = torch.full((len(responses), width), 256, dtype=torch.long)
+    attention, response = torch.zeros_like(ids), torch.zeros((len(responses), width - 1))
+    for i, r in enumerate(responses):
+        p = prompts[i // 3]
+        ids[i, :len(p) + len(r)] = torch.cat([p, r])
+        attention[i, :len(p) + len(r)] = 1
+        response[i, len(p) - 1:len(p) - 1 + len(r)] = 1
+    return TokenBatch(ids, attention, response, torch.zeros_like(response))
+
+
+def check_shared_prompt(assets: Path, tp: int, pp: int) -> dict:
+    """Shared-prompt passes against the unshared ones on this layout, from the same weights: logprobs and one GRPO
+    step (loss, grad norm, weights after it), micro-batches of 2 rows cutting the groups; a negative control lets
+    each response see another sample's response instead of its own."""
+    from megaopd.shared_prompt import PromptGroups
+
+    policies = [MegatronPolicy(policy_cfg(assets, "qwen3-tiny", tp, pp), OPTIM, shared_prompt=shared)
+                for shared in (False, True)]
+    batch = make_group_batch(seed=7)
+    plain, shared = (p.logprobs(batch, MBS) for p in policies)
+    result = {"logprobs": max_diff(shared, plain), "saved_flops": policies[1].take_prompt_saving()}
+    batch.old_logprobs = (plain + torch.randn(plain.shape, generator=torch.Generator().manual_seed(3)) * 0.3) \
+        * batch.response_mask
+    batch.advantages = torch.linspace(-1, 1, batch.size)[:, None] * batch.response_mask
+    objective = GRPO(GRPOConfig(), group_size=3)
+    steps = [p.train_minibatch(batch, objective.token_loss, MBS) for p in policies]
+    result |= {"grad_norm_plain": steps[0]["grad_norm"], "loss": abs(steps[1]["loss"] - steps[0]["loss"]),
+               "grad_norm": abs(steps[1]["grad_norm"] - steps[0]["grad_norm"])}
+    exported = [p.export_hf_state() for p in policies]
+    result["weights"] = max(max_diff(exported[1][k], exported[0][k]) for k in exported[0])
+    keys = PromptGroups.response_keys
+    PromptGroups.response_keys = lambda self, prompt, own, batch_dim, seq_dim: keys(
+        self, prompt, own.roll(1, batch_dim), batch_dim, seq_dim)
+    try:
+        result["leaked_logprobs"] = max_diff(policies[1].logprobs(batch, MBS), policies[0].logprobs(batch, MBS))
+    finally:
+        PromptGroups.response_keys = keys
+    return result
 
 
 def nll(logp, full, mb):
@@ -245,6 +295,7 @@ def main() -> None:
         if layout == "tp2":
             result["negative_control"] = negative_control(assets, tp, pp)
         result["train"] = check_steps(assets, tp, pp, out_dir, layout)
+        result["shared_prompt"] = check_shared_prompt(assets, tp, pp)
         if resume_from is not None:
             result["resume"] = {"from": resume_from[0], **check_resume(assets, tp, pp, resume_from[1])}
         resume_from = (layout, result["train"]["checkpoint"])

@@ -1,4 +1,4 @@
-"""The cases every ``megaopd.backend.Policy`` must pass, measured against transformers' own forward.
+"""The cases every ``megaopd.policy_protocol.Policy`` must pass, measured against transformers' own forward.
 
 ``run_contract`` drives a built, trainable policy through the protocol and returns what it measured; the HF backend
 runs it in-process and the Megatron backend (CPU, gloo) under torchrun, where rank 0 writes the numbers as JSON:
@@ -63,7 +63,7 @@ def nll(logp, vocab_term, mb):
 def run_contract(policy, model_dir: str | Path, work: Path) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
-    from megaopd.backend import Policy
+    from megaopd.policy_protocol import Policy
     from megaopd.flops import ModelShape
 
     batch = contract_batch()

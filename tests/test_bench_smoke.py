@@ -73,3 +73,8 @@ def test_memory_smoke(bench_assets):
 def test_stale_gradient_smoke(bench_assets):
     out = run_bench("stale_gradient.py", bench_assets)
     assert "| step | sampled by | mean abs log w |" in out and "\n| 2 | 0 | " in out  # step 2 trains version 0's batch
+
+
+def test_math_grader_agreement_smoke():
+    out = run_bench("math_grader_agreement.py", None)
+    assert "graded the same here: 2 (100.0%)" in out and "expected-to-fail cases paid: 0" in out

@@ -52,7 +52,7 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("override, closest", [
-    ("train.algorithm=gpro", "grpo"), ("opd.form=top_k", "topk"), ("opd.kl=revers", "reverse"),
+    ("opd.form=top_k", "topk"), ("opd.kl=revers", "reverse"),
     ("rollout.engine=sglng", "sglang"), ("opd.teacher_engine=lcoal", "local"), ("model.backend=megatorn", "megatron"),
     ("train.tis=tokens", "token"), ("model.megatron.fp8=e4m4", "e4m3"), ("rollout.sglang.sync=tensors", "tensor"),
     ("counts_as=cold-start", "cold_start"), ("model.dtype=bfloat61", "bfloat16")])
@@ -69,6 +69,21 @@ def test_misspelled_enumerated_value_is_rejected_at_load(tmp_path, override, clo
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(ConfigError, match=rf"did you mean '{closest}'"):
         load_config(path)
+
+
+def test_a_misspelled_algorithm_is_refused_by_the_method_table_before_any_stage_runs(tmp_path):
+    """The algorithm names are the rows of ``megaopd.methods.METHODS`` (listed once): ``method`` refuses any other
+    in the loader's words, and a study refuses it when it loads its stages, before the first one trains."""
+    from megaopd.methods import method
+    from megaopd.study import StageConfig, StudyConfig, stage_config
+
+    with pytest.raises(ConfigError, match=r"^train.algorithm: 'gpro' is not one of 'sft', .*; did you mean 'grpo'\?$"):
+        method(load_config(None, ["train.algorithm=gpro"]).train.algorithm)
+    config = tmp_path / "stage.yaml"
+    config.write_text("train:\n  algorithm: gpro\n")
+    study = StudyConfig(out=str(tmp_path / "study"), stages=[StageConfig(name="s", config=str(config))])
+    with pytest.raises(ConfigError, match="did you mean 'grpo'"):
+        stage_config(study, study.stages[0])
 
 
 def test_enumerated_values_load_and_a_far_miss_lists_the_choices():

@@ -10,7 +10,7 @@ from fake_device import FAKE, fake_device
 from megaopd.trainer import train
 
 STEPS = 2
-UPDATE_PATH = ("policy.py", "objectives.py", "trainer.py", "teachers.py", "batch.py")
+UPDATE_PATH = ("hf_policy.py", "objectives.py", "trainer.py", "teachers.py", "batch.py")
 RUNS = {
     "grpo": ("grpo", {}),
     "opd_full_vocab": ("opd", {"opd.form": "full_vocab", "rollout.samples_per_prompt": 1}),

@@ -41,8 +41,17 @@ def split(merge: float | None, joint: float, experts: float = 1000.0) -> dict:
             "saving_experts_to_final": 1 - (total - experts / 2) / joint if total is not None and joint else None}
 
 
-def seed(comparisons=(), mts=(), splits=()) -> dict:
-    return {"comparisons": list(comparisons), "multi_teacher": list(mts), "split_vs_joint": list(splits)}
+def control(opd_flops: float, control_flops: float | None) -> dict:
+    """One OPD stage against its teacher-free control as `compare_control` writes it: FLOPs to OPD's final 0.6."""
+    ratio = None if not opd_flops else math.inf if control_flops is None else control_flops / opd_flops
+    return {"opd": "opd_self", "control": "opsa", "domain": "mean",
+            "targets": {"teacher": {"target": 0.6, "opd_flops": opd_flops, "control_flops": control_flops,
+                                    "opd_best_smoothed": 0.6, "control_best_smoothed": 0.45, "ratio": ratio}}}
+
+
+def seed(comparisons=(), mts=(), splits=(), controls=()) -> dict:
+    return {"comparisons": list(comparisons), "multi_teacher": list(mts), "split_vs_joint": list(splits),
+            "teacher_free": list(controls)}
 
 
 def judged(finding_id: str, r: dict, interval: list[float] | None = None) -> dict:
@@ -78,6 +87,10 @@ CASES = [
     ("f", seed(splits=[split(160.0, 2000.0)]), 0.42, [0.3, 0.5], REPRODUCED),
     ("f", seed(splits=[split(500.0, 1000.0)]), -0.5, [-0.6, -0.4], NOT_REPRODUCED),
     ("f", seed(splits=[split(20.0, 1000.0)]), -0.02, [-0.1, 0.05], INCONCLUSIVE),
+    # (g) control/OPD FLOPs to OPD's final accuracy > 1: the control needs 5x OPD's / half / about the same.
+    ("g", seed(controls=[control(100.0, 500.0)]), 5.0, [3.0, 9.0], REPRODUCED),
+    ("g", seed(controls=[control(100.0, 50.0)]), 0.5, [0.3, 0.8], NOT_REPRODUCED),
+    ("g", seed(controls=[control(100.0, 110.0)]), 1.1, [0.8, 1.6], INCONCLUSIVE),
 ]
 
 
@@ -106,6 +119,10 @@ def test_targets_never_reached_or_reached_at_zero_flops():
     assert judged("f", seed(splits=[split(None, 1000.0)]))["checks"]["multi + experts vs joint"]["value"] == -math.inf
     assert judged("f", seed(splits=[split(None, 1000.0)]))["verdict"] == NOT_REPRODUCED
     assert judged("f", seed(splits=[split(100.0, 0.0)]))["verdict"] == NOT_MEASURED
+    # The control never reaching OPD's accuracy: inf, for (g); OPD's first eval already at it: no gain to explain.
+    assert [c["value"] for c in judged("g", seed(controls=[control(100.0, None)]))["checks"].values()] == [math.inf]
+    assert judged("g", seed(controls=[control(100.0, None)]))["verdict"] == REPRODUCED
+    assert judged("g", seed(controls=[control(0.0, 0.0)]))["verdict"] == NOT_MEASURED
     # No rollout lengths (b), an expert without its final eval (d): not measured.
     no_lengths = seed([pair("opd_external", 100.0, 400.0, opd_length=(None, None))])
     assert judged("b", no_lengths)["verdict"] == NOT_MEASURED

@@ -24,8 +24,7 @@ from megaopd.flops import (
     decode_flops,
     forward_flops,
     generation_flops,
-    grpo_step_flops,
-    opd_step_flops,
+    step_flops,
     prefill_flops,
     recompute_flops,
     scoring_flops,
@@ -111,19 +110,34 @@ def test_formulas_small_cases():
     assert scoring_flops(s, [3, 4], [1, 2, 3, 4], 2) == fwd
     with pytest.raises(ValueError):
         scoring_flops(s, [3, 4], [1, 2, 3], 2)
+    # a group's prompt forwarded once: causal, exactly the unshared passes less (samples - 1) prompt forwards; dense,
+    # also less the P x R block of scores the unshared pass computes and masks
+    assert scoring_flops(s, [3, 4], [1, 2, 3, 4], 2, shared_prompt=True) == fwd - forward_flops(
+        s, 3, head_positions=0) - forward_flops(s, 4, head_positions=0)
+    dense = sum(forward_flops(s, p + r, False, head_positions=r) for p, r in [(3, 1), (3, 2), (4, 3), (4, 4)])
+    assert scoring_flops(s, [3, 4], [1, 2, 3, 4], 2, causal=False, shared_prompt=True) == dense - sum(
+        forward_flops(s, p, False, head_positions=0) + 4 * a * p * (r1 + r2) for p, r1, r2 in [(3, 1, 2), (4, 3, 4)])
+    assert step_flops(s, [3, 4], [1, 2, 3, 4], 2, shared_prompt=True)["train"] == \
+        3 * scoring_flops(s, [3, 4], [1, 2, 3, 4], 2, shared_prompt=True)
     # per-step components with ragged real lengths
-    st = grpo_step_flops(s, [3, 4], [1, 2, 3, 4], 2, recompute_old=False, use_reference=True, epochs=2)
+    st = step_flops(s, [3, 4], [1, 2, 3, 4], 2, recompute_old=False, use_reference=True, epochs=2)
     assert tuple(st) == COMPONENTS
     assert st == {"rollout": generation_flops(s, 3, [1, 2]) + generation_flops(s, 4, [3, 4]),
                   "old_logprob": 0, "reference": fwd, "teacher": 0, "train": 6 * fwd}
     t = ModelShape(3, 96, 6, 2, 16, 256, 128)
-    o = opd_step_flops(s, t, [3, 4], [1, 2, 3, 4], 2, recompute_old=True, epochs=1)
+    o = step_flops(s, [3, 4], [1, 2, 3, 4], 2, recompute_old=True, epochs=1, teachers=t)
     assert o["teacher"] == scoring_flops(t, [3, 4], [1, 2, 3, 4], 2)
     assert o["old_logprob"] == fwd and o["reference"] == 0 and o["train"] == 3 * fwd
     # routed multi-teacher: one teacher per prompt
-    routed = opd_step_flops(s, [t, s], [3, 4], [1, 2, 3, 4], 2)
+    routed = step_flops(s, [3, 4], [1, 2, 3, 4], 2, teachers=[t, s])
     assert routed["teacher"] == scoring_flops(t, [3], [1, 2], 2) + scoring_flops(s, [4], [3, 4], 2)
-    assert opd_step_flops(s, None, [3, 4], [1, 2, 3, 4], 2)["teacher"] == 0
+    assert step_flops(s, [3, 4], [1, 2, 3, 4], 2)["teacher"] == 0
+    # a teacher with its own tokenizer is billed its own tokens of each prompt and response
+    own = step_flops(s, [3, 4], [1, 2, 3, 4], 2, teachers=t, teacher_lens=([5, 2], [2, 2, 1, 6]))
+    assert own["teacher"] == scoring_flops(t, [5, 2], [2, 2, 1, 6], 2) and own["train"] == o["train"]
+    # the cold start: one training pass over prompt + solution, nothing generated
+    assert step_flops(s, [3], [5], 1, generate=False, recompute_old=False) == dict.fromkeys(COMPONENTS, 0) | {
+        "train": 3 * scoring_flops(s, [3], [5], 1)}
     # one teacher forward per sample in every form; only a plan-forced re-run adds one per epoch (hardware work)
     assert {f: teacher_passes(f, 3) for f in ("sampled", "topk", "full_vocab")} == dict.fromkeys(
         ("sampled", "topk", "full_vocab"), 1)
@@ -160,14 +174,13 @@ def _unbilled_decode_step(s):
 
 def _grpo_example():
     s = ModelShape.from_hf_config(QWEN3_1_7B)
-    return grpo_step_flops(s, [P] * B, [R] * (B * 8), group_size=8, recompute_old=True, use_reference=True,
-                           epochs=1)
+    return step_flops(s, [P] * B, [R] * (B * 8), group_size=8, recompute_old=True, use_reference=True, epochs=1)
 
 
 def _opd_example():
     s = ModelShape.from_hf_config(QWEN3_1_7B)
     t = ModelShape.from_hf_config(QWEN3_8B)
-    return opd_step_flops(s, t, [P] * B, [R] * (B * 4), samples_per_prompt=4, recompute_old=True, epochs=1)
+    return step_flops(s, [P] * B, [R] * (B * 4), group_size=4, recompute_old=True, epochs=1, teachers=t)
 
 
 def test_worked_example_grpo():
@@ -326,19 +339,25 @@ def test_measured_generation_kv_cache(family, tied):
                                 + decode_flops(shape, GEN_P, GEN_R))
 
 
-@pytest.mark.parametrize("algorithm,recompute", [("grpo", False), ("opd", False), ("opd", True)])
-def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeypatch, algorithm, recompute):
-    """One real ``Trainer.rl_step`` (LocalEngine rollout, old-logprob recompute, reference or full-vocabulary teacher,
-    update over 2 epochs), counted phase by phase under FlopCounterMode (``megaopd.flop_audit``), against the ledger
-    (model FLOPs: one teacher pass) and the hardware work beside it (the teacher's rows projected again in the update,
-    and with ``recompute``, as the plan forces it when the kept rows do not fit, its forward re-run per micro-batch)."""
+@pytest.mark.parametrize("algorithm,form,recompute", [("grpo", "", False), ("grpo", "shared_prompt", False),
+                                                       ("opd", "full_vocab", False), ("opd", "full_vocab", True),
+                                                       ("opd", "topk", False), ("opd", "sampled", False)])
+def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeypatch, algorithm, form, recompute):
+    """One real ``Trainer.rl_step`` (LocalEngine rollout, old-logprob recompute, reference or teacher in each OPD
+    form, update over 2 epochs), counted phase by phase under FlopCounterMode (``megaopd.flop_audit``), against the
+    ledger (model FLOPs: one teacher pass; every sample's prompt in every pass) and the hardware work beside it (in
+    the full form the teacher's rows projected again in the update, and with ``recompute``, as the plan forces it
+    when the kept rows do not fit, its forward re-run per micro-batch; with shared prompts, the group's prompt
+    forwarded once in the policy's and the reference's passes)."""
     from megaopd import trainer as trainer_module
     from megaopd.flop_audit import audit_step
     from megaopd.plan import build_plan
     from tests.conftest import run_config
 
     extra = ({"grpo.kl_coef": 0.01} if algorithm == "grpo" else
-             {"opd.teachers.*": assets / "models" / "qwen3-tiny-seed1", "opd.form": "full_vocab"})
+             {"opd.teachers.*": assets / "models" / "qwen3-tiny-seed1", "opd.form": form, "opd.topk": 5})
+    if form == "shared_prompt":  # the group in one micro-batch: its prompt forwarded once per pass
+        extra |= {"train.shared_prompt": True, "train.micro_batch_size": 4}
     cfg = run_config(assets, tmp_path / "run", algorithm, **{
         "train.prompts_per_step": 1, "rollout.samples_per_prompt": 4, "train.recompute_old_logprobs": True,
         "train.epochs": 2, "train.micro_batch_size": 2, **extra})
@@ -351,10 +370,20 @@ def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeyp
         assert row.booked == row.ledger_form, component  # the trainer billed the formula for its real lengths
         if component != idle:
             assert row.measured == row.executed_form + row.recomputed, component
+            assert row.measured > 0, component  # the phase ran, and the audit saw it
+    assert sum(row.hardware_form for row in audit.values()) == audit.hardware_logged  # perf/hardware_flops
+    saved = {c: audit[c].ledger_form - audit[c].hardware_form for c in ("old_logprob", "reference", "train")}
+    if form == "shared_prompt":  # the same saving in every pass: the group's prompt forwarded once, not 4 times
+        assert saved["old_logprob"] > 0 and saved == {"old_logprob": saved["old_logprob"],
+                                                      "reference": saved["old_logprob"],
+                                                      "train": 2 * 3 * saved["old_logprob"]}  # 2 epochs x 3
+    else:
+        assert set(saved.values()) == {0}
     if algorithm == "opd":  # one teacher pass billed; each of the 2 epochs re-projects its rows (and re-runs it)
         teacher, shape = audit["teacher"], ModelShape.from_hf_config(
             json.loads((assets / "models" / "qwen3-tiny-seed1" / "config.json").read_text()))
         head = 2 * shape.head_params * 4 * cfg.rollout.max_new_tokens  # the LM head over the step's 4 x R rows
-        assert teacher.recomputed == 2 * (head + (teacher.executed_form - head if recompute else 0))
-        assert teacher.measured > teacher.executed_form  # the hardware did more than the ledger bills
+        rerun = teacher.executed_form - head if recompute else 0
+        assert teacher.recomputed == (2 * (head + rerun) if form == "full_vocab" else 0)
+        assert (teacher.measured > teacher.executed_form) == (form == "full_vocab")  # hardware beyond the bill
 

@@ -71,3 +71,10 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_no_import_circles():
     assert circles(import_graph()) == []
+
+
+def test_the_cpu_rehearsal_shim_is_applied_only_by_its_entry_point():
+    """megaopd.megatron.cpu_rehearsal patches torch and megatron-core for CPU ranks: only the CPU rehearsal's trainer
+    entry point (megaopd.megatron.cpu_launch) may import it, so no GPU run ever carries the patches."""
+    importers = {name for name, targets in import_graph().items() if "megaopd.megatron.cpu_rehearsal" in targets}
+    assert importers == {"megaopd.megatron.cpu_launch"}

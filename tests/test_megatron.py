@@ -2,10 +2,11 @@
 
 One torchrun launch (tests/megatron_worker.py) runs the layouts TP=2, PP=2 (micro-batches) and DP=2 (TP=1, the
 distributed optimizer) in turn and writes what it measured; the tests below read those numbers. Checks per layout:
-logits of both families, tied and untied, against HF; one GRPO and one OPD step (top-16 + tail for Qwen3,
-sampled-token for Llama) against HFPolicy from the same state; export after the steps reloaded by transformers;
-a distributed checkpoint written at the previous layout resumed here. DP=2 also hosts a TP=2 teacher beside the
-TP=1 student; TP=2 a negative control (a gate/up swap must show).
+logits of both families, tied and untied, against HF; one GRPO, one OPD (top-16 + tail for Qwen3, sampled-token
+for Llama) and one OPSA step (the teacher-free control) against HFPolicy from the same state; shared-prompt passes
+against unshared ones; export after the steps reloaded by transformers; a distributed checkpoint written at the
+previous layout resumed here. DP=2 also hosts a TP=2 teacher beside the TP=1 student; TP=2 a negative control (a
+gate/up swap must show).
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def test_a_mapping_bug_is_detected(results):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_grpo_and_opd_steps_match_the_hf_backend(results, layout):
+def test_grpo_opd_and_opsa_steps_match_the_hf_backend(results, layout):
     for model in ("qwen3-tiny", "llama-tiny"):
         train = results[layout]["train"][model]
-        assert [s["form"] for s in train["steps"]] == ["grpo", "topk" if model == "qwen3-tiny" else "sampled"]
+        opd = "topk" if model == "qwen3-tiny" else "sampled"
+        assert [s["form"] for s in train["steps"]] == ["grpo", opd, "opsa"]
         for step in train["steps"]:
             assert step["grad_norm_hf"] > 1e-2, "a step with no gradient would prove nothing"
             assert step["loss"] < TOL and step["grad_norm"] < TOL, f"{layout} {model} {step}"
@@ -88,6 +90,17 @@ def test_grpo_and_opd_steps_match_the_hf_backend(results, layout):
         assert train["optimizer"] == ["DistributedOptimizer"]  # optimizer state sharded over DP (one shard at DP=1)
         assert train["weights_moved"] > 1e2 * TOL  # the steps changed the weights...
         assert train["weights"] < TOL  # ...identically on both backends
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shared_prompt_passes_equal_the_unshared_ones(results, layout):
+    """train.shared_prompt on megatron (tests/megatron_worker.py check_shared_prompt): the same logprobs, loss,
+    gradient norm and weights after a GRPO step; a response that sees another response's tokens does not."""
+    shared = results[layout]["shared_prompt"]
+    assert shared["grad_norm_plain"] > 1e-2 and shared["saved_flops"] > 0, shared
+    assert max(shared[k] for k in ("logprobs", "loss", "grad_norm", "weights")) < TOL, shared
+    assert shared["leaked_logprobs"] > 1e3 * TOL, shared
 
 
 @pytest.mark.slow
@@ -102,7 +115,7 @@ def test_export_after_a_step_reloads_in_transformers(results, layout):
 def test_distributed_checkpoint_resumes_at_another_layout(results, layout):
     """Written at the previous layout (tp2 -> pp2 -> dp2); the next step is the one the writer took."""
     resume = results[layout]["resume"]
-    assert resume["from"] == LAYOUTS[LAYOUTS.index(layout) - 1] and resume["steps"] == 3
+    assert resume["from"] == LAYOUTS[LAYOUTS.index(layout) - 1] and resume["steps"] == 4
     assert resume["logits"] < TOL and resume["loss"] < TOL and resume["grad_norm"] < TOL
     assert resume["weights_after_next_step"] < TOL  # the Adam moments and step came back too
 

@@ -13,7 +13,7 @@ import torch
 
 from megaopd.batch import TokenBatch
 from megaopd.config import ModelConfig, OptimConfig
-from megaopd.policy import HFPolicy
+from megaopd.hf_policy import HFPolicy
 
 
 def batch(seed: int = 0) -> TokenBatch:

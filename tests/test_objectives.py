@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megaopd.batch import Sample, collate
-from megaopd.config import GRPOConfig, ModelConfig, OPDConfig, OptimConfig
-from megaopd.objectives import (GRPO, OPD, clipped_pg_loss, full_vocab_kl, group_advantages, k3_kl,
+from megaopd.config import GRPOConfig, ModelConfig, OPDConfig, OptimConfig, OPSAConfig
+from megaopd.objectives import (GRPO, OPD, OPSA, clipped_pg_loss, full_vocab_kl, group_advantages, k3_kl,
                                 truncated_is_weights)
 
 
@@ -108,10 +108,10 @@ class OneTeacher:
         return self.teacher.full_rows(mb)
 
 
-@pytest.mark.parametrize("objective_name", ["grpo", "opd_sampled", "opd_full"])
+@pytest.mark.parametrize("objective_name", ["grpo", "opd_sampled", "opd_full", "opsa"])
 def test_gradient_accumulation_matches_one_big_batch(assets, objective_name):
     """Token-mean over the whole minibatch: micro-batches of 2 give the same update as one batch of 8."""
-    from megaopd.policy import HFPolicy
+    from megaopd.hf_policy import HFPolicy
 
     model_dir = assets / "models" / "qwen3-tiny"
     samples = _samples(torch.Generator().manual_seed(0), 8)
@@ -122,6 +122,8 @@ def test_gradient_accumulation_matches_one_big_batch(assets, objective_name):
         batch.old_logprobs = policy.logprobs(batch) + 0.05 * batch.response_mask  # ratio != 1: clipping active
         if objective_name == "grpo":
             objective = GRPO(GRPOConfig(), group_size=4)
+        elif objective_name == "opsa":
+            objective = OPSA(OPSAConfig(scope="batch"))  # the pool spans micro-batches
         else:
             teacher = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny-seed1")))
             objective = OPD(OPDConfig(form="full_vocab" if objective_name == "opd_full" else "sampled"),
@@ -142,7 +144,7 @@ def test_gradient_accumulation_matches_one_big_batch(assets, objective_name):
 
 
 def test_grpo_update_raises_logprob_of_rewarded_samples(assets):
-    from megaopd.policy import HFPolicy
+    from megaopd.hf_policy import HFPolicy
 
     samples = _samples(torch.Generator().manual_seed(3), 8)
     policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")), OptimConfig(lr=1e-3))

@@ -13,9 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megaopd.batch import collate
 from megaopd.config import GRPOConfig, ModelConfig, OPDConfig, OptimConfig
 from megaopd.data.rows import load_rows
-from megaopd.distributions import tail_logprob
+from megaopd.distributions import WholeVocab, tail_logprob
+from megaopd.hf_policy import HFPolicy, sampling_logprobs
 from megaopd.objectives import GRPO, OPD, GRPOWithOPD, full_vocab_kl, topk_kl
-from megaopd.policy import HFPolicy, sampling_logprobs
 from megaopd.rollout import LocalEngine
 from megaopd.teachers import TeacherRouter, local_teachers
 
@@ -61,9 +61,9 @@ def test_topk_kl_by_hand_and_its_tail():
     tail_t = tail_logprob(teacher, ids)
     assert float(tail_t.exp()) == pytest.approx(0.4)
     # coarsened to {token 0, rest}: reverse 0.5 log(0.5/0.6) + 0.5 log(0.5/0.4); forward the other way round
-    assert float(topk_kl(student, ids, teacher.gather(-1, ids), tail_t)) == pytest.approx(
+    assert float(topk_kl(WholeVocab(student), ids, teacher.gather(-1, ids), tail_t)) == pytest.approx(
         0.5 * torch.log(torch.tensor(0.5 / 0.6)).item() + 0.5 * torch.log(torch.tensor(0.5 / 0.4)).item(), abs=1e-6)
-    assert float(topk_kl(student, ids, teacher.gather(-1, ids), tail_t, "forward")) == pytest.approx(
+    assert float(topk_kl(WholeVocab(student), ids, teacher.gather(-1, ids), tail_t, "forward")) == pytest.approx(
         0.6 * torch.log(torch.tensor(0.6 / 0.5)).item() + 0.4 * torch.log(torch.tensor(0.4 / 0.5)).item(), abs=1e-6)
 
 

@@ -16,9 +16,9 @@ import torch
 from conftest import run_config
 from megaopd.config import ConfigError, load_config
 from megaopd.embedded import build_model, build_model_config, build_tokenizer
+from megaopd.hf_policy import HFPolicy
 from megaopd.plan import CPU_CHUNK_BYTES, GIB, Arch, PlanError, build_plan, check_run, chunk_rows
 from megaopd.study_plan import main
-from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine
 from megaopd.data.rows import load_rows
 from megaopd.trainer import Trainer
@@ -67,7 +67,7 @@ def test_parameter_and_optimizer_tensors_are_exact(assets, qwen3_06b, tmp_path, 
     assert all(p.grad is None for p in policy.model.parameters())  # bf16 gradients never outlive a backward
 
 
-def saved_bytes(model, ids: torch.Tensor) -> int:
+def saved_bytes(model, ids: torch.Tensor, **inputs) -> int:
     """Bytes autograd keeps for backward over the body's forward: unique storages, weights excluded."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
@@ -78,7 +78,7 @@ def saved_bytes(model, ids: torch.Tensor) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model(input_ids=ids, use_cache=False)
+        model.model(input_ids=ids, use_cache=False, **inputs)
     return sum(seen.values())
 
 
@@ -97,6 +97,43 @@ def test_activations_match_autograds_saved_tensors(preset, dtype):
     planned = Arch.from_hf(config.to_dict()).activation_bytes(rows * seq, seq, model.dtype.itemsize)
     print(preset, dtype, measured, planned)
     assert abs(planned - measured) <= 0.02 * measured  # stated tolerance: 2% (the formula is exact on CPU today)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,dtype", [("qwen3-tiny", "float32"), ("llama-tiny", "bfloat16"),
+                                          ("qwen3-0.6b:layers=1", "bfloat16")])
+def test_shared_prompt_activations_match_autograds_saved_tensors(preset, dtype):
+    """train.shared_prompt: two groups of four samples as one flat sequence (megaopd.shared_prompt), the plan's
+    figure against what the forward keeps for backward."""
+    from transformers import AutoModelForCausalLM
+
+    from megaopd.shared_prompt import PromptGroups, hf_attention
+
+    tok = build_tokenizer()
+    config = build_model_config(preset, len(tok), tok.eos_token_id, tok.pad_token_id)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=getattr(torch, dtype))
+    groups, samples, prompt, response = 2, 8, 20, 12
+    ids = torch.randint(0, 256, (samples, prompt + response))
+    ids[:, :prompt] = ids[::4, :prompt].repeat_interleave(4, 0)
+    mask = torch.zeros((samples, prompt + response - 1))
+    mask[:, prompt - 1:] = 1
+    layout = PromptGroups.of(ids, torch.ones_like(ids), mask, tok.pad_token_id)
+    with hf_attention(model, layout) as extra:
+        measured = saved_bytes(model, layout.input_ids[None], **extra)
+    planned = Arch.from_hf(config.to_dict()).shared_activation_bytes(groups, samples, prompt, response,
+                                                                    model.dtype.itemsize)
+    print(preset, dtype, measured, planned)
+    assert layout.groups == groups and abs(planned - measured) <= 0.02 * measured  # the same 2% as unshared
+
+
+def test_the_plan_takes_whole_groups_per_shared_prompt_micro_batch(assets, tmp_path):
+    """train.shared_prompt: a micro-batch of 10 rows holds two groups of 4 samples, each prompt once."""
+    cfg = run_config(assets, tmp_path, **{"train.micro_batch_size": 10, "plan.prompt_tokens": 64})
+    plain = item(build_plan(cfg), "activations (10 x 76 tokens)")
+    cfg.train.shared_prompt = True
+    arch = Arch.from_hf(json.loads((assets / "models" / "qwen3-tiny" / "config.json").read_text()))
+    shared = item(build_plan(cfg), "activations (shared prompts: 2 x 64 + 8 x 12 tokens)")
+    assert shared == arch.shared_activation_bytes(2, 8, 64, 12, 4) < plain
 
 
 def test_a_run_that_does_not_fit_is_refused_before_step_1(assets, tmp_path):
@@ -168,7 +205,7 @@ def test_the_cluster_study_prints_its_plan(capsys):
     out = capsys.readouterr().out
     stages = re.findall(r"^== stage (\w+):", out, re.M)
     assert stages == ["expert_math", "expert_code", "opd_self_math", "opd_external_math", "teacher_grpo_math",
-                      "opd_external_grpo_math", "multi_teacher", "joint_grpo"]
+                      "opd_external_grpo_math", "multi_teacher", "joint_grpo", "opsa_math", "opsa_mix"]
     assert "teacher * (8.19B)" in out  # the external teacher's shape, from its name (no /models here)
     # Training the 8B teacher on one GPU cannot fit; the plan says so and what to change.
     assert code == 1 and re.search(r"DOES NOT FIT: stage teacher_grpo_math.*model.backend=megatron", out)

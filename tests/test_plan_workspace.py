@@ -1,5 +1,6 @@
 """`megaopd plan`'s logits / KL workspace against what the HF backend's update allocates on CPU, at two shapes
-(vocabulary and chunk), in GRPO's form and both OPD forms with a vocabulary KL (full, and top-k with its tail):
+(vocabulary and chunk), in GRPO's form (with and without shared prompts: the same response rows) and both OPD forms
+with a vocabulary KL (full, and top-k with its tail):
 the planned bytes must match the measured peak of vocabulary-wide tensors within TOLERANCE. The Megatron backend's
 are in tests/test_megatron_device.py."""
 
@@ -8,26 +9,27 @@ import torch
 
 from conftest import run_config
 from megaopd.batch import TokenBatch
+from megaopd.hf_policy import HFPolicy
 from megaopd.objectives import GRPO, OPD
-from megaopd.policy import HFPolicy
 from vocab_bytes import TOLERANCE, VocabBytes, model_dir, planned_vocab_bytes
 
 
-@pytest.mark.parametrize("form", ["grpo", "full_vocab", "topk"])
+@pytest.mark.parametrize("form", ["grpo", "grpo_shared", "full_vocab", "topk"])
 @pytest.mark.parametrize("vocab,chunk,dtype", [(4096, 32, "float32"), (12288, 96, "float32"), (4096, 32, "bfloat16")])
 def test_planned_logits_workspace_covers_the_measured_one(assets, tmp_path, form, vocab, chunk, dtype):
     path = model_dir(tmp_path, vocab)
-    opd = {"opd.form": form, "opd.topk": 8, "opd.teachers.*": path} if form != "grpo" else {}
+    opd = {"opd.form": form, "opd.topk": 8, "opd.teachers.*": path} if not form.startswith("grpo") else {}
     cfg = run_config(assets, tmp_path / "run", "opd" if opd else "grpo", **{
         "model.path": path, "model.dtype": dtype, "train.logit_chunk_rows": chunk, "train.micro_batch_size": 4,
         "train.prompts_per_step": 1, "rollout.samples_per_prompt": 4, "rollout.max_new_tokens": chunk,
-        "plan.prompt_tokens": 8, **opd})
-    policy = HFPolicy(cfg.model, cfg.optim, logit_chunk_rows=chunk)
+        "plan.prompt_tokens": 8, "train.shared_prompt": form == "grpo_shared", **opd})
+    policy = HFPolicy(cfg.model, cfg.optim, logit_chunk_rows=chunk, shared_prompt=cfg.train.shared_prompt)
     g = torch.Generator().manual_seed(0)
     seq = 8 + chunk  # 4 rows x a chunk of response positions: 4 chunks in the micro-batch (what the
     # full-vocabulary form once held one of per chunk in its backward)
 
     ids = torch.randint(0, 250, (4, seq), generator=g)
+    ids[:, :8] = ids[0, :8]  # one prompt, four samples
     response = torch.zeros(4, seq - 1)
     response[:, 7:] = 1
     batch = TokenBatch(ids, torch.ones_like(ids), response, torch.zeros(4, seq - 1))

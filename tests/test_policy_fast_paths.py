@@ -18,8 +18,8 @@ from megaopd.batch import collate
 from megaopd.config import ModelConfig, OPDConfig, OptimConfig
 from megaopd.data.rows import load_rows
 from megaopd.decode import FusedDecoder
+from megaopd.hf_policy import HFPolicy
 from megaopd.objectives import OPD, clipped_pg_loss, full_vocab_kl
-from megaopd.policy import HFPolicy, token_logprobs
 from megaopd.rollout import LocalEngine, sample_tokens
 from megaopd.teachers import TeacherRouter, local_teachers
 
@@ -46,6 +46,12 @@ def rollout(assets):
 def _reference_logits(policy: HFPolicy, batch) -> torch.Tensor:
     """The straightforward forward: every position, the 2D attention mask, no cache."""
     return policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(token t+1 | tokens <= t) at every position, from full-sequence logits."""
+    logits = logits[:, :-1].float()
+    return logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny"])
@@ -76,33 +82,36 @@ def test_left_padded_batches_keep_their_attention_mask(assets, rollout):
 
 
 def _reference_step(policy: HFPolicy, batch, loss_fn, micro_batch_size: int) -> torch.Tensor:
-    """The update as written before the fast paths: full-sequence logits, logprobs and log-softmax everywhere."""
+    """The update as written before the fast paths: full-sequence logits, logprobs and log-softmax everywhere.
+    ``loss_fn(logp, full, mb, rows)`` gets the micro-batch's rows of the batch too."""
     policy.optimizer.zero_grad(set_to_none=True)
     total = batch.response_mask.sum()
     loss_sum = torch.zeros(())
     for start in range(0, batch.size, micro_batch_size):
-        mb = batch.select(slice(start, start + micro_batch_size))
-        mb.extras = {**mb.extras, "rows": slice(start, start + micro_batch_size)}
+        rows = slice(start, start + micro_batch_size)
+        mb = batch.select(rows)
         logits = _reference_logits(policy, mb)
         logp = token_logprobs(logits, mb.input_ids)
         full = logits[:, :-1].float().log_softmax(-1)
-        per_token, _ = loss_fn(logp, full, mb)
+        per_token, _ = loss_fn(logp, full, mb, rows)
         loss = (per_token * mb.response_mask).sum() / total
         loss.backward()
         loss_sum += loss.detach()
     return loss_sum
 
 
-def _grpo_loss(logp, full, mb):
+def _grpo_loss(logp, full, mb, rows=None):
     loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, 0.2, 0.2)
     return loss, {"clip_fraction": clipped}
 
 
-def _grid_kl_loss(logp, full, mb):
+def _grid_kl_loss(teacher_full: torch.Tensor):
     """The full-vocabulary KL over the whole [b, S-1, V] grid, as the loss was written before the fast paths (the
     objective now gets, and computes on, the response positions only)."""
-    kl = full_vocab_kl(full, mb.extras["teacher_full"][mb.extras["rows"]], "reverse")
-    return kl, {"reverse_kl": kl.detach()}
+    def loss(logp, full, mb, rows):
+        kl = full_vocab_kl(full, teacher_full[rows], "reverse")
+        return kl, {"reverse_kl": kl.detach()}
+    return loss
 
 
 @pytest.mark.parametrize("form", ["grpo", "full_vocab_kl"])
@@ -121,12 +130,12 @@ def test_train_minibatch_matches_the_full_sequence_update(assets, rollout, form,
         teacher_path = str(assets / "models" / "qwen3-tiny-seed1")
         teacher = HFPolicy(ModelConfig(path=teacher_path))
         with torch.no_grad():
-            batch.extras = {"teacher_full": _reference_logits(teacher, batch)[:, :-1].log_softmax(-1)}
+            teacher_full = _reference_logits(teacher, batch)[:, :-1].log_softmax(-1)
         # The policy's path: the teacher's rows recomputed per micro-batch and chunk (logit_chunk_rows=7).
         router = TeacherRouter({"*": teacher_path}, local_teachers(ModelConfig(), logit_chunk_rows=7), teacher.tokenizer)
         router.score(batch, samples, "full_vocab", micro_batch_size)
         objective = OPD(OPDConfig(form="full_vocab"), router)
-        ref_loss_fn, loss_fn, vocab_term = _grid_kl_loss, objective.token_loss, objective.vocab_term
+        ref_loss_fn, loss_fn, vocab_term = _grid_kl_loss(teacher_full), objective.token_loss, objective.vocab_term
     else:
         ref_loss_fn, loss_fn, vocab_term = _grpo_loss, _grpo_loss, None
     start = copy.deepcopy(policy.model.state_dict())

@@ -58,10 +58,13 @@ def test_split_vs_joint_merge_not_reached():
 
 # ---- a synthetic study directory ----
 
-def write_stage(root, name, algorithm, evals, final, lengths=(), components=None):
-    """evals: [(stage FLOPs, {domain: accuracy})] at steps 0, 10, ...; lengths: one training line between evals."""
+def write_stage(root, name, algorithm, evals, final, lengths=(), components=None, config=None):
+    """evals: [(stage FLOPs, {domain: accuracy})] at steps 0, 10, ...; lengths: one training line between evals;
+    config: the config.yaml to write, if any."""
     run = root / name
     run.mkdir(parents=True)
+    if config is not None:
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
 
     def flops(f):
         return {"flops/rollout": 0.0, "flops/old_logprob": 0.0, "flops/reference": 0.0, "flops/teacher": 0.0,
@@ -90,21 +93,29 @@ def mean_curve(flops, acc):
     return [(f, {"mean": a}) for f, a in zip(flops, acc)]
 
 
-def make_study(root, opd_self_scale=1.0, ext_that_wins=False):
+def on_data(*train: str) -> dict:
+    """A config.yaml starting from the base and training on `train`: what pairs a control with its OPD stages."""
+    return {"model": {"path": "study/base/final"}, "data": {"train": list(train)}}
+
+
+def make_study(root, opd_self_scale=1.0, ext_that_wins=False, control=False):
     """Hand-computed with window 1; targets are the last point of the GRPO (joint) curve. E3: GRPO reaches its final
     0.5 at 300, opd_self at 15 x scale (ratio 20/scale).
     E1: opd_external never reaches 0.5 and its length doubles (GRPO's grows x1.2). E6: student 0.78 / 0.60 vs experts
     0.80 / 0.70 (prog_trace 0.1 below: not matched), share 200 / 4000 = 5%. E7: target 0.6, merge reaches it at 100,
     joint at 6000: split 4100, saving 1 - 4100/6000. ext_that_wins adds an external OPD that reaches 0.5 at 50 FLOPs
-    (6x fewer than GRPO) with a flat length, so that (a) and (b) fail for one of two pairs."""
+    (6x fewer than GRPO) with a flat length, so that (a) and (b) fail for one of two pairs. control adds a teacher-free
+    stage on opd_self's and opd_ext's base and data (multi trains on both domains: not its pair) reaching 0.25, 0.35,
+    0.45 at 100, 200, 300."""
     root.mkdir(parents=True)
     write_stage(root, "base", "sft", mean_curve([0, 100], [0.1, 0.2]), {"mean": 0.2})
     write_stage(root, "grpo", "grpo", mean_curve([0, 100, 200, 300], [0.2, 0.3, 0.4, 0.5]), {"mean": 0.5},
                 lengths=[10, 11, 12], components={"rollout": 40.0})
     write_stage(root, "opd_self", "opd", mean_curve([0, 10 * opd_self_scale, 20 * opd_self_scale, 30 * opd_self_scale],
-                                                    [0.2, 0.4, 0.6, 0.6]), {"mean": 0.55}, lengths=[10, 10, 10])
+                                                    [0.2, 0.4, 0.6, 0.6]), {"mean": 0.55}, lengths=[10, 10, 10],
+                config=on_data("add.jsonl"))
     write_stage(root, "opd_ext", "opd", mean_curve([0, 100, 200, 300, 400], [0.2, 0.25, 0.3, 0.35, 0.4]),
-                {"mean": 0.4}, lengths=[10, 14, 18, 20])
+                {"mean": 0.4}, lengths=[10, 14, 18, 20], config=on_data("add.jsonl"))
     write_stage(root, "expert_add", "grpo", [(0, {"arith_add": 0.3, "mean": 0.3}),
                                              (1000, {"arith_add": 0.8, "mean": 0.8})],
                 {"arith_add": 0.8, "mean": 0.8})
@@ -112,7 +123,7 @@ def make_study(root, opd_self_scale=1.0, ext_that_wins=False):
                                                (3000, {"prog_trace": 0.7, "mean": 0.7})],
                 {"prog_trace": 0.7, "mean": 0.7})
     write_stage(root, "multi", "opd", mean_curve([0, 50, 100, 200], [0.3, 0.5, 0.6, 0.7]),
-                {"arith_add": 0.78, "prog_trace": 0.6, "mean": 0.69})
+                {"arith_add": 0.78, "prog_trace": 0.6, "mean": 0.69}, config=on_data("add.jsonl", "trace.jsonl"))
     write_stage(root, "joint", "grpo", mean_curve([0, 2000, 4000, 6000], [0.3, 0.4, 0.5, 0.6]),
                 {"arith_add": 0.62, "prog_trace": 0.58, "mean": 0.6})
     stages = [("base", "base", "", ""), ("grpo", "grpo", "", ""), ("opd_self", "opd_self", "grpo", ""),
@@ -123,6 +134,10 @@ def make_study(root, opd_self_scale=1.0, ext_that_wins=False):
         write_stage(root, "opd_ext2", "opd", mean_curve([0, 25, 50], [0.2, 0.4, 0.5]), {"mean": 0.5},
                     lengths=[10, 10])
         stages.append(("opd_ext2", "opd_external_grpo", "grpo", ""))
+    if control:
+        write_stage(root, "control", "opsa", mean_curve([0, 100, 200, 300], [0.2, 0.25, 0.35, 0.45]), {"mean": 0.45},
+                    lengths=[10, 10, 10], config=on_data("add.jsonl"))
+        stages.append(("control", "teacher_free", "", ""))
     study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
                                                       "compare_with": c, "domain": d} for n, m, c, d in stages]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
@@ -161,12 +176,37 @@ def test_synthetic_study_numbers_and_findings(tmp_path):
     assert seed["stages"]["grpo"]["components"]["rollout"] == pytest.approx(40.0)
     assert seed["stages"]["opd_ext"]["length"] == {"first": 10.0, "last": 20.0}
     assert verdicts(report) == {"a": "reproduced", "b": "reproduced", "c": "reproduced", "d": "not reproduced",
-                                "e": "reproduced", "f": "reproduced"}
+                                "e": "reproduced", "f": "reproduced", "g": "not measured in this study"}
     md = (out / "report.md").read_text()
     assert "single seed" in md and "interpolate linearly in FLOPs" in md
     assert "GRPO/OPD 20 > 1: reproduced" in md and "5.0%" in md and "31.7%" in md
     assert "not reached (best smoothed 0.400)" in md
     assert "![accuracy_mean.png](accuracy_mean.png)" in md
+
+
+def test_each_opd_stage_against_the_teacher_free_control_of_its_base_and_data(tmp_path):
+    """(g), window 1: opd_self reaches its final 0.6 at 20 FLOPs, the control never (inf); opd_ext its 0.4 at 400,
+    the control at 250 (0.625): one pair fails, so the finding. multi trains on other data: no pair."""
+    report = write_report(make_study(tmp_path / "study", control=True), target_fraction=0.5, window=1,
+                          length_window=1)
+    pairs = {(c["opd"], c["control"]): c for c in report["seeds"][0]["teacher_free"]}
+    assert list(pairs) == [("opd_self", "control"), ("opd_ext", "control")]
+    own = pairs["opd_self", "control"]["targets"]
+    assert own["teacher"]["target"] == pytest.approx(0.6) and own["teacher"]["opd_flops"] == pytest.approx(20.0)
+    assert own["teacher"]["control_flops"] is None and own["teacher"]["ratio"] == "inf"  # report.json: strict JSON
+    # base + 0.5 x OPD's gain = 0.4: OPD at 10, the control at 250 (between 0.35 at 200 and 0.45 at 300)
+    assert own["fraction"]["target"] == pytest.approx(0.4) and own["fraction"]["ratio"] == pytest.approx(25.0)
+    assert pairs["opd_ext", "control"]["targets"]["teacher"]["ratio"] == pytest.approx(250 / 400)
+    g = next(f for f in report["findings"] if f["id"] == "g")
+    assert {label: c["verdict"] for label, c in g["checks"].items()} == {
+        "opd_self vs control": "reproduced", "opd_ext vs control": "not reproduced"}
+    assert g["verdict"] == "not reproduced"
+    out = tmp_path / "study" / "report"
+    assert "teacher_free.png" in report["plots"] and (out / "teacher_free.png").stat().st_size > 10_000
+    md = (out / "report.md").read_text()
+    assert "| opd_self | control | mean | OPD final | 0.600 | 2.000e+01 | not reached (best smoothed 0.450) | inf |" \
+        in md
+    assert "control/OPD inf > 1: reproduced" in md
 
 
 def test_seeds_give_mean_and_spread_and_a_split_verdict(tmp_path):

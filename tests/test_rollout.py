@@ -4,10 +4,11 @@ samples from the tempered, nucleus-cut distribution."""
 import pytest
 import torch
 
+from engine_contract import check_engine
 from megaopd.batch import collate
-from megaopd.config import ModelConfig
+from megaopd.config import ModelConfig, OptimConfig
 from megaopd.data.rows import load_rows
-from megaopd.policy import HFPolicy
+from megaopd.hf_policy import HFPolicy
 from megaopd.rollout import LocalEngine, sample_tokens
 
 
@@ -24,6 +25,13 @@ def test_rollout_logprobs_equal_teacher_forced(assets, preset):
     assert torch.allclose(recomputed, batch.rollout_logprobs, atol=1e-5)
     # The group shares a prompt, not a sample: with temperature 1 the three responses differ.
     assert len({tuple(s.response_ids) for s in samples[:3]}) > 1
+
+
+def test_the_local_engine_keeps_the_engine_contract(assets):
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")), OptimConfig(lr=1e-2))
+    rows = load_rows(assets / "data" / "arith_add" / "train.jsonl")[0][:2] + \
+        load_rows(assets / "data" / "prog_trace" / "train.jsonl")[0][:1]
+    check_engine(LocalEngine(policy), policy, rows, 1e-4)
 
 
 def test_same_generator_state_gives_same_rollouts(assets):

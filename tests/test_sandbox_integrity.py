@@ -264,8 +264,11 @@ for d in {dirs!r}:
 
 NONROOT_SCRIPT = """
 import json, sys
+from megaopd.config import SandboxConfig
+from megaopd.verifiers import sandbox
 from megaopd.verifiers.code import score_code
-home, secret = sys.argv[1], sys.argv[2]
+home, secret, namespaces = sys.argv[1], sys.argv[2], sys.argv[3] == "namespaces"
+sandbox.configure(SandboxConfig(namespaces=namespaces))
 program = f'''
 import os
 for path in ({home!r} + "/victim.py", {home!r} + "/../victim.py"):
@@ -293,15 +296,16 @@ def test_a_non_root_trainer_keeps_its_files_or_refuses_to_start(tmp_path):
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(home)}
         python = sandbox.isolation().python  # one an unprivileged user can run
         cmd = [shutil.which("runuser"), "-u", "nobody", "--", python, "-c", NONROOT_SCRIPT, str(home), secret]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=str(home))
+        done = subprocess.run(cmd + ["namespaces"], capture_output=True, text=True, timeout=120, env=env,
+                              cwd=str(home))
         if "SandboxUnavailable" in done.stderr:  # user namespaces are off here: the refusal is the guarantee
             assert "user namespaces" in done.stderr
         else:
             assert done.returncode == 0, done.stderr[-2000:]
             assert done.stdout.strip() == "0.0"
         assert (home / "victim.py").read_text() == "original"
-        refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(home),
-                                 env=env | {"MEGAOPD_SANDBOX_NAMESPACES": "0"})
+        refused = subprocess.run(cmd + ["fallback"], capture_output=True, text=True, timeout=120, cwd=str(home),
+                                 env=env)
         assert refused.returncode != 0 and "SandboxUnavailable" in refused.stderr
         assert "cannot sandbox code as a non-root user" in refused.stderr
     finally:

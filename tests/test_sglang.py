@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from conftest import run_config
+from engine_contract import check_engine
 from megaopd.batch import TeacherScores, collate
-from megaopd.config import SGLangConfig
+from megaopd.config import OptimConfig, SGLangConfig
 from megaopd.data.rows import load_rows
+from megaopd.hf_policy import HFPolicy
 from megaopd.metrics import read_metrics
-from megaopd.policy import HFPolicy
 from megaopd.rollout import LocalEngine
 from megaopd.serving.engine import SGLangEngine, StaleWeightsError
 from megaopd.serving.pool import ServerPool
@@ -109,6 +110,14 @@ def test_rollout_logprobs_equal_the_trainers(fresh, assets, tmp_path):
     batch = collate(samples, policy.pad_id)
     gap = ((policy.logprobs(batch) - batch.rollout_logprobs).abs() * batch.response_mask).max()
     assert gap < TOLERANCE, f"rollout vs teacher-forced logprobs differ by {gap:.2e}"
+
+
+def test_the_sglang_engine_keeps_the_engine_contract(fresh, assets, tmp_path):
+    """The protocol's cases on a real server, a disk weight sync after a real update included."""
+    cfg = attached(assets, tmp_path, fresh)
+    policy = HFPolicy(cfg.model, OptimConfig(lr=1e-2))
+    engine = SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
+    check_engine(engine, policy, rows(assets, 3), TOLERANCE)
 
 
 def test_grpo_steps_with_sglang_rollouts_and_verified_syncs(fresh, assets, tmp_path):
@@ -259,6 +268,16 @@ def test_topk_teacher_scores_response_rows_only_and_equals_the_local_topk(fresh,
 
 
 @pytest.mark.slow
+def same_field(value: torch.Tensor | None, other: torch.Tensor | None, atol: float = 0.0) -> bool:
+    """Two values of one teacher field: both absent (a field the form or the tokenizers leave unset), or equal
+    (floats to `atol`)."""
+    if value is None or other is None:
+        return value is other
+    if value.is_floating_point():
+        return torch.allclose(value, other, rtol=0, atol=atol)
+    return torch.equal(value, other)
+
+
 def test_grpo_opd_with_rollouts_and_teacher_scores_one_version_ahead(fresh, assets, tmp_path):
     """GRPO + top-k OPD in one objective at rollout.max_staleness=1: rollouts from the shared server (synced and
     verified every step), the teacher (another model) on its own launched server, scored on response rows only, on
@@ -284,8 +303,7 @@ def test_grpo_opd_with_rollouts_and_teacher_scores_one_version_ahead(fresh, asse
             inline = collate(samples, trainer.policy.pad_id)
             score(inline, samples, "topk", cfg.train.micro_batch_size, 4)
             # A second request for the same tokens need not give the same floats (seen: 5e-7 in the top-k logprobs)
-            assert all(torch.allclose(value, getattr(inline, name), rtol=0, atol=TOLERANCE) if value.is_floating_point()
-                       else torch.equal(value, getattr(inline, name)) for name, value in fields.items())
+            assert all(same_field(value, getattr(inline, name), TOLERANCE) for name, value in fields.items())
     finally:
         close()
     assert summary["steps"] == 3
@@ -299,7 +317,7 @@ def test_grpo_opd_with_rollouts_and_teacher_scores_one_version_ahead(fresh, asse
     teacher = [m["flops/teacher"] for m in steps]
     assert 0 < teacher[0] < teacher[1] == teacher[2] == summary["ledger"]["own"]["teacher"]
     [ahead] = torch.load(tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt", weights_only=False)["rollouts"]
-    assert all(torch.equal(value, ahead["teacher"]["fields"][name]) for name, value in scored[2][2].items())
+    assert all(same_field(value, ahead["teacher"]["fields"][name]) for name, value in scored[2][2].items())
     assert fresh.get("/model_info")["weight_version"] == "3"
     ledger = summary["ledger"]["own"]
     assert ledger["teacher"] > 0 and ledger["rollout"] > 0 and ledger["train"] > 0  # both costs booked

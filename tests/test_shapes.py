@@ -174,7 +174,7 @@ def test_sglang_cpu_server_loads_the_shape_and_takes_a_verified_sync(assets, sha
 
     from megaopd.batch import collate
     from megaopd.data.rows import load_rows
-    from megaopd.policy import HFPolicy
+    from megaopd.hf_policy import HFPolicy
     from megaopd.serving.engine import SGLangEngine
     from megaopd.serving.server import SGLangServer
 

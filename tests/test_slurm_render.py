@@ -8,6 +8,7 @@ templates in slurm/ and the CI scripts must pass shellcheck, and the Dockerfiles
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import pytest
 
 from megaopd.config import ConfigError, load_config
 from megaopd.launch import submit
+from megaopd.launch.jobs import report_job
 from megaopd.launch.slurm import (LaunchConfig, absolute_study, dependencies, load_launch, plan, render_stage,
                                   submission_order)
 from megaopd.study import StageConfig, StudyConfig
@@ -381,9 +383,7 @@ def test_a_shared_stage_is_one_job_that_every_seed_waits_for(tmp_path):
                           "seed_4.grpo", "seed_4.opd_self", "report"]
     assert jobs["seed_4.grpo"].after == ["seed_4.assets", "seed_3.base"]
     assert f"model.path={study.out}/seed_4/base/final" in jobs["seed_4.grpo"].script  # the link submit makes
-    (Path(study.out) / "seed_3" / "base" / "final").mkdir(parents=True)  # done: no job, nothing to wait for
-    (Path(study.out) / "seed_3" / "base" / "final" / "config.json").write_text("{}")
-    (Path(study.out) / "seed_3" / "base" / "summary.json").write_text("{}")
+    finish(Path(study.out) / "seed_3" / "base", cap=2000)  # done: no job, nothing to wait for
     jobs = {job.name: job for job in plan(study, LaunchConfig())}
     assert "seed_3.base" not in jobs and jobs["seed_4.grpo"].after == ["seed_4.assets"]
 
@@ -405,14 +405,28 @@ def test_independent_stages_run_side_by_side(tmp_path):
         submission_order(study)
 
 
-def test_finished_stages_are_skipped(tmp_path):
+def finish(run_dir: Path, cap: int) -> None:
+    """What a run that ended under the step cap `cap` leaves for megaopd.finished to read."""
+    (run_dir / "final").mkdir(parents=True)
+    (run_dir / "final" / "config.json").write_text("{}")
+    (run_dir / "summary.json").write_text(json.dumps({"steps": cap, "stop": {"reason": "max_steps", "cap": cap}}))
+
+
+def test_finished_stages_are_skipped_unless_their_cap_was_raised(tmp_path):
+    """A stage that ended under the cap its job would train to gets no job; one whose cap the study or the launch
+    file raised is queued again (it trains on from its latest checkpoint), and the report job checks the same."""
     study = demo_study(tmp_path / "demo")
-    (Path(study.out) / "base" / "final").mkdir(parents=True)
-    (Path(study.out) / "base" / "final" / "config.json").write_text("{}")
-    (Path(study.out) / "base" / "summary.json").write_text("{}")
+    finish(Path(study.out) / "base", cap=2000)  # configs/embedded/sft.yaml's train.steps
     jobs = {j.name: j for j in plan(study, LaunchConfig())}
     assert list(jobs) == ["assets", "grpo", "opd_self", "report"]
     assert jobs["grpo"].after == ["assets"]
+    raised = load_launch(None, ["stages={base: {overrides: [train.steps=2001]}}"])
+    assert [j.name for j in plan(study, raised)] == ["assets", "base", "grpo", "opd_self", "report"]
+    for name in ("grpo", "opd_self"):
+        finish(Path(study.out) / name, cap=200 if name == "grpo" else 100)
+    assert [j.name for j in plan(study, LaunchConfig())] == ["report"]
+    with pytest.raises(SystemExit, match="stages not finished: base"):
+        report_job(study, raised)
 
 
 def test_bad_launch_configs_fail_before_submission(tmp_path):

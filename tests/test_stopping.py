@@ -35,7 +35,7 @@ def rule(tmp_path, metric, teachers=None, **stop):
     for route, path in (teachers or {}).items():
         overrides[f"opd.teachers.{route}"] = path
     cfg = run_config(tmp_path, tmp_path / "run", "opd" if teachers else "grpo", **overrides)
-    return StopRule(cfg, ["arith_add"], ["arith_add", "prog_trace"])
+    return StopRule(cfg.train.stop, cfg.train.steps, dict(cfg.opd.teachers), ["arith_add"], ["arith_add", "prog_trace"])
 
 
 def evals(**acc):

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import file_mtimes, tiny_overrides
 from megaopd.cli import main
+from megaopd.study import StageConfig, StudyConfig, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["train.steps=3", "train.prompts_per_step=4", "train.micro_batch_size=16", "rollout.max_new_tokens=12",
@@ -73,3 +75,24 @@ def test_same_seed_same_report(tmp_path, capsys):
     before = summary.stat().st_mtime_ns
     assert main(["study", str(tmp_path / "a.yaml")]) == 0
     assert summary.stat().st_mtime_ns == before
+
+
+def test_a_stage_whose_cap_was_raised_trains_on(assets, tmp_path):
+    """A finished stage is reused only under the step cap it ended at: with a larger train.steps the study trains
+    it on from its latest checkpoint (in a worker process too, as the workers=1 path does); then it is reused."""
+    overrides = [o for o in tiny_overrides(assets, "", "grpo", **{"checkpoint.every": 1, "eval.every": 1})
+                 if not o.startswith("run_dir=")]
+
+    def study(steps: int, workers: int = 1) -> StudyConfig:
+        stage = StageConfig("grpo", str(ROOT / "configs/embedded/grpo.yaml"), overrides + [f"train.steps={steps}"])
+        return StudyConfig(out=str(tmp_path / "study"), workers=workers, stages=[stage])
+
+    summary = tmp_path / "study" / "grpo" / "summary.json"
+    run_study(study(1))
+    assert json.loads(summary.read_text())["steps"] == 1
+    run_study(study(2, workers=2))
+    trained_on = json.loads(summary.read_text())
+    assert trained_on["steps"] == 2 and trained_on["stop"]["cap"] == 2
+    written = file_mtimes(tmp_path / "study" / "grpo")
+    run_study(study(2))
+    assert file_mtimes(tmp_path / "study" / "grpo") == written

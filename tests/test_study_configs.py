@@ -7,7 +7,7 @@ import pytest
 
 from megaopd.config import ConfigError, load_config, to_dict
 from megaopd.launch.slurm import submission_order
-from megaopd.study import METHODS, StudyConfig, link_shared_stages, seed_studies, stage_config
+from megaopd.study import STAGE_LABELS, StudyConfig, link_shared_stages, seed_studies, stage_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = sorted((ROOT / "configs" / "studies").rglob("*.yaml"))
@@ -37,7 +37,7 @@ def test_study_resolves(path, monkeypatch):
     names = [s.name for s in study.stages]
     assert len(names) == len(set(names))
     for stage in study.stages:
-        assert stage.method in METHODS
+        assert stage.method in STAGE_LABELS
         if stage.compare_with:
             assert stage.compare_with in names, f"{stage.name} compares with unknown {stage.compare_with}"
         cfg = stage_config(study, stage)
@@ -115,3 +115,19 @@ def test_shipped_external_teacher_costs_five_times_the_student_per_token():
     cost = {k: ModelShape.from_hf_config(build_model_config(study.vars[k], 259, 258, 256)).matmul_params
             for k in ("student", "teacher")}
     assert cost["teacher"] / cost["student"] >= 5
+
+
+def test_imported_models_take_vars(tmp_path, monkeypatch):
+    """real_external.yaml imports its teacher by {teacher}: the names reach import-model substituted, and each is a
+    packaged model (vars.teacher picks the 1.5B)."""
+    from megaopd import model_import
+    from megaopd.packaged_models import PACKAGED
+    from megaopd.study import build_assets
+
+    imported = []
+    monkeypatch.setattr(model_import, "import_model", lambda name, gguf, out: imported.append(name))
+    monkeypatch.setattr("megaopd.data.word_problems.build_word_problems", lambda *a: None)
+    study = load_config(ROOT / "configs/studies/real_external.yaml",
+                        [f"out={tmp_path}", "vars.teacher=qwen2.5-coder-1.5b-instruct"], cls=StudyConfig)
+    build_assets(study)
+    assert imported == ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"] and set(imported) <= set(PACKAGED)

@@ -6,7 +6,7 @@ import torch
 from megaopd.batch import collate
 from megaopd.config import ModelConfig
 from megaopd.data.rows import load_rows
-from megaopd.policy import HFPolicy
+from megaopd.hf_policy import HFPolicy
 from megaopd.rollout import LocalEngine
 from megaopd.teachers import TeacherRouter, local_teachers
 
@@ -53,14 +53,19 @@ def test_unknown_domain_fails_loudly_and_star_serves_the_rest(assets):
     assert router.route("prog_trace") == "*" and router.route("arith_add") == "arith_add"
 
 
-def test_teacher_with_another_tokenizer_is_refused(assets, tmp_path):
+def test_teacher_with_another_vocabulary_is_refused_unaligned(assets):
+    """Another vocabulary scores only through the alignment (megaopd.align, tests/test_cross_tokenizer.py): a router
+    not told to align it refuses rather than compare logprobs of different token ids."""
     from transformers import AutoTokenizer
 
     models = assets / "models"
     other = AutoTokenizer.from_pretrained(models / "qwen3-tiny")
     other.add_tokens(["<extra>"])
-    with pytest.raises(ValueError, match="teacher .* has a different vocabulary from the student's"):
+    with pytest.raises(ValueError, match="teacher .* has a different vocabulary from the student's and no alignment"):
         TeacherRouter({"*": str(models / "qwen3-tiny")}, local_teachers(ModelConfig()), other)
+    aligned = TeacherRouter({"*": str(models / "qwen3-tiny")}, local_teachers(ModelConfig()), other,
+                            teacher_tokenizers={"*": str(models / "qwen3-tiny")})
+    assert list(aligned.aligners) == ["*"]
 
 
 def test_teacher_with_another_chat_template_is_used_with_a_warning(assets, caplog):

@@ -8,8 +8,11 @@ import sys
 import pytest
 
 from megaopd.data.answers import parse_tests
-from megaopd.data.sources import load_humaneval
-from megaopd.verifiers.code import extract_code, return_matches, score_code, score_many, stdout_matches
+from megaopd.data.rows import Row
+from megaopd.data.sources import convert, load_humaneval
+from megaopd.verifiers import score
+from megaopd.verifiers.code import (extract_code, lcb_return_matches, lcb_stdout_matches, return_matches, score_code,
+                                    score_many, stdout_matches)
 
 ADD = {"inputs": ["1 2\n", "3 4\n", "10 -5\n"], "outputs": ["3\n", "7", "5\n"]}
 ADD_OK = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
@@ -192,3 +195,67 @@ def test_extraction_is_linear_in_the_response():
             "    extract_code(text)\nprint('done')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "done", done.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------- benchmark harnesses
+
+def test_livecodebench_compares_as_its_harness_does():
+    """Line by line as decimals, exactly (LiveCodeBench's testing_util), where the judge-style rule is token-wise
+    with a tolerance and integers never match decimals."""
+    assert lcb_stdout_matches("1.0\n", "1") and not stdout_matches("1.0\n", "1")
+    assert lcb_stdout_matches("  3 \n\n", "3") and lcb_stdout_matches("0.50 2", "0.5 2.0")
+    assert not lcb_stdout_matches("0.3333333", "0.333333") and stdout_matches("0.3333333", "0.333333")
+    assert not lcb_stdout_matches("1 2\n3", "1 2 3") and stdout_matches("1 2\n3", "1 2 3")
+    assert not lcb_stdout_matches("abc", "1")
+    assert lcb_return_matches((1, 2), [1, 2]) and lcb_return_matches(3.0, 3)
+    assert not lcb_return_matches(0.1 + 0.2, 0.3) and not lcb_return_matches([(1, 2)], [[1, 2]])
+
+
+LEETCODE_STARTER = """```python
+class Solution:
+    def maxOf(self, nums: List[int]) -> int:
+        return max(nums)
+```"""
+
+
+def test_livecodebench_rows_get_its_prelude_and_rule():
+    """LeetCode starter code names List without importing it: LiveCodeBench's harness imports typing (and more)
+    for every program, so the same response passes there and fails as a plain APPS-style row."""
+    tests = {"fn_name": "maxOf", "inputs": [[[3, 1, 2]], [[-5]]], "outputs": [3, -5]}
+    lcb = Row("livecodebench", [{"role": "user", "content": "?"}], tests, "code")
+    taco = Row("taco", [{"role": "user", "content": "?"}], tests, "code")
+    assert score(lcb, LEETCODE_STARTER) == 1.0
+    assert score(taco, LEETCODE_STARTER) == 0.0  # NameError: List
+    stdin = {"inputs": ["2\n"], "outputs": ["1\n"]}
+    halves = "```python\nprint(int(input()) / 2)\n```"  # prints 1.0
+    assert score(Row("livecodebench", [], stdin, "code"), halves) == 1.0
+    assert score(Row("codecontests", [], stdin, "code"), halves) == 0.0
+
+
+MBPP_RECORDS = [
+    {"task_id": 1, "text": "Write a function to find the elements shared by two lists, in ascending order.",
+     "code": "def shared(a, b):\n    return sorted(set(a) & set(b))",
+     "test_list": ["assert shared([3, 4, 5, 6], [5, 7, 4, 10]) == [4, 5]", "assert shared([1, 2], [3]) == []"],
+     "test_setup_code": "", "challenge_test_list": []},
+    {"task_id": 2, "prompt": "Write a function for the volume of a sphere of radius r.",
+     "code": "import math\ndef volume(r):\n    return 4 / 3 * math.pi * r ** 3",
+     "test_imports": ["import math"],
+     "test_list": ["assert math.isclose(volume(10), 4188.790204786391, rel_tol=0.001)"]},
+]
+
+
+@pytest.mark.parametrize("record, right, wrong", [
+    (MBPP_RECORDS[0], "def shared(a, b):\n    return sorted(set(a) & set(b))",
+     "def shared(a, b):\n    return tuple(sorted(set(a) & set(b)))"),  # a tuple is not == the list
+    (MBPP_RECORDS[1], "import math\ndef volume(r):\n    return 4 * math.pi * r ** 3 / 3",
+     "def volume(r):\n    return 4 * 3.14 * r ** 3"),
+])
+def test_mbpp_rows_are_judged_as_its_harness_judges(tmp_path, record, right, wrong):
+    """MBPP's harness runs the tests' assertions after the solution; here they are split into calls judged by ==
+    (the first) or run unchanged in the trusted check process (the second, which needs math)."""
+    path = tmp_path / "mbpp.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    (row,), report = convert(path, "mbpp")
+    assert report.skipped == [] and row.ground_truth["entry_point"] == record["code"].split("def ")[1].split("(")[0]
+    assert score(row, f"```python\n{right}\n```") == 1.0
+    assert score(row, f"```python\n{wrong}\n```") == 0.0

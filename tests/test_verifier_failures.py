@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megaopd import verifiers
+from megaopd.config import SandboxConfig
 from megaopd.data.rows import Row
 from megaopd.verifiers import sandbox
 from megaopd.verifiers.sandbox import SandboxUnavailable
@@ -50,11 +51,11 @@ def no_namespaces(monkeypatch):
     """A namespace probe that fails, as in Docker without CAP_SYS_ADMIN."""
     if os.geteuid() != 0:
         pytest.skip("the fallback mode is for a root trainer")
-    monkeypatch.delenv("MEGAOPD_SANDBOX_NAMESPACES", raising=False)
+    sandbox.configure(SandboxConfig())
     monkeypatch.setattr(sandbox, "_unshare_works", lambda args: False)
     sandbox.isolation.cache_clear()
     yield
-    sandbox.allow_fallback(False)
+    sandbox.configure(SandboxConfig())
     sandbox.isolation.cache_clear()
 
 
@@ -65,7 +66,7 @@ def test_a_failed_namespace_probe_refuses_at_start_up_unless_the_fallback_is_all
         verifiers.check_ready([code_row])
     with pytest.raises(SandboxUnavailable):  # and no later call gets the weaker mode silently either
         sandbox.run_python("print(1)")
-    verifiers.check_ready([code_row], allow_fallback=True)
+    verifiers.check_ready([code_row], SandboxConfig(allow_fallback=True))
     iso = sandbox.isolation()
     assert not iso.namespaces and iso.uid_drop
     assert iso.landlock and iso.seccomp  # this machine's kernel has both (6.18: Landlock ABI 7)
@@ -91,7 +92,7 @@ def _without_one_weight(src: Path, dst: Path) -> str:
 def test_a_model_directory_missing_a_weight_is_refused(assets, tmp_path):
     """transformers would fill the weight with random values and warn; a policy or a teacher refuses."""
     from megaopd.config import ModelConfig
-    from megaopd.policy import HFPolicy
+    from megaopd.hf_policy import HFPolicy
 
     key = _without_one_weight(assets / "models" / "qwen3-tiny", tmp_path / "partial")
     with pytest.raises(ValueError, match=f"does not hold every weight.*{key}"):

@@ -1,10 +1,12 @@
 """From measured curves to the paper's numbers for one study directory (one seed): FLOPs-to-target on smoothed
-accuracy curves, the E1-E3 OPD vs GRPO comparisons, E6 (multi-teacher student vs experts) and E7 (split-then-merge
-vs joint GRPO), the FLOPs ledger per stage, and the headline ratios (``analyse``).
+accuracy curves, the E1-E3 OPD vs GRPO comparisons, E6 (multi-teacher student vs experts), E7 (split-then-merge
+vs joint GRPO), each OPD stage against its teacher-free control, the FLOPs ledger per stage, and the headline ratios
+(``analyse``).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from megaopd.flops import COMPONENTS
 
 TOTALS = ("stage", "with_teachers", "with_cold_start", "external")
 OPD_VS_GRPO = ("opd_external", "opd_external_grpo", "opd_self")
+OPD_METHODS = OPD_VS_GRPO + ("multi_teacher_opd",)  # the stages a teacher-free control controls
 TARGET_RULE = ("FLOPs-to-target: smooth the accuracy with a trailing moving average over `window` evals (fewer at "
                "the start), find the first eval whose smoothed accuracy >= target, and interpolate linearly in "
                "FLOPs between it and the previous eval (on the smoothed accuracy); the first eval itself if it "
@@ -86,18 +89,19 @@ def flops_to_own_final(stage: Stage, metric: str, window: int = 3) -> float | No
 
 
 def compare_stages(stage: Stage, ref: Stage, metric: str, fraction: float, window: int, x: str,
-                   length_window: int = LENGTH_WINDOW, roles: tuple[str, str] = ("opd", "grpo")) -> dict:
+                   length_window: int = LENGTH_WINDOW, roles: tuple[str, str] = ("opd", "grpo"),
+                   domain: str = "") -> dict:
     """FLOPs each of two stages needs to reach the reference stage's final accuracy (and base + a fraction of its
     gain), their ratio reference / stage (> 1: the stage needs fewer), accuracy at matched FLOPs and response
-    lengths; keys name the stages by `roles` (stage, reference): E1-E3's ("opd", "grpo"), or ("stage",
-    "reference") for two settings of one method (`compare_same_method`).
+    lengths; keys name the stages by `roles` (stage, reference): E1-E3's ("opd", "grpo"), ("stage",
+    "reference") for two settings of one method (`compare_same_method`), or ("control", "opd") (`compare_control`).
 
-    On the reference's own domain when it is an expert (the paper's E3 is math on math), else the mean; the
-    target is the last point of the reference's smoothed curve, so that both curves and the target come from the
-    same held-out prompts (and the reference always reaches it: its FLOPs to it are never None).
+    On `domain` when given, else the reference's own domain when it is an expert (the paper's E3 is math on math),
+    else the mean; the target is the last point of the reference's smoothed curve, so that both curves and the
+    target come from the same held-out prompts (and the reference always reaches it: its FLOPs to it are never None).
     """
     s, r = roles
-    domain = ref.domain or "mean"
+    domain = domain or ref.domain or "mean"
     fo, ao = stage.curve(domain, metric, x)
     fg, ag = ref.curve(domain, metric, x)
     teacher = smooth(ag, window)[-1] if ag else None
@@ -134,6 +138,26 @@ def compare_same_method(stage: Stage, ref: Stage, metric: str, fraction: float, 
     return out
 
 
+def controlled(stages: list[Stage]) -> list[tuple[Stage, Stage]]:
+    """(teacher-free control, OPD stage) for every OPD stage that starts from the control's model and trains on its
+    data (as their config.yaml say): what the control takes away from that stage is its teacher."""
+    return [(c, s) for c in stages if c.method == "teacher_free" and c.trains_on for s in stages
+            if s.method in OPD_METHODS and (s.starts_from, s.trains_on) == (c.starts_from, c.trains_on)]
+
+
+def compare_control(control: Stage, opd: Stage, metric: str, fraction: float, window: int, x: str,
+                    length_window: int = LENGTH_WINDOW) -> dict:
+    """(g): the FLOPs an OPD stage and its teacher-free control need to reach OPD's final accuracy (and base + a
+    fraction of OPD's gain), on the control's domain (else the mean), with `compare_stages`' other numbers; here
+    each target's ratio is control / OPD (> 1: OPD needs fewer; inf: the control never gets there; None where OPD's
+    own first eval already meets the target: no gain to compare)."""
+    out = compare_stages(control, opd, metric, fraction, window, x, length_window, ("control", "opd"), control.domain)
+    for t in out["targets"].values():
+        control_flops, opd_flops = t["control_flops"], t["opd_flops"]
+        t["ratio"] = None if not opd_flops else math.inf if control_flops is None else control_flops / opd_flops
+    return out
+
+
 def multi_teacher(mt: Stage, experts: list[Stage], metric: str, window: int = 3) -> dict:
     """E6: per-domain student vs expert final accuracy; distillation FLOPs over the experts' stage FLOPs (their
     whole runs, and each only up to its own final accuracy)."""
@@ -160,6 +184,8 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
                    for s, ref in pairs if s.method in OPD_VS_GRPO]
     same_method = [compare_same_method(s, ref, metric, target_fraction, window, x, length_window)
                    for s, ref in pairs if s.method not in OPD_VS_GRPO]
+    teacher_free = [compare_control(c, opd, metric, target_fraction, window, x, length_window)
+                    for c, opd in controlled(stages)]
     experts = [s for s in stages if s.method == "expert" and s.domain]
     mts = [multi_teacher(s, experts, metric, window) for s in stages if s.method == "multi_teacher_opd"]
     splits = []
@@ -183,7 +209,8 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
                       "length": dict(zip(("first", "last"), s.length_first_last(length_window))),
                       "max_staleness": s.max_staleness, "wall_clock": s.wall_clock()} for s in stages}
     result = {"study_dir": str(study_dir), "seed": study.get("seed"), "stages": table, "comparisons": comparisons,
-              "stage_comparisons": same_method, "multi_teacher": mts, "split_vs_joint": splits}
+              "stage_comparisons": same_method, "multi_teacher": mts, "split_vs_joint": splits,
+              "teacher_free": teacher_free}
     result["findings"] = findings(result)
     result["headline"] = headline(result)
     return result

@@ -19,8 +19,10 @@ FINDING_RULES = ("each finding is checked per pair (per domain for (d)) as a num
                  "minus GRPO's > 0; (c) GRPO/OPD FLOPs to the checkpoint's final accuracy > 1 (OPD never: 0); (d) "
                  "student - expert final accuracy >= -tolerance; (e) distillation / specialist FLOPs <= the "
                  "small-share bound; (f) 1 - split/joint FLOPs > 0 (the merge never reaching the target: -inf; not "
-                 "measured if joint GRPO's first eval already reaches it). A finding needs all its checks: one not "
-                 "reproduced decides it, else one inconclusive leaves it inconclusive.")
+                 "measured if joint GRPO's first eval already reaches it); (g) teacher-free control/OPD FLOPs to "
+                 "OPD's final accuracy > 1, per OPD stage and the control from its base on its data (the control "
+                 "never reaching it: inf; not measured if OPD's first eval already reaches it). A finding needs all "
+                 "its checks: one not reproduced decides it, else one inconclusive leaves it inconclusive.")
 
 Check = tuple[str, float, str]  # (pair / domain label, the measured number, how it was measured)
 
@@ -118,6 +120,17 @@ def split_saving(r: dict) -> Iterator[Check]:
                f"{reached(s['joint_flops_to_target'], s['joint_best_smoothed'])}; saving")
 
 
+def control_flops_ratio(r: dict) -> Iterator[Check]:
+    """(g) the teacher-free control's FLOPs over OPD's to OPD's final accuracy, per OPD stage and its control; not
+    where OPD's first eval already meets it (no gain to explain)."""
+    for c in r["teacher_free"]:
+        t = c["targets"].get("teacher")
+        if t is not None and t["ratio"] is not None:
+            yield (f"{c['opd']} vs {c['control']}", t["ratio"],
+                   f"FLOPs to {t['target']:.3f} (OPD's final, {c['domain']}): OPD {t['opd_flops']:.3e}, control "
+                   f"{reached(t['control_flops'], t['control_best_smoothed'])}; control/OPD")
+
+
 FINDINGS = (
     Finding("a", "external-teacher OPD loses to GRPO per FLOP (E1/E2)", external_flops_ratio, "<", 1.0),
     Finding("b", "external-teacher OPD inflates response length more than GRPO (last/first)",
@@ -130,6 +143,8 @@ FINDINGS = (
             SMALL_SHARE),
     Finding("f", "split-then-merge uses fewer total FLOPs than joint GRPO to reach its accuracy (E7)", split_saving,
             ">", 0.0),
+    Finding("g", "OPD's gain needs the teacher: OPD reaches its accuracy with fewer FLOPs than its teacher-free "
+            "control", control_flops_ratio, ">", 1.0),
 )
 
 

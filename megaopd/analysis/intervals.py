@@ -19,8 +19,8 @@ from megaopd.analysis.stats import (LEVEL, MAX_UNDEFINED, NOT_MEASURED, REPLICAT
 
 BOOTSTRAP_SEED = 17  # the resamples are drawn from a fixed seed: the same runs give the same report
 # FLOPs to a target that a replicate never reaches count as infinite (GRPO's to a fraction of its gain above 1).
-NOT_REACHED_IS_INF = ("grpo_flops", "opd_flops", "reference_flops", "stage_flops", "merge_flops_to_target",
-                      "split_flops", "split_flops_experts_to_final")
+NOT_REACHED_IS_INF = ("grpo_flops", "opd_flops", "reference_flops", "stage_flops", "control_flops",
+                      "merge_flops_to_target", "split_flops", "split_flops_experts_to_final")
 INTERVAL_RULE = (f"intervals: {int(100 * LEVEL)}% percentile bootstrap, `replicates` resamples (fixed seed). Each "
                  "replicate resamples every domain's held-out prompts with replacement, once per prompt set, so "
                  "that every eval and every stage on the same prompts sees the same resample (comparisons are "

@@ -37,6 +37,9 @@ class Stage:
     form: str = ""  # the objective as objectives.form_label names it, e.g. opd:topk(K=16,reverse)
     stop: dict = field(default_factory=dict)  # why the run ended (megaopd/stopping.py); {} for older runs
     max_staleness: int | None = None  # rollout.max_staleness of its config.yaml (0: synchronous); None if not recorded
+    # model.path and data.train of its config.yaml: a teacher-free control controls the OPD stages with both equal
+    starts_from: str = ""
+    trains_on: tuple[str, ...] = ()
 
     @property
     def final(self) -> dict:
@@ -168,7 +171,8 @@ def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
         stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
                             summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),
                             _teacher_cost(run_dir, cfg), summary.get("form", ""), summary.get("stop") or {},
-                            (cfg.get("rollout") or {}).get("max_staleness")))
+                            (cfg.get("rollout") or {}).get("max_staleness"), (cfg.get("model") or {}).get("path", ""),
+                            tuple((cfg.get("data") or {}).get("train") or ())))
     return study, [s for s in stages if s.lines]
 
 

@@ -12,29 +12,55 @@ import json
 import re
 from typing import Any
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
-
 # Multiple-choice options in order: a science row's ground truth is one of these letters.
 LETTERS = "ABCDEFGHIJ"
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox, or \\boxed 5), with nested braces balanced."""
-    matches = list(_BOXED.finditer(text))
-    if not matches:
-        return None
-    start = matches[-1].end()
-    if start >= len(text):
-        return None
-    if text[start] != "{":  # "\boxed 5"
-        token = re.match(r"[^\s$]+", text[start:])
-        return token.group(0) if token else None
+BOX = re.compile(r"\\(?:boxed|fbox)")
+_BOX_SEPARATOR = re.compile(r"\b(?:and|or)\b|,|;")
+
+
+def _braced(text: str, open_at: int, limit: int) -> int | None:
+    """Index of the brace closing the one at ``open_at``, before ``limit``."""
     depth = 0
-    for i in range(start, len(text)):
+    for i in range(open_at, limit):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[start + 1:i]
-    return None  # unbalanced: the response was cut off inside the box
+            return i
+    return None
+
+
+def boxed_answer(text: str) -> str | None:
+    """The answer a text boxes: its last ``\\boxed{}`` / ``\\fbox{}`` (or ``\\boxed 5``), with earlier boxes
+    written next to it (fewer than 10 characters apart, or under 70 with "and", "or", "," or ";" between) joined
+    by commas, as the reference reads several boxes; None when there is no box or the last one is cut off."""
+    boxes = list(BOX.finditer(text))
+    contents: list[str] = []
+    limit, later_start = len(text), None
+    for box in reversed(boxes):
+        brace = box.end()
+        while brace < limit and text[brace].isspace():
+            brace += 1
+        if brace < limit and text[brace] != "{":
+            if not contents:  # "\boxed 5"
+                token = re.match(r"[^\s$]+", text[brace:limit])
+                contents.append(token.group() if token else "")
+            break
+        close = _braced(text, brace, limit) if brace < limit else None
+        if close is None:
+            break
+        content = text[brace + 1:close].strip()
+        if later_start is not None:
+            between = text[close + 1:later_start]
+            near = len(between) < 10 or (content != contents[-1] and len(between) < 70
+                                         and _BOX_SEPARATOR.search(between))
+            if not near:
+                break
+        if not contents or contents[-1] != content:
+            contents.append(content)
+        limit = later_start = box.start()
+    contents = [c for c in contents if c]
+    return ",".join(reversed(contents)) if contents else None
 
 
 def answer_letter(index: int) -> str:

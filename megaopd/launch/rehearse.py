@@ -34,10 +34,12 @@ import sys
 import time
 from pathlib import Path
 
+from megaopd import environment
 from megaopd.config import ConfigError, load_config, save_config
 from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_split
 from megaopd.errors import UserError
+from megaopd.flops import attention_heads
 from megaopd.launch.local_cluster import LocalCluster
 from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_arguments, for_stage, plan,
                                   study_and_launch)
@@ -83,7 +85,7 @@ def layout_problems(study: StudyConfig, launch: LaunchConfig) -> list[str]:
         if world % (tp * pp):
             problems.append(f"{where}: tp={tp} x pp={pp} does not divide the {world} GPUs")
         models = {"model.path": cfg.model.path}
-        models |= {f"opd.teachers.{r}": p for r, p in method(cfg.train.algorithm).local_teachers(cfg).items()}
+        models |= {f"opd.teachers.{r}": p for r, p in method(cfg.train.algorithm).local_teachers(cfg.opd).items()}
         for key, path in models.items():
             problems += [f"{where}: {key}={path}: {p}" for p in shape_problems(path, tp, pp)]
     return problems
@@ -94,8 +96,7 @@ def shape_problems(model: str, tp: int, pp: int) -> list[str]:
     readable here (the cluster's /models), the published shape its directory is named after (none if neither)."""
     try:
         config = json.loads((Path(model) / "config.json").read_text())
-        heads, layers = config.get("num_attention_heads", 0), config.get("num_hidden_layers", 0)
-        kv_heads = config.get("num_key_value_heads") or heads
+        (heads, kv_heads), layers = attention_heads(config), config.get("num_hidden_layers", 0)
     except (OSError, ValueError):
         shape = published_shape(model)
         if shape is None:
@@ -126,7 +127,7 @@ def stand_ins(study: StudyConfig) -> tuple[dict[str, str], dict[str, tuple[str, 
     domains: dict[str, str] = {}  # data directory -> synthetic domain
     for stage in study.stages:
         cfg = load_config(stage.config, stage_overrides(study, stage))
-        paths = [cfg.model.path] + list(method(cfg.train.algorithm).teachers(cfg).values())
+        paths = [cfg.model.path] + list(method(cfg.train.algorithm).teachers(cfg.opd).values())
         for path in paths:
             if not path.startswith(study.out + "/") and path not in models:
                 family = "llama" if "llama" in path.lower() else "qwen3"
@@ -162,7 +163,7 @@ def rehearsal_study(study: StudyConfig, out: Path, steps: int, stages: list[str]
         if cfg.model.path in models:
             extra.append(f"model.path={{out}}/models/{models[cfg.model.path]}")
         extra += [f"opd.teachers.{route}={{out}}/models/{models[path]}"
-                  for route, path in method(cfg.train.algorithm).teachers(cfg).items() if path in models]
+                  for route, path in method(cfg.train.algorithm).teachers(cfg.opd).items() if path in models]
         for key, files in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
             if files:
                 extra.append(f"{key}=[" + ", ".join(f"{{out}}/standin/{data[f][0]}/{data[f][2]}.jsonl"
@@ -290,7 +291,7 @@ def rehearse(study: StudyConfig, launch: LaunchConfig, args: argparse.Namespace)
         shutil.rmtree(state / "out")
     rehearsal = absolute_study(rehearsal_study(study, state / "out", args.steps, args.stages))
     write_standin_data(study, Path(rehearsal.out))
-    sglang_python = args.sglang_python or os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
+    sglang_python = args.sglang_python or environment.sglang_python()
     if not sglang_python:
         print("megaopd rehearse: no SGLang environment for the CPU servers: give --sglang-python or set "
               "MEGAOPD_SGLANG_PYTHON (make setup builds .venv-sglang)", file=sys.stderr)

@@ -21,11 +21,12 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megaopd.config import ConfigError, RunConfig, from_dict, load_config, to_dict
+from megaopd.config import ConfigError, RunConfig, from_dict, load_config, save_config, to_dict
 from megaopd.launch.server_tp import server_tp
 from megaopd.methods import method
-from megaopd.study import StageConfig, StudyConfig, dependencies, seed_studies, stage_overrides, submission_order
-from megaopd.trainer import stage_is_done
+from megaopd.objectives import check_opd
+from megaopd.study import (StageConfig, StudyConfig, dependencies, seed_studies, stage_config, stage_finished,
+                           stage_overrides, submission_order)
 
 # The templates live beside the package in a source checkout (also the layout inside the Docker images).
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
@@ -134,11 +135,12 @@ def plan(study: StudyConfig, launch: LaunchConfig) -> list[Job]:
 
 
 def stage_jobs(study: StudyConfig, launch: LaunchConfig) -> list[Job]:
-    """The assets job (when the study builds any) and every stage not finished yet, upstream stages first."""
-    out = Path(study.out)
+    """The assets job (when the study builds any) and every stage not finished yet (under the step cap its job would
+    train to), upstream stages first."""
     deps = dependencies(study)
     stages = {s.name: s for s in study.stages}
-    todo = [n for n in submission_order(study) if not stage_is_done(out / n)]
+    todo = [n for n in submission_order(study)
+            if not stage_finished(study, stages[n], for_stage(launch, n).overrides)]
     jobs = []
     has_assets = bool(study.assets.presets or study.assets.domains)
     if has_assets and todo:
@@ -154,27 +156,45 @@ def study_file(study: StudyConfig) -> Path:
     return Path(study.out) / "slurm" / "study.yaml"
 
 
+def launch_file(study: StudyConfig) -> Path:
+    """Where `megaopd submit` saves the launch config for the report job (each stage's config is its job's)."""
+    return Path(study.out) / "slurm" / "launch.yaml"
+
+
+def write_job_inputs(study: StudyConfig, launch: LaunchConfig) -> None:
+    """What the jobs read beside their scripts: the study (each seed's too, for its assets job) and the launch
+    config, and the directory of their logs (sbatch does not create --output's)."""
+    for one in [study, *(seed_studies(study) if study.seeds else [])]:
+        (Path(one.out) / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
+        save_config(one, study_file(one))
+    save_config(launch, launch_file(study))
+
+
 def render_job(study: StudyConfig, name: str, launch: LaunchConfig, action: str) -> str:
-    """A one-node job running ``python -m megaopd.launch.jobs <action> STUDY`` (assets or report)."""
+    """A one-node job running ``python -m megaopd.launch.jobs <action> STUDY`` (assets, or report with the launch
+    config)."""
     small = dataclasses.replace(launch, nodes=1, gpus_per_node=0, time="00:30:00")
     cmd = ["python", "-m", "megaopd.launch.jobs", action, str(study_file(study))]
+    if action == "report":
+        cmd += ["--launch", str(launch_file(study))]
     return _render(SINGLE_NODE, _sbatch_lines(study, name, small, nodes=1), _settings(study, small, cmd))
 
 
 def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -> str:
     """The batch script of one stage; ``launch`` is already the stage's own (see ``for_stage``)."""
     args = stage_overrides(study, stage) + launch.overrides
-    cfg = load_config(stage.config, args + [f"run_dir={study.out}/{stage.name}"])  # fails here, not in the queue
+    cfg = stage_config(study, stage, launch.overrides)  # fails here, not in the queue
     spec = method(cfg.train.algorithm)
     rollout_nodes = launch.rollout_nodes if spec.rollouts else 0
-    teachers = sorted(spec.teachers(cfg).items()) if launch.teacher_servers else []
+    teachers = sorted(spec.teachers(cfg.opd).items()) if launch.teacher_servers else []
     if rollout_nodes:
         args.append("rollout.engine=sglang")
     if teachers:  # the trainer finds them by route in MEGAOPD_TEACHER_URLS
-        if cfg.opd.form == "full_vocab":
-            raise ConfigError(f"stage {stage.name}: teacher servers return at most a top-k per position; set "
-                             "opd.form=topk (opd.topk=K) or sampled in the stage, or launch teacher_servers=false "
-                             "(in-process teachers)")
+        try:
+            check_opd(dataclasses.replace(cfg.opd, teacher_engine="sglang"), cfg.model.backend)
+        except ConfigError as e:
+            raise ConfigError(f"stage {stage.name}: {e} (or launch teacher_servers=false: in-process teachers)") \
+                from None
         args.append("opd.teacher_engine=sglang")
     train_args = [stage.config, *args, f"run_dir={study.out}/{stage.name}"]
 

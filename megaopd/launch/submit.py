@@ -3,7 +3,8 @@
 Renders one batch script per stage (see ``megaopd.launch.slurm``), writes them to ``{out}/slurm/`` and submits
 them with ``sbatch --parsable`` in dependency order, each with ``--dependency=afterok:<ids of its upstream
 stages>``; prints ``<job> <job id>`` per line. ``--dry-run`` prints the sbatch commands and scripts instead.
-Submitting again after a failure re-queues only the stages that have not finished.
+Submitting again after a failure re-queues only the stages that have not finished (under the step cap each job
+would train to: ``megaopd.finished``; a raised ``train.steps`` queues its stage again, to train on).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megaopd.config import save_config
 from megaopd.errors import UserError
-from megaopd.launch.slurm import Job, add_study_arguments, plan, study_and_launch, study_file
-from megaopd.study import StudyConfig, link_shared_stages, seed_studies
+from megaopd.launch.slurm import Job, LaunchConfig, add_study_arguments, plan, study_and_launch, write_job_inputs
+from megaopd.study import StudyConfig, link_shared_stages
 
 
 def sbatch_command(job: Job, script: Path, ids: dict[str, str]) -> list[str]:
@@ -28,12 +28,10 @@ def sbatch_command(job: Job, script: Path, ids: dict[str, str]) -> list[str]:
     return cmd + [str(script)]
 
 
-def submit(study: StudyConfig, jobs: list[Job]) -> dict[str, str]:
+def submit(study: StudyConfig, launch: LaunchConfig, jobs: list[Job]) -> dict[str, str]:
     """Write the scripts under {out}/slurm/ and submit them in order; returns job name -> Slurm job id."""
     slurm_dir = Path(study.out) / "slurm"
-    for one in [study, *(seed_studies(study) if study.seeds else [])]:  # the report job's, then each seed's jobs'
-        (Path(one.out) / "slurm" / "logs").mkdir(parents=True, exist_ok=True)  # sbatch does not create --output's
-        save_config(one, study_file(one))
+    write_job_inputs(study, launch)
     link_shared_stages(study)
     ids: dict[str, str] = {}
     for job in jobs:
@@ -67,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             print("# " + shlex.join(sbatch_command(job, slurm_dir / f"{job.name}.sbatch", placeholders)))
             print(job.script)
         return 0
-    for name, job_id in submit(study, jobs).items():
+    for name, job_id in submit(study, launch, jobs).items():
         print(name, job_id)
     return 0
 

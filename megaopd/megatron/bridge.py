@@ -5,7 +5,8 @@ mbridge supplies the name maps and the QKV / gate-up layouts for Qwen3 and Llama
 in a subclass of the bridge mbridge picks (nothing of mbridge is patched):
 
 * the layer spec: mbridge hard-codes Transformer Engine; without TE we take megatron's local spec, whose norms
-  are separate modules (``input_layernorm``, ``pre_mlp_layernorm``), renamed to the TE-fused names mbridge maps;
+  are separate modules (``input_layernorm``, ``pre_mlp_layernorm``), renamed to the TE-fused names mbridge maps,
+  and whose core attention can run a shared-prompt layout (``megaopd.megatron.shared_prompt``);
 * tied embeddings: mbridge's Qwen2 bridge rewrites its *class* map when a config is tied (so a later untied model
   of the same class would load ``lm_head`` from the embedding) and Llama's never does; we keep the map per bridge;
 * ``rope_theta``: transformers 5 moved it into ``rope_parameters``; mbridge still reads the attribute;
@@ -56,7 +57,10 @@ def _bridge_class(model_type: str):
         def _get_transformer_layer_spec(self, vp_stage=None):
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-            return get_gpt_decoder_block_spec(self.config, use_transformer_engine=self.use_te, vp_stage=vp_stage)
+            from megaopd.megatron.shared_prompt import segment_attention_spec
+
+            spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=self.use_te, vp_stage=vp_stage)
+            return spec if self.use_te else segment_attention_spec(spec)
 
         def _weight_name_mapping_mcore_to_hf(self, name):
             for local, fused in _LOCAL_TO_FUSED.items():
@@ -109,11 +113,13 @@ def build_models(bridge, pg_collection=None) -> list[torch.nn.Module]:
     return [model.to(device)]
 
 
-def export_state_dict(bridge, models: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """The full HF state dict (gathered over TP and PP), on every rank; tied output weights dropped."""
+def export_state_dict(bridge, models: list[torch.nn.Module], keep: bool = True) -> dict[str, torch.Tensor]:
+    """The full HF state dict (gathered over TP and PP; collective), on every rank that `keep`s it (the others only
+    take part in the gathers, and get {}); tied output weights dropped."""
     state = {}
     for name, tensor in bridge.export_weights(models):
-        state[name] = tensor.detach().to("cpu", torch.float32 if tensor.dtype == torch.float32 else tensor.dtype)
+        if keep:
+            state[name] = tensor.detach().to("cpu", torch.float32 if tensor.dtype == torch.float32 else tensor.dtype)
     if getattr(bridge.hf_config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state

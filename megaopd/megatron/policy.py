@@ -38,10 +38,11 @@ from megaopd.megatron import checkpoint
 from megaopd.megatron.fp8 import fp8_overrides, use_te_spec
 from megaopd.megatron.parallel import init_model_parallel, model_device, student_layout, teacher_layout
 from megaopd.megatron.rollout_copy import RolloutCopy
+from megaopd.megatron.shared_prompt import shared_forward
 from megaopd.megatron.vocab import VocabShard
 from megaopd.metrics import device_clock, step_perf
 from megaopd.distributions import topk_view
-from megaopd.objectives import coarse_kl
+from megaopd.shared_prompt import PromptGroups, saved_flops
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ def pad_batch(batch: TokenBatch, rows: int, columns: int, pad_id: int) -> TokenB
 
 class MegatronPolicy:
     def __init__(self, cfg: ModelConfig, optim: OptimConfig | None = None, tp: int | None = None, seed: int = 0,
-                 checkpoint_dir: str | Path | None = None, keep: int = 2, logit_chunk_rows: int = 1024):
+                 checkpoint_dir: str | Path | None = None, keep: int = 2, logit_chunk_rows: int = 1024,
+                 shared_prompt: bool = False):
         from transformers import AutoTokenizer
 
         mcfg = cfg.megatron
@@ -106,6 +108,9 @@ class MegatronPolicy:
         if logit_chunk_rows < 1:
             raise ValueError(f"train.logit_chunk_rows must be >= 1, got {logit_chunk_rows}")
         self.logit_chunk_rows = logit_chunk_rows  # positions per output-layer chunk in training (whole sequences)
+        self.shared_prompt = shared_prompt  # each micro-batch as megaopd.shared_prompt's flat layout
+        self.shared_groups: list[tuple[int, list[int], int]] = []  # (prompt length, response lengths, passes) run
+        self._active: PromptGroups | None = None  # the layout of the forward running now
         if optim is None:
             self.module.eval().requires_grad_(False)
             self.model_chunks = chunks
@@ -231,23 +236,59 @@ class MegatronPolicy:
     def _schedule(self, micro: list[TokenBatch], width: int, mbs: int, loss_func, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        layouts = self._layouts(micro, forward_only)
+        if layouts[0] is not None:  # one flat sequence per micro-batch, all of one length (pipeline shapes are fixed)
+            width = -max(g.length for g in layouts) // self.seq_multiple * -self.seq_multiple
+            mbs = 1
+
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            ids = mb.input_ids.to(self.device)
-            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-            # Right-padded rows need no mask beyond the causal one: padding only follows real tokens.
-            output = model(ids, positions, None)
+            mb, groups = next(data_iterator)
+            if groups is None:
+                ids = mb.input_ids.to(self.device)
+                positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+                # Right-padded rows need no mask beyond the causal one: padding only follows real tokens.
+                return model(ids, positions, None), partial(loss_func, mb)
+            ids = torch.nn.functional.pad(groups.input_ids, (0, width - groups.length), value=self.pad_id)
+            positions = torch.nn.functional.pad(groups.positions, (0, width - groups.length))
+            self._active = groups
+            try:
+                with shared_forward(model, groups, positions):
+                    output = model(ids[None], positions[None], None)
+            finally:
+                self._active = None
+            if self.layout.pp_rank == self.layout.pp - 1 and output.shape[0]:  # the logits, [1, T, V/tp]
+                output = output[0][groups.source]  # each row's own, [b, S, V/tp]
             return output, partial(loss_func, mb)
 
         if self.layout.pg_collection is not None:  # a teacher on its own groups: pp=1, plain forward
             store = []
-            for mb in micro:
-                output, finish = forward_step(iter([mb]), self.model_chunks[0])
+            for item in zip(micro, layouts):
+                output, finish = forward_step(iter([item]), self.model_chunks[0])
                 store.append(finish(output)[2])
             return store
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=self.model_chunks,
+            forward_step_func=forward_step, data_iterator=iter(zip(micro, layouts)), model=self.model_chunks,
             num_microbatches=len(micro), seq_length=width, micro_batch_size=mbs, forward_only=forward_only)
+
+    def _layouts(self, micro: list[TokenBatch], forward_only: bool) -> list[PromptGroups | None]:
+        """Each micro-batch's shared-prompt layout (all None without shared prompts), counted for
+        ``take_prompt_saving``."""
+        if not self.shared_prompt:
+            return [None] * len(micro)
+        layouts = [PromptGroups.of(mb.input_ids, mb.attention_mask, mb.response_mask, self.pad_id, always=True)
+                   .to(self.device) for mb in micro]
+        passes = 1 if forward_only else 3
+        self.shared_groups += [(p, r, passes) for groups in layouts for p, r in groups.sizes()]
+        return layouts
+
+    def take_prompt_saving(self, causal: bool = True) -> int:
+        """The FLOPs the shared-prompt passes since the last call did not run, over every data-parallel rank
+        (collective; ``HFPolicy.take_prompt_saving``)."""
+        total = torch.tensor(saved_flops(self.shape, self.shared_groups, causal), dtype=torch.int64, device=self.device)
+        self.shared_groups = []
+        if self.layout.dp > 1:
+            dist.all_reduce(total, group=self.layout.dp_group)
+        return int(total.item())
 
     @contextlib.contextmanager
     def _output_layer_input(self):
@@ -257,7 +298,9 @@ class MegatronPolicy:
         layer = getattr(self.module, "output_layer", None)  # only the last pipeline stage has one
 
         def take(module, args, kwargs):
-            taken["hidden"], taken["weight"] = args[0], kwargs.get("weight")  # [s(/tp under SP), b, H]
+            hidden = args[0] if self._active is None else \
+                args[0][:, 0][self._active.source].transpose(0, 1).contiguous()  # each row's own: [S, b, H]
+            taken["hidden"], taken["weight"] = hidden, kwargs.get("weight")  # [s(/tp under SP), b, H]
             return (args[0][:, :0], *args[1:]), kwargs  # no sequences: the model's forward projects nothing
         handle = layer.register_forward_pre_hook(take, with_kwargs=True) if layer is not None else None
         try:
@@ -271,26 +314,20 @@ class MegatronPolicy:
 
     def _train_loss(self, loss_fn, vocab_term, taken: dict, mb: TokenBatch, output: torch.Tensor):
         """``output`` is the model's (empty) logits; the output layer's input is in ``taken``."""
-        if vocab_term is not None and vocab_term.form != "topk":
-            raise ValueError("the megatron backend computes the top-k OPD form only: set opd.form=topk "
-                             "(opd.topk=<vocabulary size> is the exact full-vocabulary loss)")
         mb = mb.to(output.device)
         hidden, weight = taken.pop("hidden"), taken.pop("weight")
         layer = self.module.output_layer
         rows = max(1, self.logit_chunk_rows // mb.input_ids.shape[1])  # whole sequences per chunk
+        row_term = vocab_term.sequences(mb) if vocab_term is not None else None
 
         def terms(h: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
-            """Realised-token logprobs (and the top-k KL) of sequences [start, start + c) from their hidden states."""
+            """Realised-token logprobs (and the objective's vocabulary term) of sequences [start, start + c) from
+            their hidden states."""
             logits, _ = layer.forward(h, weight=weight)  # .forward: past the pre-hook that empties its input
             shard = self._shard(logits.transpose(0, 1))
-            sub = mb.select(slice(start, start + h.shape[1]))
-            logp = shard.token_logprobs(sub.input_ids[:, 1:])
-            if vocab_term is None:
-                return (logp,)
-            ids = sub.teacher_topk_ids
-            tail = shard.tail_logprob(ids) if ids.shape[-1] < self.vocab_size else None
-            return logp, coarse_kl(shard.token_logprobs(ids), tail, sub.teacher_topk_logprobs, sub.teacher_tail,
-                                   vocab_term.direction)
+            index = slice(start, start + h.shape[1])
+            logp = shard.logprobs_of(mb.input_ids[index, 1:])
+            return (logp,) if row_term is None else (logp, row_term(shard, index))
         recompute = hidden.shape[1] > rows  # one chunk holds no more than the bound: no recomputation then
         parts = [recomputed(terms, hidden[:, i:i + rows], i, use_reentrant=False) if recompute
                  else terms(hidden[:, i:i + rows], i) for i in range(0, hidden.shape[1], rows)]
@@ -341,7 +378,7 @@ class MegatronPolicy:
                                     lay.tp_group)
             else:
                 targets = mb.input_ids[:, 1:].to(logits.device)
-                out = torch.stack([self._shard(each).token_logprobs(targets) for each in scaled], -1)
+                out = torch.stack([self._shard(each).logprobs_of(targets) for each in scaled], -1)
             return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), {"out": out}
 
         store = self._schedule(micro, width, micro[0].size, collect, forward_only=True)
@@ -363,16 +400,16 @@ class MegatronPolicy:
         return local[: batch.size, :width].cpu()
 
     # ---- export, rollout copy, checkpoints ----
-    def export_hf_state(self) -> dict[str, torch.Tensor]:
-        """The full HF state dict on every rank (collective)."""
-        return hf_bridge.export_state_dict(self.bridge, [self.module])
+    def export_hf_state(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The full HF state dict on every rank that `keep`s it, {} on the others (collective)."""
+        return hf_bridge.export_state_dict(self.bridge, [self.module], keep)
 
     def hf_named_tensors(self):
         """(HF name, tensor) pairs of the current weights, for weight sync to rollout servers (collective)."""
         return self.export_hf_state().items()
 
     def save_hf(self, out_dir: str | Path) -> None:
-        state = self.export_hf_state()
+        state = self.export_hf_state(keep=dist.get_rank() == 0)  # rank 0 writes: the others need no copy
         Path(out_dir).mkdir(parents=True, exist_ok=True)  # on every rank: callers add files beside the model
         if dist.get_rank() == 0:
             hf_bridge.hf_model_from_state(self.bridge, state, self.dtype).save_pretrained(out_dir)

@@ -54,18 +54,19 @@ def _logsumexp(local: torch.Tensor, group) -> torch.Tensor:
 
 
 class VocabShard:
-    """The log-softmax of one TP rank's vocabulary slice: ``log_softmax`` is [b, s, real columns of the slice]."""
+    """The log-softmax of one TP rank's vocabulary slice: ``log_softmax`` is [b, s, real columns of the slice]; the
+    objectives' ``distributions.VocabView`` on the Megatron backend."""
 
     def __init__(self, logits: torch.Tensor, vocab_size: int, group):
         width = logits.shape[-1]
         self.start = dist.get_rank(group) * width
         self.end = min(self.start + width, vocab_size)  # columns past the real vocabulary are padding
-        self.group = group
+        self.group, self.vocab_size, self.device = group, vocab_size, logits.device
         local = logits[..., : max(self.end - self.start, 0)].float()
         self.logsumexp = _logsumexp(local, group)
         self.log_softmax = local - self.logsumexp.unsqueeze(-1)
 
-    def token_logprobs(self, targets: torch.Tensor) -> torch.Tensor:
+    def logprobs_of(self, targets: torch.Tensor) -> torch.Tensor:
         """log p(target) on every rank: the owner reads it off its slice, the others add zero. ``targets`` is
         [b, s] (one token per position) or [b, s, K] (K tokens per position)."""
         owned = (targets >= self.start) & (targets < self.end)
@@ -77,7 +78,7 @@ class VocabShard:
         picked = picked if several else picked.squeeze(-1)
         return _sum(torch.where(owned, picked, 0.0), self.group)
 
-    def tail_logprob(self, ids: torch.Tensor) -> torch.Tensor:
+    def tail(self, ids: torch.Tensor) -> torch.Tensor:
         """log of the mass outside ``ids`` [..., K], on every rank: ``distributions.tail_logprob`` over the TP
         slices, by the same logsumexp, each rank leaving out the ids it owns (at least one token stays: K < V)."""
         kept = self.log_softmax

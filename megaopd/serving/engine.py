@@ -12,7 +12,6 @@ serves anything but the trainer's current weights stops the run with an error na
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -36,12 +35,7 @@ class StaleWeightsError(RuntimeError):
     """A server serves weights other than the trainer's current ones."""
 
 
-def env_urls(name: str) -> list[str]:
-    return [u for u in os.environ.get(name, "").split(",") if u]
-
-
 class SGLangEngine:
-    prefix_cached = True  # SGLang's radix cache prefills a group's shared prompt once
     shares_policy_weights = False  # its own copy: it can generate while the trainer updates (rollout_pipeline)
 
     def __init__(self, rollout: RolloutConfig, model: ModelConfig, run_dir: str | Path, policy):
@@ -50,9 +44,8 @@ class SGLangEngine:
         self.weight_version = 0
         self.sync = weight_sync.for_method(self.cfg.sync)
         self.weights_dir = Path(run_dir) / "rollout_weights"
-        urls = self.cfg.urls or env_urls("MEGAOPD_ROLLOUT_URLS")
         self.pool = None  # set on rank 0 only (see leader.py); a failed start stops every rank
-        on_leader(lambda: self._start_servers(model, Path(run_dir) / "sglang", urls))
+        on_leader(lambda: self._start_servers(model, Path(run_dir) / "sglang", self.cfg.urls))
         probe_prompt = chat_prompt_ids(self.tokenizer, PROBE_PROMPT)
         probe_response = self.tokenizer.encode(PROBE_RESPONSE, add_special_tokens=False)
         self.probe = collate([Sample(None, 0, probe_prompt, probe_response, [0.0] * len(probe_response), "stop", 0)],

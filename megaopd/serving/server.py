@@ -50,7 +50,7 @@ class SGLangServer:
     @classmethod
     def launch(cls, model_path: str, cfg: SGLangConfig, dtype: str, log_path: Path,
                weight_version: str = "0") -> "SGLangServer":
-        python = cfg.python or os.environ.get("MEGAOPD_SGLANG_PYTHON") or sys.executable
+        python = cfg.python or sys.executable
         port = free_port()
         server = cls(f"http://127.0.0.1:{port}")
         server.launch_args = [python, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),

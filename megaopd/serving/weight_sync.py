@@ -15,7 +15,6 @@ number, so the engine refuses its rollouts (StaleWeightsError) instead of traini
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import threading
@@ -111,8 +110,9 @@ class DistributedSync:
         infos = [server.get("/get_server_info") for server in engine.pool.servers]
         ranks = [int(info.get("tp_size", 1)) * int(info.get("dp_size", 1)) for info in infos]
         world_size = 1 + sum(ranks)
-        master = {"master_address": sync_address(engine.pool.urls), "master_port": free_port(),
-                  "world_size": world_size, "group_name": self.group_name, "backend": "nccl"}
+        master = {"master_address": sync_address(engine.cfg.sync_address, engine.pool.urls),
+                  "master_port": free_port(), "world_size": world_size, "group_name": self.group_name,
+                  "backend": "nccl"}
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         answers: list = [None] * len(ranks)
 
@@ -161,15 +161,15 @@ class DistributedSync:
         _flush(engine)
 
 
-def sync_address(server_urls: list[str]) -> str:
-    """Where the servers reach trainer rank 0 for the NCCL group: the node's address as the batch script derives
-    it (its Slurm NodeAddr, MEGAOPD_SYNC_ADDR), else this host's address on the route to the first server.
+def sync_address(configured: str, server_urls: list[str]) -> str:
+    """Where the servers reach trainer rank 0 for the NCCL group: `configured` (rollout.sglang.sync_address: on a
+    multi-node job the node's Slurm NodeAddr, as its batch script derives it), else this host's address on the route
+    to the first server.
 
     Not ``gethostbyname(gethostname())``: on many nodes the hostname resolves to 127.0.1.1 or to a management
     network the servers cannot reach."""
-    address = os.environ.get("MEGAOPD_SYNC_ADDR", "")
-    if address:
-        return address
+    if configured:
+        return configured
     server = urllib.parse.urlsplit(server_urls[0])
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((server.hostname, server.port or 80))  # UDP: picks the route, sends nothing

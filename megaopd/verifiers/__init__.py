@@ -19,6 +19,7 @@ import logging
 import threading
 from typing import Any, Callable
 
+from megaopd.config import SandboxConfig
 from megaopd.data.rows import Row
 from megaopd.verifiers.sandbox import SandboxUnavailable
 
@@ -66,13 +67,14 @@ def get_verifier(row: Row) -> Verifier:
                    f"known: {sorted(_REGISTRY)}")
 
 
-def check_ready(rows: list[Row], allow_fallback: bool = False) -> None:
-    """Start-up check: if any row's verifier runs programs, this machine must be able to sandbox them in the
-    namespaces mode, or in the fallback mode when ``allow_fallback`` (SandboxUnavailable names what is missing), so
-    a run fails now rather than at its first code row."""
+def check_ready(rows: list[Row], settings: SandboxConfig | None = None) -> None:
+    """Start-up check: the sandbox takes the run's `settings` (``verifier.sandbox``), and if any row's verifier runs
+    programs this machine must be able to sandbox them in the namespaces mode, or in the fallback mode when
+    ``settings.allow_fallback`` (SandboxUnavailable names what is missing), so a run fails now rather than at its
+    first code row."""
     from megaopd.verifiers import sandbox
 
-    sandbox.allow_fallback(allow_fallback)
+    sandbox.configure(settings or SandboxConfig())
     for row in {(r.data_source, r.ability): r for r in rows}.values():
         try:
             verifier = get_verifier(row)

@@ -38,8 +38,10 @@ import json
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from megaopd.data.answers import parse_tests
 from megaopd.verifiers import guarded, register, wire
@@ -148,6 +150,52 @@ def return_matches(got: Any, want: Any) -> bool:
     return _same(got, want) or (isinstance(want, list) and len(want) == 1 and _same(got, want[0]))
 
 
+# ----------------------------------------------------------------------------------------------- LiveCodeBench
+# LiveCodeBench's harness (lcb_runner/evaluation/testing_util.py) runs every program after a prelude of standard
+# library imports (LeetCode starter code names List without importing it), compares stdout line by line after
+# stripping, each line equal as text or as a list of decimals (exactly: "1.0" is "1", "0.3333" is not "0.33333"),
+# and a returned value by Python's == once a returned tuple is made a list.
+
+_LCB_STAR = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random", "statistics",
+             "itertools", "functools", "operator", "io", "sys", "json", "builtins", "typing")
+_LCB_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
+                "statistics", "itertools", "functools", "operator", "io", "sys", "json")
+LCB_PRELUDE = ("".join(f"from {m} import *\n" for m in _LCB_STAR) + "".join(f"import {m}\n" for m in _LCB_MODULES)
+               + "sys.setrecursionlimit(50000)\n")
+
+
+def _decimals(line: str) -> list[Decimal] | None:
+    try:
+        return [Decimal(token) for token in line.split()]
+    except InvalidOperation:
+        return None
+
+
+def lcb_stdout_matches(got: str, want: str) -> bool:
+    """LiveCodeBench's comparison: as many lines, each equal after stripping or equal as decimals."""
+    got_lines, want_lines = ([line.strip() for line in s.strip().split("\n")] for s in (got, want))
+    return len(got_lines) == len(want_lines) and all(
+        a == b or ((d := _decimals(a)) is not None and d == _decimals(b)) for a, b in zip(got_lines, want_lines))
+
+
+def lcb_return_matches(got: Any, want: Any) -> bool:
+    """LiveCodeBench's comparison of a returned value: Python's ==, a returned tuple read as a list."""
+    return bool((list(got) if isinstance(got, tuple) else got) == want)
+
+
+@dataclass(frozen=True)
+class Convention:
+    """How a benchmark's own harness runs and judges stdin/stdout and functional tests."""
+
+    prelude: str
+    stdout: Callable[[str, str], bool]
+    returned: Callable[[Any, Any], bool]
+
+
+JUDGE = Convention("", stdout_matches, return_matches)  # APPS, TACO, CodeContests, LeetCode: judge-style
+LIVECODEBENCH = Convention(LCB_PRELUDE, lcb_stdout_matches, lcb_return_matches)
+
+
 # ----------------------------------------------------------------------------------------------- running
 
 
@@ -160,49 +208,61 @@ def _run_humaneval(program: str, spec: dict, limits: Limits) -> float:
     entry = spec["entry_point"]
     if not re.search(rf"def\s+{re.escape(entry)}\s*\(", program):
         program = spec.get("prompt", "") + program
-    calls = split_check(spec["test"])
+    calls = split_check(spec["test"], entry)
     if calls is not None:
         return float(run_split(program, entry, calls, limits))
     return float(run_checker(program, spec, limits))
 
 
-def _run_one(program: str, fn_name: str | None, test_input: Any, expected: Any, limits: Limits) -> bool:
+def _run_one(program: str, fn_name: str | None, test_input: Any, expected: Any, limits: Limits,
+             convention: Convention) -> bool:
     if not fn_name:
-        result = run_python(program, test_input, limits).raise_for_sandbox()
-        return result.ok and stdout_matches(result.stdout, expected)
+        result = run_python(convention.prelude + program, test_input, limits).raise_for_sandbox()
+        return result.ok and convention.stdout(result.stdout, expected)
     result = run_python(call_server(fn_name, True), wire.dumps(list(test_input)) + "\n", limits,
-                        files={"solution.py": program}).raise_for_sandbox()
+                        files={"solution.py": convention.prelude + program}).raise_for_sandbox()
     replies = parse_replies(result, 1)
-    return result.ok and len(replies) == 1 and replies[0][0] == "r" and return_matches(replies[0][1], expected)
+    return result.ok and len(replies) == 1 and replies[0][0] == "r" and convention.returned(replies[0][1], expected)
 
 
-def _run_tests(program: str, spec: dict, limits: Limits, partial: bool) -> float:
+def _run_tests(program: str, spec: dict, limits: Limits, partial: bool, convention: Convention) -> float:
     """Fraction of tests passed (all-or-nothing mode stops at the first failure and returns 0)."""
     if "test" in spec:
         return _run_humaneval(program, spec, limits)
     passed = 0
     for test_input, expected in zip(spec["inputs"], spec["outputs"]):
-        ok = _run_one(program, spec.get("fn_name"), test_input, expected, limits)
+        ok = _run_one(program, spec.get("fn_name"), test_input, expected, limits, convention)
         passed += ok
         if not ok and not partial:
             return 0.0
     return passed / len(spec["inputs"])
 
 
-@register("code", "codecontests", "deepmind/code_contests", "apps", "codeparrot/apps", "taco", "BAAI/TACO",
-          "livecodebench", "livecodebench/code_generation_lite", "humaneval", "openai_humaneval",
-          "openai/openai_humaneval", "leetcode")
-def score_code(response: str, ground_truth: Any, extra_info: dict) -> float:
-    """Run the response's program on the tests; 1.0 when all pass (or the fraction passed with partial credit)."""
+def _score(response: str, ground_truth: Any, extra_info: dict, convention: Convention) -> float:
     extra_info = extra_info or {}
     program = extract_code(response)
     if program is None:
         return 0.0
     spec = parse_tests(ground_truth)
-    return _run_tests(program, spec, _limits(extra_info), bool(extra_info.get("partial_credit", False)))
+    return _run_tests(program, spec, _limits(extra_info), bool(extra_info.get("partial_credit", False)), convention)
 
 
-score_code.needs_sandbox = True  # verifiers.check_ready probes the sandbox at start-up for rows scored here
+@register("code", "codecontests", "deepmind/code_contests", "apps", "codeparrot/apps", "taco", "BAAI/TACO",
+          "humaneval", "openai_humaneval", "openai/openai_humaneval", "mbpp", "google-research-datasets/mbpp",
+          "leetcode")
+def score_code(response: str, ground_truth: Any, extra_info: dict) -> float:
+    """Run the response's program on the tests; 1.0 when all pass (or the fraction passed with partial credit)."""
+    return _score(response, ground_truth, extra_info, JUDGE)
+
+
+@register("livecodebench", "livecodebench/code_generation_lite")
+def score_livecodebench(response: str, ground_truth: Any, extra_info: dict) -> float:
+    """As ``score_code``, run and judged as LiveCodeBench's harness does (its prelude, exact decimals, ==)."""
+    return _score(response, ground_truth, extra_info, LIVECODEBENCH)
+
+
+# verifiers.check_ready probes the sandbox at start-up for rows scored here
+score_code.needs_sandbox = score_livecodebench.needs_sandbox = True
 
 
 def score_many(responses: Sequence[str], ground_truths: Sequence[Any], extra_infos: Sequence[dict],

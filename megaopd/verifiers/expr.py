@@ -4,8 +4,8 @@ Model text never reaches ``eval``, ``sympify`` or ``parse_expr`` (all three eval
 admits numbers, ``+ - * / ^ **``, parentheses, a fixed table of functions and constants, and letters (a word that
 is not in the table is the product of its letters, as ``xy`` is ``x*y``, unless a parenthesis follows it: a call
 outside the table); anything else (quotes, dots after a name, underscores, brackets, commas, lambda) refuses the
-whole answer. Juxtaposition multiplies (``2x``,
-``2(x+1)``) and a function name applies to the atom after it (``sqrt 2``). Size limits keep a hostile answer from
+whole answer. Juxtaposition multiplies (``2x``, ``2(x+1)``), except of two numbers (``11 7/6`` is refused, not
+read as 77/6), and a function name applies to the atom after it (``sqrt 2``). Size limits keep a hostile answer from
 costing the worker more than its timeout: a length and nesting cap, and no power whose exact value would be huge
 (``9^9^9^9`` is refused before sympy computes anything).
 
@@ -52,8 +52,12 @@ def _tokens(text: str) -> list[tuple[str, str]]:
                 raise Refused(f"{word}(...) is not a function of the table")
             else:
                 out.extend(("sym", letter) for letter in word)  # xy is x*y
+        elif number is not None:
+            if out and out[-1][0] == "num":
+                raise Refused("two numbers side by side")  # "11 7/6" is no product
+            out.append(("num", number))
         else:
-            out.append(("num", number) if number is not None else ("op", "^" if op == "**" else op))
+            out.append(("op", "^" if op == "**" else op))
         pos = m.end()
     return out
 

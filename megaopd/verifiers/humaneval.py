@@ -1,9 +1,11 @@
-"""HumanEval-style ``check(candidate)`` tests, judged outside the candidate's process.
+"""HumanEval-style ``check(candidate)`` tests and MBPP-style top-level assertions, judged outside the candidate's
+process.
 
 The candidate's process only answers calls: it receives arguments, returns plain data (``wire``), and never sees
 an expected value or runs a line of the test. Two ways to get the calls:
 
-* **Split** (most of HumanEval): a check whose body is only ``assert candidate(ARGS) == EXPECTED``,
+* **Split** (most of HumanEval and MBPP): a check whose body (or, for MBPP, whose module) is only
+  ``assert candidate(ARGS) == EXPECTED``,
   ``assert candidate(ARGS)``, ``assert not candidate(ARGS)``, ``assert abs(candidate(ARGS) - EXPECTED) < TOL``
   (and no-ops), with literal arguments and expectations, becomes a list of :class:`Call`; the program answers
   them all in one process and the verifier compares here, as EvalPlus does.
@@ -69,10 +71,14 @@ def candidate(*args):
     error = getattr(builtins, line[1:-1], None)
     raise error() if isinstance(error, type) and issubclass(error, Exception) else RuntimeError(line[1:-1])
 ns = {"__name__": "__check__"}
+# The test shares the solution's globals in HumanEval's and MBPP's harnesses: it sees the standard modules a
+# solution imports (an MBPP test calls math.isclose) and the entry point by name.
+exec("import collections, functools, heapq, itertools, math, operator, re, string, sys", ns)
 exec(compile(spec["prompt"], "prompt.py", "exec"), ns)
-ns[spec["entry_point"]] = candidate  # as in HumanEval, where the test shares the solution's globals
-exec(compile(spec["test"], "test.py", "exec"), ns)
-ns["check"](candidate)
+ns[spec["entry_point"]] = candidate
+exec(compile(spec["test"], "test.py", "exec"), ns)  # MBPP: top-level assertions run here
+if "check" in ns:  # HumanEval: check(candidate)
+    ns["check"](candidate)
 verdict.write("pass\n")
 '''
 
@@ -144,16 +150,17 @@ def _split_assert(test: ast.AST, name: str) -> Call | None | bool:
     return None
 
 
-def split_check(test: str) -> list[Call] | None:
-    """The check's assertions as calls, or None when the check does anything else (then it needs a process)."""
+def split_check(test: str, entry_point: str) -> list[Call] | None:
+    """The test's assertions as calls, or None when it does anything else (then it needs a process): the body of
+    ``check(candidate)`` (HumanEval), else the top-level assertions on ``entry_point`` (MBPP)."""
     try:
         tree = ast.parse(test)
-        check = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check")
-        if len(check.args.args) != 1:
+        check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
+        if check is not None and len(check.args.args) != 1:
             return None
-        name = check.args.args[0].arg
+        name, body = (check.args.args[0].arg, check.body) if check else (entry_point, tree.body)
         calls = []
-        for stmt in check.body:
+        for stmt in body:
             if isinstance(stmt, ast.Pass) or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)):
                 continue
             if not isinstance(stmt, ast.Assert):
@@ -164,7 +171,7 @@ def split_check(test: str) -> list[Call] | None:
             if isinstance(call, Call):
                 calls.append(call)
         return calls
-    except (SyntaxError, ValueError, TypeError, StopIteration, RecursionError, MemoryError):
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
 
 

@@ -6,8 +6,8 @@ building a huge integer. A timer thread or a signal handler inside the same proc
 that the caller kills when its time is up; the next call gets a fresh worker. Workers are reused across calls, so
 heavy imports are paid once per worker, and their start-up does not count against a call's limit.
 
-    pool = KillablePool("megaopd.verifiers.math:slow_equal", size=2)
-    pool.call(["x+1", "1+x"], timeout_s=5)   # the function's JSON result; CallTimeout past 5 s
+    pool = KillablePool("math:gcd", size=2)
+    pool.call([12, 18], timeout_s=5)   # the function's JSON result (6); CallTimeout past 5 s
 """
 
 from __future__ import annotations
@@ -27,9 +27,15 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 _SERVE = r"""
 import importlib, json, resource, sys
 module, name, memory = sys.argv[1], sys.argv[2], int(sys.argv[3])
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))  # a blow-up dies here, not in the host's OOM killer
-fn = getattr(importlib.import_module(module), name)
+sys.path[0] = sys.argv[4]  # the caller's package root, not the working directory (another checkout may be there)
 out = sys.stdout
+try:
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))  # a blow-up dies here, not in the host's OOM killer
+    fn = getattr(importlib.import_module(module), name)
+except BaseException as e:  # the reason goes to the caller, whose error says it
+    out.write("failed " + json.dumps(type(e).__name__ + ": " + str(e)[:300]) + "\n")
+    out.flush()
+    sys.exit(1)
 out.write("ready\n")
 out.flush()
 for line in sys.stdin:
@@ -57,18 +63,20 @@ class WorkerFailed(RuntimeError):
 class _Worker:
     def __init__(self, target: str, memory_mb: int, startup_s: float):
         module, name = target.split(":")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, module, name, str(memory_mb << 20)],
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, module, name, str(memory_mb << 20), _PACKAGE_ROOT],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+                                     start_new_session=True)
         self._pending = b""
         try:
-            ready = self._line(time.monotonic() + startup_s) == b"ready"
+            line = self._line(time.monotonic() + startup_s)
         except WorkerFailed:
-            ready = False
-        if not ready:
+            line = f"failed {json.dumps(f'exited with code {self.proc.returncode}')}".encode()
+        if line != b"ready":
             self.kill()
-            raise WorkerFailed(f"worker for {target} did not start within {startup_s:.0f} s")
+            if line is None:
+                raise WorkerFailed(f"worker for {target} did not start within {startup_s:.0f} s")
+            why = json.loads(line[7:]) if line.startswith(b"failed ") else f"it printed {line[:200]!r}"
+            raise WorkerFailed(f"worker for {target} could not start: {why}")
 
     def _line(self, deadline: float) -> bytes | None:
         """The next line from the worker, None if none comes before ``deadline``; WorkerFailed if it died."""
@@ -80,7 +88,7 @@ class _Worker:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 self.proc.wait()
-                raise WorkerFailed("worker died")
+                raise WorkerFailed(f"worker died (exit code {self.proc.returncode})")
             self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
         return line

@@ -1,184 +1,127 @@
-"""Math verifier: pull the final answer out of a response and decide whether it equals the reference.
+"""Math verifier: find the final answer a response states and grade it as the reference grader (math-verify 0.9.0)
+would, without evaluating any of it.
 
-Extraction, in the order datasets expect it: the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces are
-balanced), GSM8K's ``#### N``, a final-answer line ("The final answer is 42", "Answer: 42"), and the last number in
-the text as a fallback.
+Extraction (``extract``) follows the reference's order: the last box, the answer sentence Minerva-style models
+write, GSM8K's ``####``, "final answer is", "answer:", then (flexible extraction only) the last LaTeX span or
+number. Each data source has its convention (``extra_info["extraction"]`` overrides it):
 
-Equivalence, cheapest first: equal normalised strings (LaTeX spacing, ``\\dfrac``, ``\\left``, ``\\text{units}``,
-degrees, dollar signs, thousands separators stripped); equal exact rationals (fractions, decimals, percentages, so
-``1/2``, ``\\frac12``, ``0.5`` and ``50\\%`` agree); ``math-verify``'s LaTeX grammar; and ``simplify(a - b) == 0`` on
-answers written as code-like expressions (``sqrt(2)/2``), parsed by our own grammar (``expr``). Nothing here
-evaluates model text as Python (no sympify, parse_expr or eval), so a worker only ever parses. The last two run
-in a small pool of worker processes (``killable``) with a hard wall-clock limit (``extra_info["timeout_s"]``, default
+| data source | extraction | why |
+|---|---|---|
+| MATH, MATH-500, AIME, DeepScaleR, DAPO, ``math`` rows | flexible | the reference's own (lighteval, open-r1) |
+| GSM8K (``openai/gsm8k``, ``gsm8k``) | strict | verl's default for GSM8K: only a marked answer counts |
+
+A reference answer is read the same way when it holds LaTeX delimiters or a box, else as one answer on its own
+(``\\frac{\\sqrt{2}}{2}``, ``1,000``); ``ground_truth`` may be a list of acceptable answers.
+
+Equivalence is the reference's (``math_grade``): two numbers compare here, in the caller's process (exactly, or
+rounded to ``extra_info["precision"]`` decimal places, default 6, when one is a decimal); everything else runs in
+a small pool of worker processes (``killable``) with a hard wall-clock limit (``extra_info["timeout_s"]``, default
 5 s): a check past it is killed with its worker and scores 0, from any thread and however loaded the machine is.
-
-``ground_truth`` is the reference answer (a string or number), or a list of acceptable answers.
 """
 
 from __future__ import annotations
 
-import logging
-import re
 from fractions import Fraction
 from typing import Any
 
-from megaopd.data.answers import last_boxed
-from megaopd.verifiers import expr, register
+from megaopd.verifiers import register
+from megaopd.verifiers.expr import MAX_LENGTH
+from megaopd.verifiers.extract import FLEXIBLE, NUMBER, STRICT, Candidate, bare, candidates
 from megaopd.verifiers.killable import CallTimeout, KillablePool
 
-# math-verify warns on every call that we disabled its signal-based timeouts; the worker's kill is the deadline.
-logging.getLogger("math_verify").setLevel(logging.ERROR)
-
 DEFAULT_TIMEOUT_S = 5.0
-
+DEFAULT_PRECISION = 6  # decimal places a decimal answer is rounded to before it is compared (the reference's)
 
 # The slow checks run in killable worker processes: a hard wall-clock limit, from any thread, under any load.
-_pool = KillablePool("megaopd.verifiers.math:slow_equal", size=2)
+_pool = KillablePool("megaopd.verifiers.math_grade:grade", size=2)
+
+_DELIMITERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
 
 
-# ----------------------------------------------------------------------------------------------- extraction
-
-# Possessive whitespace (*+) and same-line ^[ \t]: these run on model output in the trainer's process, where a
-# backtracking \s* took minutes on a response of blank lines.
-_GSM8K = re.compile(r"####\s*+([^\n]+)")
-_FINAL = re.compile(r"(?:final answer|the answer)\s*+(?:is|:)?\s*+[:=]?\s*+(.+)|^[ \t]*+\**answer\**\s*+[:=]\s*+(.+)",
-                    re.IGNORECASE | re.MULTILINE)
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+def reference_candidates(gold: str) -> list[Candidate]:
+    """A reference answer as candidates: extracted when it holds LaTeX delimiters or a box, else on its own."""
+    return candidates(gold) if any(d in gold for d in _DELIMITERS) else [(bare(gold),)]
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer of a response, or None when there is none."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    gsm = _GSM8K.findall(text)
-    if gsm:
-        return gsm[-1].strip()
-    finals = _FINAL.findall(text)
-    if finals:
-        answer = next(group for group in finals[-1] if group).strip()
-        inner = last_boxed(answer)
-        return (inner if inner is not None else answer).rstrip(". ").strip("$ ")
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
+def extract_answer(response: str, extraction: str = FLEXIBLE) -> str | None:
+    """The text of the first answer a response states (its first part), or None when it states none."""
+    found = candidates(response, extraction)
+    return found[0][0].text if found else None
 
 
-# ----------------------------------------------------------------------------------------------- normalisation
-
-_UNIT_WORDS = ("dollars", "dollar", "cents", "cent", "units", "unit", "degrees", "degree", "percent", "inches",
-               "inch", "feet", "foot", "meters", "meter", "cm", "mm", "km", "m", "kg", "g", "hours", "hour",
-               "minutes", "minute", "seconds", "second", "days", "day", "miles", "mile", "sq", "square")
-_TRAILING_UNIT = re.compile(r"(?<=[\d}])\s*(?:" + "|".join(_UNIT_WORDS) + r")(?:\^?\{?[23]\}?)?\.?$")
-_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname)\{([^{}]*)\}")
-
-
-def normalize(answer: str) -> str:
-    """A canonical spelling of an answer, for string comparison and number parsing."""
-    s = str(answer).strip()
-    s = re.sub(r"\\text\{\s*(?:" + "|".join(_UNIT_WORDS) + r")\s*\}", "", s)  # \text{ cm} is a unit: drop it
-    s = _TEXT.sub(r"\1", s)
-    for old, new in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""), ("\\!", ""),
-                     ("\\,", ""), ("\\;", ""), ("\\ ", ""), ("\\$", ""), ("$", ""), ("\\%", "%"),
-                     ("^\\circ", ""), ("^{\\circ}", ""), ("°", "")):
-        s = s.replace(old, new)
-    s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s)  # "x = 5"
-    s = re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", s)  # 1,000 -> 1000 (twice for 1,000,000)
-    s = re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", s)
-    s = _TRAILING_UNIT.sub("", s.strip())
-    s = s.strip().rstrip(".").replace(" ", "")
-    return s
-
-
-_FRAC = re.compile(r"^(-?)\\frac\{?(-?\d+)\}?\{?(-?\d+)\}?$")
-
-
-_MAX_EXPONENT = 1000
-
-
-def to_number(answer: str) -> tuple[Fraction, bool] | None:
-    """An exact rational and whether it was a percentage, for normalised answers like 0.5, -3/4, \\frac{1}{2}, 50%."""
-    s = answer
-    percent = s.endswith("%")
-    s = s.rstrip("%")
-    frac = _FRAC.match(s)
-    try:
-        if frac:
-            value = Fraction(int(frac.group(2)), int(frac.group(3)))
-            return (-value if frac.group(1) else value), percent
-        number = re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)(/\d+)?|-?\d+(\.\d+)?e(-?\d+)", s)
-        # An exponent is bounded: Fraction("1e999999999") would build a billion-digit integer in this process.
-        if number and (number.group(5) is None or abs(int(number.group(5)[:6])) <= _MAX_EXPONENT):
-            return Fraction(s), percent
-    except (ValueError, ZeroDivisionError):
-        pass
+def _numbers_agree(pred: Candidate, gold: Candidate, precision: int) -> bool | None:
+    """The reference's grade of two numbers, or None when this cannot tell cheaply (two decimals within rounding
+    of each other: the worker rounds as the reference does). Equal values agree, a percentage by its value (28% is
+    0.28); of whole numbers a percentage also agrees with its number (28% and 28), as in the reference."""
+    if len(pred) != 1 or len(gold) != 1 or pred[0].kind != NUMBER or gold[0].kind != NUMBER:
+        return None
+    (p,), (g,) = pred, gold
+    if max(len(p.text), len(g.text)) > MAX_LENGTH:
+        return None
+    a, b = Fraction(p.text), Fraction(g.text)
+    value_a, value_b = a / 100 if p.percent else a, b / 100 if g.percent else b
+    if value_a == value_b:
+        return True
+    if "." not in p.text + g.text:
+        return a == b
+    if abs(value_a - value_b) >= Fraction(1, 10**precision):
+        return False
     return None
 
 
-def _numbers_equal(pred: str, gold: str) -> bool | None:
-    """True/False when both are numbers, None when either is not. A percentage matches its value and value/100."""
-    a, b = to_number(pred), to_number(gold)
-    if a is None or b is None:
-        return None
-    (x, x_pct), (y, y_pct) = a, b
-    if x == y:
-        return True
-    return (x_pct and x / 100 == y) or (y_pct and y / 100 == x)
+def _wire(found: list[Candidate]) -> list:
+    return [[[part.kind, part.text, part.percent] for part in candidate] for candidate in found]
 
 
-def _math_verify_equal(pred: str, gold: str) -> bool:
-    from math_verify import LatexExtractionConfig, parse, verify
-
-    def as_latex(s: str) -> str:
-        return s if "$" in s or "\\boxed" in s else f"${s}$"
-
-    # LaTeX only: math-verify's expression extraction (its default second target) hands text to sympy's
-    # parse_expr, which evaluates Python; code-like answers go through our grammar (``expr``) instead.
-    latex_only = [LatexExtractionConfig()]
-    gold_parsed = parse(as_latex(gold), latex_only, parsing_timeout=None)
-    pred_parsed = parse(as_latex(pred), latex_only, parsing_timeout=None)
-    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
-
-
-def _sympy_equal(pred: str, gold: str) -> bool:
-    import sympy
-
-    try:
-        return bool(sympy.simplify(expr.parse(pred) - expr.parse(gold)) == 0)
-    except (expr.Refused, TypeError, ValueError, ArithmeticError):
+def grade(pred: list[Candidate], gold: list[Candidate], precision: int = DEFAULT_PRECISION,
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Whether the predicted candidates state the reference's answer; False when the check runs past
+    ``timeout_s``."""
+    if not pred or not gold:
         return False
-
-
-def is_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """Whether two final answers are mathematically the same; False when the check runs past ``timeout_s``."""
-    p, g = normalize(pred), normalize(gold)
-    if not p:
-        return False
-    if p == g:
-        return True
-    numeric = _numbers_equal(p, g)
-    if numeric is not None:
-        return numeric
+    cheap = _numbers_agree(pred[0], gold[0], precision)
+    if cheap is not None:
+        return cheap
     try:
-        return _pool.call([pred, gold, p, g], timeout_s)
+        return _pool.call([_wire(pred), _wire(gold), precision], timeout_s)
     except CallTimeout:
         return False
 
 
-def slow_equal(pred: str, gold: str, pred_normalized: str, gold_normalized: str) -> bool:
-    """math-verify, then sympy; runs in a worker process (see ``_pool``)."""
-    return _math_verify_equal(pred, gold) or _sympy_equal(pred_normalized, gold_normalized)
+def is_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Whether two final answers, each written on its own, are the same."""
+    return bool(pred.strip()) and grade([(bare(pred),)], [(bare(gold),)], timeout_s=timeout_s)
 
 
-@register("math", "openai/gsm8k", "gsm8k", "DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH",
-          "hendrycks/competition_math", "HuggingFaceH4/MATH-500", "math500", "math_dapo",
-          "BytedTsinghua-SIA/DAPO-Math-17k", "agentica-org/DeepScaleR-Preview-Dataset", "deepscaler", "aime",
-          "AI-MO/aimo-validation-aime",
+def _options(extra_info: dict, extraction: str) -> tuple[str, int, float]:
+    extra_info = extra_info or {}
+    extraction = extra_info.get("extraction", extraction)
+    if extraction not in (STRICT, FLEXIBLE):
+        raise ValueError(f"extra_info['extraction'] must be {STRICT!r} or {FLEXIBLE!r}, got {extraction!r}")
+    precision = extra_info.get("precision", DEFAULT_PRECISION)
+    if isinstance(precision, bool) or not isinstance(precision, int) or not 0 <= precision <= 15:
+        raise ValueError(f"extra_info['precision'] must be a number of decimal places 0..15, got {precision!r}")
+    return extraction, precision, float(extra_info.get("timeout_s", DEFAULT_TIMEOUT_S))
+
+
+def _score(response: str, ground_truth: Any, extra_info: dict, extraction: str) -> float:
+    extraction, precision, timeout_s = _options(extra_info, extraction)
+    pred = candidates(response, extraction)
+    golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
+    return float(any(grade(pred, reference_candidates(str(gold)), precision, timeout_s) for gold in golds))
+
+
+@register("math", "DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "hendrycks/competition_math",
+          "HuggingFaceH4/MATH-500", "math500", "math_dapo", "BytedTsinghua-SIA/DAPO-Math-17k",
+          "agentica-org/DeepScaleR-Preview-Dataset", "deepscaler", "aime", "AI-MO/aimo-validation-aime",
           "Maxwell-Jia/AIME_2024", "math-ai/aime25")
 def score_math(response: str, ground_truth: Any, extra_info: dict) -> float:
-    """1.0 when the response's final answer equals the reference (or one of a list of references), else 0.0."""
-    answer = extract_answer(response)
-    if answer is None:
-        return 0.0
-    golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
-    timeout_s = float((extra_info or {}).get("timeout_s", DEFAULT_TIMEOUT_S))
-    return float(any(is_equivalent(answer, str(gold), timeout_s) for gold in golds))
+    """1.0 when the response's answer equals the reference (or one of a list of references), else 0.0; flexible
+    extraction unless the row says otherwise."""
+    return _score(response, ground_truth, extra_info, FLEXIBLE)
+
+
+@register("openai/gsm8k", "gsm8k")
+def score_gsm8k(response: str, ground_truth: Any, extra_info: dict) -> float:
+    """As ``score_math``, with strict extraction unless the row says otherwise."""
+    return _score(response, ground_truth, extra_info, STRICT)

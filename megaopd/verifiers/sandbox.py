@@ -37,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megaopd.config import SandboxConfig
 from megaopd.verifiers import confine
 from megaopd.verifiers.cleanup import (kill_uid, live_pids_of_uid, remove_tree, sweep_files, sweep_ipc,
                                        world_writable_dirs)
@@ -145,46 +146,47 @@ def _probe_python(python: str, uid: int | None) -> tuple[str, list[str]] | None:
         return None
 
 
-_allow_fallback = False
+_settings = SandboxConfig()  # this process's: a run's verifier.sandbox, set at its start (configure)
 
 
-def allow_fallback(allowed: bool) -> None:
-    """Whether this process accepts the fallback mode (config ``verifier.sandbox.allow_fallback``); the trainer
-    sets it at start-up, before the first ``isolation()``."""
-    global _allow_fallback
-    if allowed != _allow_fallback:
-        _allow_fallback = allowed
+def configure(settings: SandboxConfig) -> None:
+    """This process's sandbox settings (config ``verifier.sandbox``): the trainer sets them at start-up
+    (``verifiers.check_ready``), before the first ``isolation()``, which probes again when they change."""
+    global _settings
+    if settings != _settings:
+        _settings = settings
         isolation.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
 def isolation() -> Isolation:
-    """Probe once which isolation this machine allows (env MEGAOPD_SANDBOX_NAMESPACES=0 asks for the fallback) and
-    which interpreter the sandbox uid can run: MEGAOPD_SANDBOX_PYTHON, else ours, else a system python3 (ours may
-    live under a directory only root can read, such as a pyenv in /root). SandboxUnavailable when neither mode's
+    """Probe once which isolation this machine allows (``namespaces=False`` asks for the fallback) and which
+    interpreter the sandbox uid can run: the configured ``python``, else ours, else a system python3 (ours may live
+    under a directory only root can read, such as a pyenv in /root). SandboxUnavailable when neither mode's
     guarantee can be kept, or when only the fallback works and it was not accepted (``allow_fallback``)."""
     root = os.geteuid() == 0
     user_ns = () if root else ("--user", "--map-root-user")
-    wanted = os.environ.get("MEGAOPD_SANDBOX_NAMESPACES", "1") != "0"
+    wanted = _settings.namespaces
     namespaces = (wanted and sys.platform == "linux" and platform.machine() in _PIVOT_ROOT
                   and _unshare_works(user_ns + _NS_FLAGS))
     if not namespaces and not root:
-        why = ("MEGAOPD_SANDBOX_NAMESPACES=0" if not wanted else
+        why = ("verifier.sandbox.namespaces=false" if not wanted else
                "user namespaces are not available (`unshare --user --map-root-user --net --pid --mount true` fails: "
                "check kernel.unprivileged_userns_clone, user.max_user_namespaces and AppArmor's "
                "restrict_unprivileged_userns)")
         raise SandboxUnavailable(f"cannot sandbox code as a non-root user: {why}. Without them programs would run "
                                  "as this user, able to read and rewrite its files; run as root or enable them")
     probe_uid = _UID_BASE + _UID_BLOCK - 1 if root else None
-    candidates = [os.environ.get("MEGAOPD_SANDBOX_PYTHON"), sys.executable, shutil.which("python3"),
-                  "/usr/local/bin/python3", "/usr/bin/python3"]
+    candidates = [_settings.python, sys.executable, shutil.which("python3"), "/usr/local/bin/python3",
+                  "/usr/bin/python3"]
     for python in filter(None, candidates):
         probed = _probe_python(python, probe_uid)
         if probed:
             break
     else:
-        raise SandboxUnavailable(f"no Python interpreter the sandbox uid can run among {candidates}; "
-                                 "set MEGAOPD_SANDBOX_PYTHON to one installed in a world-readable place")
+        raise SandboxUnavailable(f"no Python interpreter the sandbox uid can run among {candidates}; set "
+                                 "verifier.sandbox.python (or MEGAOPD_SANDBOX_PYTHON) to one installed in a "
+                                 "world-readable place")
     prefix, sites = probed
     python = os.path.realpath(python)  # a venv's bin/python is a link into a tree the new root may not hold
     trees = [t for t in _SYSTEM_TREES if os.path.isdir(t) and not os.path.islink(t)]
@@ -195,7 +197,7 @@ def isolation() -> Isolation:
     modes = [namespaces] + ([False] if root and namespaces else [])
     problems = []
     for ns in modes:
-        if not ns and wanted and not _allow_fallback:
+        if not ns and wanted and not _settings.allow_fallback:
             why = problems[0] if problems else "`unshare --net --pid --ipc --mount --fork true` fails"
             raise SandboxUnavailable(f"the code sandbox cannot use namespaces here ({why[:500]}); the fallback mode "
                                      f"(uid drop, {_fallback_layers()}) is weaker: set "
@@ -209,7 +211,7 @@ def isolation() -> Isolation:
         if probe.stdout == "ok\n":
             if not ns:
                 log.warning("sandbox: the fallback mode (namespaces %s), with %s", "unusable: " + problems[0]
-                            if problems else "off: MEGAOPD_SANDBOX_NAMESPACES=0", _fallback_layers())
+                            if problems else "off: verifier.sandbox.namespaces=false", _fallback_layers())
             return iso
         problems.append(f"{probe.status}: {probe.stderr[-1000:]}")
     raise SandboxUnavailable(f"the sandbox cannot run a program here: {'; '.join(problems)}")

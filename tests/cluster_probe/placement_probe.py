@@ -3,7 +3,8 @@ torchrun worker reports where it runs, over gloo, and rank 0 prints one ``placem
 
 Each worker: its rank, local rank, host name, Slurm node, its torchrun agent (parent PID), whether it reached
 the rollout servers of MEGAOPD_ROLLOUT_URLS, the network and CPU settings its step gave it and the address the
-weight sync would give the servers; plus an all_reduce of the ranks, checked against its expected sum.
+weight sync would give the servers (both as the trainer reads them: through megaopd.environment); plus an
+all_reduce of the ranks, checked against its expected sum.
 """
 
 import json
@@ -14,12 +15,14 @@ import urllib.request
 import torch
 import torch.distributed as dist
 
+from megaopd.config import SGLangConfig
+from megaopd.environment import sglang_servers
 from megaopd.serving.weight_sync import sync_address
 
 
-def reaches(urls: str) -> bool:
+def reaches(urls: list[str]) -> bool:
     try:
-        for url in filter(None, urls.split(",")):
+        for url in urls:
             urllib.request.urlopen(f"{url}/health", timeout=10)
         return True
     except OSError:
@@ -29,10 +32,11 @@ def reaches(urls: str) -> bool:
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    servers = sglang_servers(SGLangConfig())
     me = {"rank": rank, "local_rank": int(os.environ["LOCAL_RANK"]), "host": socket.gethostname(),
           "node": os.environ.get("SLURMD_NODENAME", ""), "agent": os.getppid(),
-          "servers_reached": reaches(os.environ.get("MEGAOPD_ROLLOUT_URLS", "")),
-          "sync_address": sync_address(os.environ["MEGAOPD_ROLLOUT_URLS"].split(",")),
+          "servers_reached": reaches(servers.urls),
+          "sync_address": sync_address(servers.sync_address, servers.urls),
           "hostname_address": socket.gethostbyname(socket.gethostname()),  # what the weight sync once used
           **{name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA",
                                                      "OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK")}}

@@ -8,10 +8,14 @@ The Megatron backend implements the same calls.
 
 Memory: only the response rows are projected to the vocabulary, ``logit_chunk_rows`` rows at a time (checkpointed
 per chunk in the update), so no [rows x V] float32 tensor exceeds one chunk (docs/opd.md).
+
+With ``shared_prompt`` every call forwards a group's prompt once (``megaopd.shared_prompt``): the same values and
+gradients, less work; ``take_prompt_saving`` says how much.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Callable
@@ -23,7 +27,8 @@ from megaopd.batch import TokenBatch
 from megaopd.config import ConfigError, ModelConfig, OptimConfig
 from megaopd.errors import ModelError
 from megaopd.flops import ModelShape
-from megaopd.distributions import TAIL_FLOOR, nucleus, topk_view
+from megaopd.distributions import TAIL_FLOOR, WholeVocab, nucleus, topk_view
+from megaopd.shared_prompt import PromptGroups, group_rows, hf_attention, hf_attention_problem, saved_flops
 
 # (logprobs [b, S-1], the vocab term per position [b, S-1] (e.g. the KL to the teacher) or None, micro-batch)
 #  -> (per-token loss [b, S-1], per-token metrics)
@@ -46,15 +51,9 @@ def realised_logprobs(logits: torch.Tensor, picked: torch.Tensor, temperature: f
     return logits.gather(-1, picked).squeeze(-1) - logits.logsumexp(-1)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(token t+1 | tokens <= t) for every position, without materialising the full log-softmax twice."""
-    logits = logits[:, :-1].float()
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
 class HFPolicy:
-    def __init__(self, cfg: ModelConfig, optim: OptimConfig | None = None, logit_chunk_rows: int = 1024):
+    def __init__(self, cfg: ModelConfig, optim: OptimConfig | None = None, logit_chunk_rows: int = 1024,
+                 shared_prompt: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if not (Path(cfg.path) / "config.json").exists():
@@ -77,6 +76,11 @@ class HFPolicy:
         if logit_chunk_rows < 1:
             raise ConfigError(f"train.logit_chunk_rows must be >= 1, got {logit_chunk_rows}; set a positive number")
         self.logit_chunk_rows = logit_chunk_rows  # response rows per [rows x V] vocabulary projection
+        if shared_prompt and (problem := hf_attention_problem(self.model.config)):
+            raise ModelError(f"{cfg.path}: train.shared_prompt cannot run this model: {problem}; set "
+                             "train.shared_prompt=false")
+        self.shared_prompt = shared_prompt
+        self.shared_groups: list[tuple[int, list[int], int]] = []  # (prompt length, response lengths, passes) run
         self.optimizer = self.scheduler = None
         self.masters: list[torch.Tensor] = []  # the optimizer's weights when they differ from the model's (mixed)
         self.grad_clip = 0.0
@@ -121,26 +125,46 @@ class HFPolicy:
         return {"input_ids": batch.input_ids.to(self.device),
                 "attention_mask": None if right_padded else mask.to(self.device), "use_cache": False}
 
-    def _response_hidden(self, batch: TokenBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """The output layer's input at the response target positions only, [N, H], and their (row, column) in the
-        [b, S-1] grid. A pre-hook on the model's own output layer takes those rows and hands the layer nothing, so the
-        model's forward never projects to the vocabulary; ``_project`` then does it chunk by chunk."""
+    @contextlib.contextmanager
+    def _response_rows(self, batch: TokenBatch):
+        """Yields the output layer's input at the response target positions only, [N, H], and their (row, column) in
+        the [b, S-1] grid. A pre-hook on the model's own output layer takes those rows and hands the layer nothing, so
+        the model's forward never projects to the vocabulary; ``_project`` then does it chunk by chunk. With shared
+        prompts the forward runs the batch's flat layout, and its attention stays routed until the block ends (a
+        checkpointed layer re-runs its forward in the backward: keep the backward inside)."""
         where = batch.response_mask.to(self.device).nonzero(as_tuple=True)
         head = self.model.get_output_embeddings()
         if head is None:
             raise ModelError(f"{self.path}: the model has no output layer to project response rows with; "
                              "use a causal LM")
+        groups = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.response_mask, self.pad_id) \
+            if self.shared_prompt else None
+        if groups is None:
+            inputs, rows, routed = self._model_inputs(batch), where, contextlib.nullcontext({})
+        else:
+            groups = groups.to(self.device)
+            inputs = {"input_ids": groups.input_ids[None], "use_cache": False}
+            rows, routed = (0, groups.source[where]), hf_attention(self.model, groups)
+            self.shared_groups += [(p, r, 3 if torch.is_grad_enabled() else 1) for p, r in groups.sizes()]
         taken = []
 
         def take_rows(module, args):
-            taken.append(args[0][where])
+            taken.append(args[0][rows])
             return (taken[0][:0], *args[1:])
-        handle = head.register_forward_pre_hook(take_rows)
-        try:
-            self.model(**self._model_inputs(batch))
-        finally:
-            handle.remove()
-        return taken[0], where
+        with routed as extra:
+            handle = head.register_forward_pre_hook(take_rows)
+            try:
+                self.model(**inputs, **extra)
+            finally:
+                handle.remove()
+            yield taken[0], where
+
+    def take_prompt_saving(self, causal: bool = True) -> int:
+        """The FLOPs the shared-prompt passes since the last call did not run (``shared_prompt.saved_flops``); 0
+        without shared prompts."""
+        saved = saved_flops(self.shape, self.shared_groups, causal)
+        self.shared_groups = []
+        return saved
 
     def _project(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Float32 logits of some response rows; the family's logit soft-capping (Gemma 2) as its forward does it."""
@@ -167,8 +191,14 @@ class HFPolicy:
         return [torch.cat(column) for column in zip(*parts)]
 
     def _micro_batches(self, batch: TokenBatch, micro_batch_size: int):
-        for start in range(0, batch.size, micro_batch_size):
-            yield batch.select(slice(start, start + micro_batch_size))
+        """Slices of ``micro_batch_size`` rows; with shared prompts, of whole groups (as many as fit, or a part of
+        one larger than a micro-batch), so that a group's prompt is forwarded once."""
+        cuts = range(0, batch.size, micro_batch_size)
+        found = group_rows(batch.input_ids, batch.attention_mask, batch.response_mask) if self.shared_prompt else None
+        if found is not None:
+            cuts = _group_cuts(found[0].tolist(), micro_batch_size)
+        for start, end in zip(cuts, [*cuts[1:], batch.size]):
+            yield batch.select(slice(start, end))
 
     @staticmethod
     def _targets(batch: TokenBatch, where, device) -> torch.Tensor:
@@ -196,17 +226,18 @@ class HFPolicy:
         log-softmax, the nucleus), so a second setting costs no matmul."""
         parts = []
         for mb in self._micro_batches(batch, micro_batch_size):
-            hidden, where = self._response_hidden(mb)
-            if keep is not None:
-                keep.append(hidden)
-            targets = self._targets(mb, where, self.device)
+            with self._response_rows(mb) as (hidden, where):
+                if keep is not None:
+                    keep.append(hidden)
+                targets = self._targets(mb, where, self.device)
 
-            def realised(rows, start):
-                logits = self._project(rows)
-                picked = targets[start:start + rows.shape[0], None]
-                return tuple(realised_logprobs(logits, picked, temperature, top_p) for temperature, top_p in settings)
-            parts.append([self._scatter(values, where, mb.response_mask.shape)
-                          for values in self._chunked(hidden, realised, False)])
+                def realised(rows, start):
+                    logits = self._project(rows)
+                    picked = targets[start:start + rows.shape[0], None]
+                    return tuple(realised_logprobs(logits, picked, temperature, top_p)
+                                 for temperature, top_p in settings)
+                parts.append([self._scatter(values, where, mb.response_mask.shape)
+                              for values in self._chunked(hidden, realised, False)])
         # One transfer (a host sync) per setting for the batch, not one per micro-batch.
         return [torch.cat(column).cpu() for column in zip(*parts)]
 
@@ -219,15 +250,15 @@ class HFPolicy:
         names = ("realised", "topk_ids", "topk", "tail")
         grids = {name: [] for name in names}
         for mb in self._micro_batches(batch, micro_batch_size):
-            hidden, where = self._response_hidden(mb)
-            targets = self._targets(mb, where, self.device)
+            with self._response_rows(mb) as (hidden, where):
+                targets = self._targets(mb, where, self.device)
 
-            def view(rows, start):
-                full = sampling_logprobs(self._project(rows, temperature), top_p)
-                realised = full.gather(-1, targets[start:start + rows.shape[0], None]).squeeze(-1)
-                topk, ids, tail = topk_view(full, k)
-                return realised, ids, topk, tail
-            values = self._chunked(hidden, view, False)
+                def view(rows, start):
+                    full = sampling_logprobs(self._project(rows, temperature), top_p)
+                    realised = full.gather(-1, targets[start:start + rows.shape[0], None]).squeeze(-1)
+                    topk, ids, tail = topk_view(full, k)
+                    return realised, ids, topk, tail
+                values = self._chunked(hidden, view, False)
             for name, value in zip(names, values):
                 grid = (*mb.response_mask.shape, *value.shape[1:])
                 grids[name].append(self._scatter(value, where, grid).cpu())
@@ -237,7 +268,8 @@ class HFPolicy:
     def full_rows(self, batch: TokenBatch, temperature: float = 1.0, top_p: float = 1.0):
         """The log-softmax at a batch's response rows, on demand: returns ``rows(index) -> [len(index), V]`` (rows in
         ``response_mask.nonzero()`` order). One forward now ([N, H] kept); the vocabulary projection per call."""
-        return self._rows_lookup(self._response_hidden(batch)[0], temperature, top_p)
+        with self._response_rows(batch) as (hidden, _):
+            return self._rows_lookup(hidden, temperature, top_p)
 
     @torch.no_grad()
     def scored_rows(self, batch: TokenBatch, micro_batch_size: int = 64, temperature: float = 1.0,
@@ -258,8 +290,8 @@ class HFPolicy:
         the trainer never builds this grid); zero at every other position."""
         parts = []
         for mb in self._micro_batches(batch, micro_batch_size):
-            hidden, where = self._response_hidden(mb)
-            full = self._chunked(hidden, lambda rows, start: self._project(rows).log_softmax(-1), False)[0]
+            with self._response_rows(mb) as (hidden, where):
+                full = self._chunked(hidden, lambda rows, start: self._project(rows).log_softmax(-1), False)[0]
             parts.append(self._scatter(full, where, (*mb.response_mask.shape, full.shape[-1])).cpu())
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -278,24 +310,26 @@ class HFPolicy:
         sums: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(batch, micro_batch_size):
-            hidden, where = self._response_hidden(mb)
-            mb = mb.to(self.device)  # the loss meets the logprobs on the device
-            mask = mb.response_mask
-            targets = self._targets(mb, where, self.device)
-            row_term = vocab_term.rows(mb) if vocab_term is not None else None
+            with self._response_rows(mb) as (hidden, where):  # open through the backward
+                mb = mb.to(self.device)  # the loss meets the logprobs on the device
+                mask = mb.response_mask
+                targets = self._targets(mb, where, self.device)
+                row_term = vocab_term.rows(mb) if vocab_term is not None else None
 
-            def per_row(rows, start):
-                full = self._project(rows).log_softmax(-1)
-                logp = full.gather(-1, targets[start:start + rows.shape[0], None])
-                # One output per chunk: with two, the backward reaches a chunk's log-softmax through each at a
-                # different time and holds its [rows x V] gradient meanwhile, for every chunk of the micro-batch.
-                return torch.cat((logp, row_term(full, start)[:, None]), -1) if row_term is not None else logp
-            values = self._chunked(hidden, per_row, torch.is_grad_enabled())[0]
-            logp = self._scatter(values[:, 0], where, mask.shape)
-            vocab = self._scatter(values[:, 1], where, mask.shape) if row_term is not None else None
-            per_token, metrics = loss_fn(logp, vocab, mb)
-            loss = (per_token * mask).sum() / total_tokens
-            loss.backward()
+                def per_row(rows, start):
+                    full = self._project(rows).log_softmax(-1)
+                    index = slice(start, start + rows.shape[0])
+                    logp = full.gather(-1, targets[index, None])
+                    # One output per chunk: with two, the backward reaches a chunk's log-softmax through each at a
+                    # different time and holds its [rows x V] gradient meanwhile, for every chunk of the micro-batch.
+                    return torch.cat((logp, row_term(WholeVocab(full), index)[:, None]), -1) \
+                        if row_term is not None else logp
+                values = self._chunked(hidden, per_row, torch.is_grad_enabled())[0]
+                logp = self._scatter(values[:, 0], where, mask.shape)
+                vocab = self._scatter(values[:, 1], where, mask.shape) if row_term is not None else None
+                per_token, metrics = loss_fn(logp, vocab, mb)
+                loss = (per_token * mask).sum() / total_tokens
+                loss.backward()
             for name, value in {"loss": per_token, **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + (value.detach() * mask).sum() / total_tokens
         grad_norm = self._optimizer_step()
@@ -350,3 +384,15 @@ class HFPolicy:
     def hf_named_tensors(self):
         """(HF parameter name, tensor) pairs, for weight sync to servers without a trip through the disk."""
         return self.model.state_dict().items()
+
+
+def _group_cuts(group_of: list[int], size: int) -> list[int]:
+    """Micro-batch starts: whole groups, as many as fit in ``size`` rows; a group larger than ``size`` in parts."""
+    starts = [i for i in range(len(group_of)) if i == 0 or group_of[i] != group_of[i - 1]] + [len(group_of)]
+    cuts = [0]
+    for start, end in zip(starts, starts[1:]):  # group [start, end)
+        if end - cuts[-1] > size and start > cuts[-1]:  # it would overflow the micro-batch: it begins the next
+            cuts.append(start)
+        while end - cuts[-1] > size:
+            cuts.append(cuts[-1] + size)
+    return cuts

@@ -53,6 +53,10 @@ class Policy(Protocol):
         """One optimizer step on the token-mean of ``loss_fn`` (``policy.TokenLossFn``) over the batch's response
         tokens, whatever the micro-batching; returns the token-mean ``loss`` and metrics, ``grad_norm`` and ``lr``."""
 
+    def take_prompt_saving(self, causal: bool = True) -> int:
+        """The FLOPs its shared-prompt passes (``train.shared_prompt``) did not run since the last call: hardware work
+        saved, beside the ledger (``megaopd.shared_prompt.saved_flops``); 0 without shared prompts."""
+
     def save_hf(self, out_dir: str | Path) -> None:
         """An HF directory (config, safetensors, tokenizer) that transformers loads to the same logprobs."""
 

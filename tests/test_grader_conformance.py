@@ -1,0 +1,143 @@
+"""The math grader against the reference grader's semantics (math-verify 0.9.0), by answer class: each class has
+right answers that must be paid and wrong answers that must not be, graded through the row's data source as
+training grades them.
+
+Rows marked ``main`` were graded the other way by the grader before issue 40 (a right answer refused, or a wrong
+one paid); rows marked ``ours`` are where we part from the reference on purpose, each because the reference pays
+a wrong answer or refuses a right one for a reason of form.
+"""
+
+import pytest
+
+from megaopd.data.rows import Row
+from megaopd.verifiers import score, verifier_errors
+
+# (class, data source, response, reference answer, grade, extra_info)
+CASES = [
+    # --- where the answer is read
+    ("extraction", "math", r"So the area is $\boxed{\frac{1}{2}}$ square units.", "0.5", 1, {}),
+    ("extraction", "math", r"so the answer is \fbox{7}", "7", 1, {}),  # ours: the reference reads no \fbox
+    ("extraction", "math", "Final Answer: The final answer is 7.78. I hope it is correct.", "7.78", 1, {}),  # main
+    ("extraction", "math", r"First \boxed{3}, then \boxed{5}. Checking again: Final Answer: The final answer is "
+                           r"$4$. I hope it is correct.", "4", 1, {}),  # main: the last box won
+    ("extraction", "math", r"First \boxed{3}, then \boxed{5}. Checking again: Final Answer: The final answer is "
+                           r"$4$. I hope it is correct.", "5", 0, {}),  # main paid the last box
+    ("extraction", "math", r"The final answer is \sqrt{2}. I hope it is correct.", r"\frac{2}{\sqrt{2}}", 1, {}),  # main; ours
+    ("extraction", "math", r"So the final answer is \frac{\pi}{4}", r"\dfrac{\pi}{4}", 1, {}),  # ours: no delimiters
+    ("extraction", "math", r"Answer: \sqrt{3}", r"\sqrt{2}", 0, {}),
+    ("extraction", "math", "She buys 3 packs of 4, so the answer is 12 apples in all.", "12", 1, {}),  # main
+    ("extraction", "math", r"We have $x = 2$, so $y = \frac{10}{9}$", r"\frac{10}{9}", 1, {}),  # main: read 9
+    ("extraction", "math", r"\frac{10}{9}", "10/9", 1, {}),  # main: read 9
+    ("extraction", "math", r"x = \frac{1+\sqrt{5}}{2}", "2", 0, {}),  # main paid its last digit
+    ("extraction", "math", "AZYUK2A", "2", 0, {}),  # main paid
+    ("extraction", "math", "11 7/6", "7/6", 0, {}),  # main paid
+    ("extraction", "math", "Answer $ \n 9 \n $", "9", 0, {}),  # main; ours: no number inside LaTeX, even broken
+    ("extraction", "math", "She has 72 clips left.", "72", 1, {}),
+    ("extraction", "openai/gsm8k", "Natalia sold 48/2 = 24 clips in May.\n#### 72", "72", 1, {}),
+    ("extraction", "openai/gsm8k", r"Natalia sold $\boxed{72}$ clips.", "72", 1, {}),
+    ("extraction", "openai/gsm8k", "She has 72 clips left.", "72", 0, {}),  # main paid: strict wants a mark
+    ("extraction", "openai/gsm8k", "She has 72 clips left.", "72", 1, {"extraction": "flexible"}),
+    ("extraction", "math", "She has 72 clips left.", "72", 0, {"extraction": "strict"}),  # main
+    # --- numbers: separators, decimal commas, currency
+    ("numbers", "math", "1 000", "1000", 1, {}),  # main
+    ("numbers", "math", "The total is 7,425,000.", "7425000", 1, {}),
+    ("numbers", "math", "1000,99", "1000.99", 1, {}),  # main
+    ("numbers", "math", "Soucis : 2,74 $ a..", "2.74", 1, {}),  # main
+    ("numbers", "math", "the number is not 10 which is 1,000.99€", "1000.99", 1, {}),
+    ("numbers", "math", r"It costs $\boxed{\$16,\!386.20}$.", "16386.2", 1, {}),
+    ("numbers", "math", r"\boxed{1\,000}", "1000", 1, {}),  # ours: the reference reads 1\,000 as 1*0
+    ("numbers", "math", r"\boxed{1\,000}", "0", 0, {}),  # ours: the reference pays it
+    ("numbers", "math", r"\boxed{2 3}", "5", 0, {}),  # ours: the reference reads 2 3 as 5
+    ("numbers", "math", "The total is 1,001.", "1000", 0, {}),
+    ("numbers", "math", r"\boxed{-5}", "5", 0, {}),
+    # --- percentages
+    ("percent", "math", "28 percent", r"$28\%$", 1, {}),
+    ("percent", "math", r"$\boxed{28 pct}", r"$28\%$", 1, {}),
+    ("percent", "math", "The rate rose by 28 %.", "0.28", 1, {}),  # main: read 28
+    ("percent", "math", r"\boxed{28\%}", "0.28", 1, {}),
+    ("percent", "math", r"\boxed{28\%}", "28", 1, {}),
+    ("percent", "math", r"\boxed{29\%}", r"28\%", 0, {}),
+    ("percent", "math", "28/100", "$28$", 0, {}),
+    ("percent", "math", r"\boxed{\frac{28}{100}}", "28", 0, {}),
+    # --- rounding at the stated precision (extra_info["precision"], default 6 decimal places)
+    ("precision", "math", r"\boxed{0.333333}", r"\frac{1}{3}", 1, {}),  # main: exact only
+    ("precision", "math", r"\boxed{0.3333}", r"\frac{1}{3}", 0, {}),
+    ("precision", "math", r"\boxed{0.3333}", r"\frac{1}{3}", 1, {"precision": 4}),  # main: no precision
+    ("precision", "math", r"$(0.6,2.6667]$", r"(\frac{3}{5},\frac{8}{3}]", 1, {"precision": 2}),  # main
+    ("precision", "math", r"\boxed{0.33}", r"\frac{1}{3}", 0, {"precision": 4}),
+    ("precision", "math", r"\boxed{1000.0}", "1000", 1, {}),
+    # --- fractions in every LaTeX spelling
+    ("fractions", "math", r"The ratio is $\dfrac13$.", "1/3", 1, {}),  # main: read 3
+    ("fractions", "math", r"$\tfrac{1}{3}$", "1/3", 1, {}),  # main
+    ("fractions", "math", r"$\cfrac{1}{3}$", "1/3", 1, {}),  # main
+    ("fractions", "math", r"$\frac3{3}$", "1", 1, {}),  # main: read 3
+    ("fractions", "math", r"$ 1/3 $", r"\frac{1}{3}", 1, {}),
+    ("fractions", "math", r"$-\frac{10}{9}$", "-10/9", 1, {}),  # main: read 9
+    ("fractions", "math", r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", 1, {}),
+    ("fractions", "math", r"\boxed{\frac{9}{10}}", r"\frac{10}{9}", 0, {}),
+    ("fractions", "math", r"$\frac{1+\sqrt{5}}{2}$", "2", 0, {}),  # main paid
+    # --- mixed numbers
+    ("mixed numbers", "math", r"\boxed{2\frac{1}{4}}", r"\frac{9}{4}", 1, {}),
+    ("mixed numbers", "math", r"\boxed{-2\frac{1}{4}}", "-9/4", 1, {}),
+    ("mixed numbers", "math", "The answer is 1 1/2", "3/2", 1, {}),  # main; ours: the reference reads 1
+    ("mixed numbers", "math", r"\boxed{\frac{6}{4}}", r"6\frac{1}{4}", 0, {}),
+    ("mixed numbers", "math", "The answer is 11 7/6", r"\frac{83}{6}", 0, {}),  # improper: no mixed number
+    # --- intervals and sets: open and closed ends
+    ("intervals", "math", "$[0,1)$", "[0,1)", 1, {}),  # main: read 1
+    ("intervals", "math", "$[0,9)$", "(0,9)", 0, {}),  # main paid
+    ("intervals", "math", r"The domain is $\boxed{(-\infty, -3] \cup [2, \infty)}$", "[-3,2]", 0, {}),
+    ("intervals", "math", r"$\boxed{[-1, -\tfrac12) \cup (-\tfrac12, 0)}$", r"[-1, -\frac{1}{2}) \cup (-\frac{1}{2}, 0)",
+     1, {}),
+    ("intervals", "math", r"$x \in [-2,7]$", r"$-2 \le x \le 7$", 1, {}),  # main
+    ("intervals", "math", r"$(-793, 10)$", r"$-793 < a < 10$", 1, {}),  # main
+    ("intervals", "math", r"\boxed{\{1,2\}}", r"\{2,1\}", 1, {}),
+    ("intervals", "math", r"\boxed{\{1,2\}}", r"\{1,3\}", 0, {}),
+    # --- relations and equations
+    ("relations", "math", r"Therefore $x \geq 5$ is the solution.", "$x >= 5$", 1, {}),  # main
+    ("relations", "math", r"$5 \leq x$", r"x \geq 5", 1, {}),  # main
+    ("relations", "math", r"$-x > -1$", "$x < 1$", 1, {}),  # main
+    ("relations", "math", r"$x > -1$", "$x < 1$", 0, {}),
+    ("relations", "math", r"Therefore $x < 5$ is the solution.", "$x > 5$", 0, {}),
+    ("relations", "math", r"$y=-\frac{1}{2}x+\frac{3}{4}$", "$2x+4y-3=0$", 1, {}),  # main
+    ("relations", "math", "$x=11$", "11", 1, {}),
+    ("relations", "math", "$11a+c$", "$7 = 11a+c$", 0, {}),
+    ("relations", "math", "$0$", "$a +3z = 0$", 0, {}),
+    # --- matrices
+    ("matrices", "math", r"The identity matrix is $ \begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix} $.",
+     r"$\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$", 1, {}),  # main
+    ("matrices", "math", r"Special matrix: $ \left[\begin{array}{cc}1 & 2 \\3 & 4\end{array}\right] $",
+     r"$\begin{pmatrix}1 & 2 \\3 & 4\end{pmatrix}$", 1, {}),  # main
+    ("matrices", "math", r"The matrix is $\begin{pmatrix}1 & 2 \\ 3 & 5\end{pmatrix}$",
+     r"$\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix}$", 0, {}),
+    # --- tuples and lists
+    ("tuples", "math", r"The roots are $\boxed{-2,1}$.", "1,-2", 1, {}),
+    ("tuples", "math", "The solutions are $1$, $2$ and $3$.", "1,2,3", 1, {}),  # main: read 3
+    ("tuples", "math", "$n=1, 2, 3$", "$n=1, 2, 3$", 1, {}),  # main
+    ("tuples", "math", r"so the ordered pair is $(7, 6)$.", "(7,6)", 1, {}),  # main: read 6
+    ("tuples", "math", r"\boxed{(3,2)}", "(2,3)", 0, {}),
+    ("tuples", "math", r"\boxed{1,2}", "1,2,3", 0, {}),
+    ("tuples", "math", "$n=2, 3, 4$", "$n=1, 2, 3$", 0, {}),
+    # --- units and text
+    ("units", "math", r"the area is $\boxed{15\mbox{ cm}^2}$.", "15", 1, {}),
+    ("units", "math", r"The distance is $\boxed{125\textnormal{ miles}}.$", "125", 1, {}),
+    ("units", "math", r"Hence the angle is $\boxed{90^\circ}$.", "90", 1, {}),
+    ("units", "math", r"so her speed is greatest: $\text{Evelyn}$", r"\text{Evelyn}", 1, {}),  # main
+    ("units", "math", "$odd$", r"$\text{odd}$", 1, {}),  # main
+    ("units", "math", r"the area is $\boxed{16\mbox{ cm}^2}$.", "15", 0, {}),
+    ("units", "math", r"$\boxed{\text{Even}}$", r"\text{Odd}", 0, {}),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cls, source, response, reference, grade, extra_info", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_graded_as_the_reference_grades(cls, source, response, reference, grade, extra_info):
+    row = Row(source, [{"role": "user", "content": "?"}], reference, "math", dict(extra_info))
+    before = sum(verifier_errors().values())
+    assert score(row, response) == grade
+    assert sum(verifier_errors().values()) == before  # graded, not failed
+
+
+def test_every_class_has_right_and_wrong_answers():
+    for cls in {c[0] for c in CASES}:
+        assert {c[4] for c in CASES if c[0] == cls} == {0, 1}, cls
