@@ -21,7 +21,6 @@ Rows:
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+from megaopd.decode import cache_argument  # noqa: E402
 from megaopd.flops import ModelShape, forward_flops, generation_flops, train_flops  # noqa: E402
 
 
@@ -39,10 +39,6 @@ def measure(fn) -> int:
     with FlopCounterMode(display=False) as fc:
         fn()
     return fc.get_total_flops()
-
-
-def cache_kw(model) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def rows_for(preset: str, model_dir: Path, batch: int, seq: int, gen_p: int, gen_r: int, group: int) -> list[tuple]:
@@ -74,15 +70,13 @@ def rows_for(preset: str, model_dir: Path, batch: int, seq: int, gen_p: int, gen
     out.append((preset, f"forward+backward {batch}x{seq}", measure(fwd_bwd), batch * train_flops(shape, seq, causal=False)))
 
     prompts = torch.randint(0, vocab, (batch, gen_p), generator=gen)
-    kw = cache_kw(model)
-
     def generate():
         with torch.no_grad():
-            cache = DynamicCache(config=model.config)
-            o = model(prompts, **{kw: cache}, use_cache=True, logits_to_keep=1)
+            cache = cache_argument(model, DynamicCache(config=model.config))
+            o = model(prompts, **cache, use_cache=True, logits_to_keep=1)
             tok = o.logits[:, -1:].argmax(-1)
             for _ in range(gen_r - 1):  # the last token is sampled, never fed back
-                o = model(tok, **{kw: cache}, use_cache=True)
+                o = model(tok, **cache, use_cache=True)
                 tok = o.logits[:, -1:].argmax(-1)
 
     out.append((preset, f"generate (KV cache) {batch}x(P={gen_p}, R={gen_r})", measure(generate),

@@ -13,8 +13,17 @@ this one. ``tests/test_policy_fast_paths.py`` checks the result against HF's own
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
+
+
+def cache_argument(model, cache) -> dict:
+    """``{name: cache}`` for the model's forward: transformers 5.2x renamed ``past_key_values`` to ``cache``, and an
+    older forward takes the new name into ``**kwargs`` and ignores it (building a cache of its own)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 class FusedDecoder:

@@ -24,7 +24,7 @@ import torch
 from megaopd.batch import Sample
 from megaopd.chat import chat_prompt_ids_batch
 from megaopd.config import ConfigError
-from megaopd.decode import FusedDecoder
+from megaopd.decode import FusedDecoder, cache_argument
 from megaopd.data.rows import Row
 from megaopd.distributions import nucleus
 from megaopd.policy_protocol import Policy
@@ -134,8 +134,8 @@ class LocalEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         # Prefill: only the last prompt position's logits are used (and billed).
         cache = DynamicCache()
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                    logits_to_keep=1)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    logits_to_keep=1, **cache_argument(model, cache))
         # Share the prompt's cache across its group instead of prefilling it n times.
         cache.batch_repeat_interleave(n)
         logits = out.logits[:, -1].repeat_interleave(n, 0)
@@ -153,9 +153,11 @@ class LocalEngine:
             padding_mask = torch.ones((batch, capacity), dtype=mask.dtype, device=device)
             padding_mask[:, :width] = key_mask
 
+            cache_kwarg = cache_argument(model, cache)
+
             def decode(token: torch.Tensor, t: int) -> torch.Tensor:
                 return model(input_ids=token[:, None], attention_mask=padding_mask[:, : width + t + 1],
-                             position_ids=(first_pos + t)[:, None], cache=cache, use_cache=True).logits[:, -1]
+                             position_ids=(first_pos + t)[:, None], use_cache=True, **cache_kwarg).logits[:, -1]
         return logits, decode
 
     def _decode_loop(self, logits: torch.Tensor, decode: Callable[[torch.Tensor, int], torch.Tensor],

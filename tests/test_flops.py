@@ -254,13 +254,6 @@ def _tiny_model(family, tied):
     return model, ModelShape.from_hf_config(cfg)
 
 
-def _cache_kw():
-    # transformers renamed forward(past_key_values=...) to forward(cache=...); use whichever this version has
-    import inspect
-    from transformers import LlamaForCausalLM
-    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-
-
 def _measure(fn):
     from torch.utils.flop_counter import FlopCounterMode
     with FlopCounterMode(display=False) as fc:
@@ -317,17 +310,18 @@ def test_measured_generation_kv_cache(family, tied):
     is exact either way)."""
     import torch
     from transformers import DynamicCache
-    CACHE_KW = _cache_kw()
+
+    from megaopd.decode import cache_argument
     model, shape = _tiny_model(family, tied)
     prompts = torch.randint(0, shape.vocab_size, (BATCH, GEN_P))
 
     def generate():
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            out = model(prompts, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1)
+            out = model(prompts, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
             tok = out.logits[:, -1:].argmax(-1)
             for _ in range(GEN_R - 1):
-                out = model(tok, **{CACHE_KW: cache}, use_cache=True)
+                out = model(tok, **cache_argument(model, cache), use_cache=True)
                 tok = out.logits[:, -1:].argmax(-1)
             assert cache.get_seq_length() == GEN_P + GEN_R - 1
 

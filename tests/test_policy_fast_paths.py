@@ -17,7 +17,7 @@ import torch
 from megaopd.batch import collate
 from megaopd.config import ModelConfig, OPDConfig, OptimConfig
 from megaopd.data.rows import load_rows
-from megaopd.decode import FusedDecoder
+from megaopd.decode import FusedDecoder, cache_argument
 from megaopd.hf_policy import HFPolicy
 from megaopd.objectives import OPD, clipped_pg_loss, full_vocab_kl
 from megaopd.rollout import LocalEngine, sample_tokens
@@ -195,15 +195,16 @@ def test_local_engine_decoding_matches_hf_dynamic_cache_decoding(assets, monkeyp
         ids = torch.tensor([samples[2 * i].prompt_ids])
         cache, mask, out_tokens, out_lp = DynamicCache(), torch.ones_like(ids), [], []
         with torch.no_grad():
-            out = policy.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+            out = policy.model(input_ids=ids, attention_mask=mask, use_cache=True,
+                               **cache_argument(policy.model, cache))
             for _ in range(10):
                 logits = out.logits[:, -1]
                 token = logits.argmax(-1)
                 out_tokens.append(int(token))
                 out_lp.append(float(logits.log_softmax(-1)[0, token]))
                 mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], dim=1)
-                out = policy.model(input_ids=token[:, None], attention_mask=mask, cache=out.past_key_values,
-                                   use_cache=True)
+                out = policy.model(input_ids=token[:, None], attention_mask=mask, use_cache=True,
+                                   **cache_argument(policy.model, cache))
         for s in samples[2 * i: 2 * i + 2]:
             n = len(s.response_ids)  # the engine stops at EOS; the plain loop runs on
             assert s.response_ids == out_tokens[:n] and (n == 10 or out_tokens[n - 1] == policy.eos_id)
@@ -212,6 +213,34 @@ def test_local_engine_decoding_matches_hf_dynamic_cache_decoding(assets, monkeyp
     from megaopd.chat import chat_prompt_ids
 
     assert [s.prompt_ids for s in samples[::2]] == [chat_prompt_ids(policy.tokenizer, r.prompt) for r in rows]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_rollout_cache_reaches_a_forward_that_names_it_past_key_values(assets, monkeypatch, fused):
+    """transformers 5.2x names the forward's cache ``cache``; 5.17 (the H200 image's) names it ``past_key_values``
+    and takes a ``cache=`` into its kwargs unread, building a cache of its own: the rollout then decoded from an
+    empty one (the first H200 run's IndexError in the fused decoder). A model of the older naming must decode the
+    tokens the current one does."""
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")))
+    if not fused:
+        monkeypatch.setattr(FusedDecoder, "supports", classmethod(lambda cls, model: False))
+    rows, greedy = _rows(assets, 2), lambda: torch.Generator().manual_seed(0)
+    expected = LocalEngine(policy).generate(rows, 2, 0.0, 1.0, 8, greedy())
+    current = type(policy.model)
+
+    class OlderNaming(current):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=None, logits_to_keep=0, **kwargs):
+            kwargs.pop("cache", None)  # unread, as 5.17's forward leaves it
+            return current.forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                   position_ids=position_ids, cache=past_key_values, use_cache=use_cache,
+                                   logits_to_keep=logits_to_keep, **kwargs)
+
+    monkeypatch.setattr(policy.model, "__class__", OlderNaming)
+    older = LocalEngine(policy).generate(rows, 2, 0.0, 1.0, 8, greedy())
+    assert [s.response_ids for s in older] == [s.response_ids for s in expected]
+    assert torch.allclose(torch.tensor([lp for s in older for lp in s.rollout_logprobs]),
+                          torch.tensor([lp for s in expected for lp in s.rollout_logprobs]), atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
@@ -239,15 +268,17 @@ def test_fused_decode_step_matches_the_model_forward(family):
     mask[0, :3] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=DynamicCache(), use_cache=True)
-        decoder = FusedDecoder(model, out.past_key_values, width + new)
+        cache = DynamicCache()
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **cache_argument(model, cache))
+        decoder = FusedDecoder(model, cache, width + new)
         additive = torch.zeros((batch, 1, 1, width + new))
         additive[:, 0, 0, :width].masked_fill_(mask == 0, -torch.inf)
-        token, position, cache = out.logits[:, -1].argmax(-1), positions[:, -1] + 1, out.past_key_values
+        token, position = out.logits[:, -1].argmax(-1), positions[:, -1] + 1
         for t in range(new):
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], 1)
             expected = model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
-                             cache=cache, use_cache=True).logits[:, -1]
+                             use_cache=True, **cache_argument(model, cache)).logits[:, -1]
             assert torch.allclose(decoder.step(token, position, width + t, additive), expected, atol=1e-5)
             token, position = expected.argmax(-1), position + 1
 
