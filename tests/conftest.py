@@ -18,10 +18,14 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # make test hands the tests out to its two workers a file at a time (a module's fixtures, such as a started server,
 # are made once), and the files that share one machine-wide resource as one unit, one after another on one worker:
 # the Slurm clusters of .ci/slurm_up.sh and .ci/slurm_multinode_up.sh (and those rehearse and the failover tests
-# use), and podman's image store.
+# use), podman's image store, and memory: the files of real weights and real widths each peak at 9-13 GB above an
+# idle machine (Megatron TP=2 and PP=2 on Qwen2.5-Coder-0.5B: 12.8 GB; TP=2 at Qwen3-0.6B width: 11.4 GB; SmolLM2 at
+# TP=3: 8.6 GB), and two at once exceed a 24 GB CI machine (a CI run's ranks were SIGKILLed so). One worker then
+# imports each published checkpoint once.
 SHARED = {"slurm": ("test_slurm_cluster.py", "test_slurm_multinode.py", "test_slurm_failover.py", "test_rehearse.py",
                     "test_nemo_run.py"),
-          "podman": ("test_docker_images.py",)}
+          "podman": ("test_docker_images.py",),
+          "memory": ("test_real.py", "test_real_qwen.py", "test_real_cross_tokenizer.py", "test_shapes.py")}
 
 
 def shared_resource(path: str) -> str | None:
