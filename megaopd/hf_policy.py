@@ -27,6 +27,7 @@ from megaopd.batch import TokenBatch
 from megaopd.config import ConfigError, ModelConfig, OptimConfig
 from megaopd.errors import ModelError
 from megaopd.flops import ModelShape
+from megaopd.policy_protocol import TokenizerIds
 from megaopd.distributions import TAIL_FLOOR, WholeVocab, nucleus, topk_view
 from megaopd.shared_prompt import PromptGroups, group_rows, hf_attention, hf_attention_problem, saved_flops
 
@@ -51,7 +52,7 @@ def realised_logprobs(logits: torch.Tensor, picked: torch.Tensor, temperature: f
     return logits.gather(-1, picked).squeeze(-1) - logits.logsumexp(-1)
 
 
-class HFPolicy:
+class HFPolicy(TokenizerIds):
     def __init__(self, cfg: ModelConfig, optim: OptimConfig | None = None, logit_chunk_rows: int = 1024,
                  shared_prompt: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -106,14 +107,6 @@ class HFPolicy:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
             self.grad_clip = optim.grad_clip
-
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id
-
-    @property
-    def eos_id(self) -> int:
-        return self.tokenizer.eos_token_id
 
     def _model_inputs(self, batch: TokenBatch) -> dict:
         """Forward kwargs. A right-padded batch (every row's mask is ones then zeros, as ``collate`` builds it) needs

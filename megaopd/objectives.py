@@ -245,7 +245,7 @@ def form_label(algorithm: str, opd: OPDConfig) -> str:
 
 def check_opd(opd: OPDConfig, backend: str, aligned: Collection[str] = ()) -> None:
     """Refuses, before any model loads, an OPD setting that the backend or the teacher engine cannot run: the one
-    place these refusals live (the trainer, the planner and the Slurm renderer call it). ``aligned``: the routes
+    place these refusals live (the trainer and the Slurm renderer call it). ``aligned``: the routes
     whose teacher has another tokenizer than the student (``align.alignment_tokenizers``; the trainer knows them)."""
     if unknown := sorted(set(opd.teacher_tokenizer) - set(opd.teachers)):
         raise ConfigError(f"opd.teacher_tokenizer names route(s) {unknown} that opd.teachers does not have "
@@ -263,6 +263,9 @@ def check_opd(opd: OPDConfig, backend: str, aligned: Collection[str] = ()) -> No
     if opd.form == "full_vocab" and opd.teacher_engine == "sglang":
         raise ConfigError("teacher servers return at most a top-k per position; set opd.form=topk (opd.topk=K) or "
                           "sampled, or opd.teacher_engine=local for the full-vocabulary form")
+    if opd.teacher_dtype and opd.teacher_engine == "local" and backend == "megatron":
+        raise ConfigError(f"opd.teacher_dtype={opd.teacher_dtype} applies to HF and SGLang teachers; Megatron teachers "
+                          "run in model.dtype: leave opd.teacher_dtype empty")
     if opd.form == "full_vocab" and backend == "megatron":
         raise ConfigError("model.backend=megatron computes the top-k OPD form, not full_vocab (docs/opd.md): set "
                           "opd.form=topk with opd.topk=K (K = the vocabulary size is the exact full loss)")

@@ -67,3 +67,17 @@ class Policy(Protocol):
         """What the trainer's checkpoint holds to resume weights and optimizer exactly."""
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+class TokenizerIds:
+    """The pad and end ids every backend reads off its HF tokenizer (``Policy.pad_id``, ``Policy.eos_id``)."""
+
+    tokenizer: Any
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id

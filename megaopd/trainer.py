@@ -91,10 +91,7 @@ def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False,
     sampling = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p) if cfg.opd.match_sampling else {}
     teacher_dtype = cfg.opd.teacher_dtype or cfg.model.dtype
     if cfg.opd.teacher_engine == "local":
-        if cfg.model.backend == "megatron":  # frozen megatron models at model.megatron.teacher_tp
-            if teacher_dtype != cfg.model.dtype:
-                raise ConfigError("opd.teacher_dtype applies to HF and SGLang teachers; Megatron teachers run in "
-                                  "model.dtype: leave opd.teacher_dtype empty")
+        if cfg.model.backend == "megatron":  # frozen megatron models at model.megatron.teacher_tp, in model.dtype
             from megaopd.megatron.policy import megatron_teachers
 
             return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer, **sampling)

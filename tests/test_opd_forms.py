@@ -225,6 +225,20 @@ def test_truncated_is_with_a_kl_form_is_refused_before_any_model_loads(assets, t
     assert not (tmp_path / "run").exists()
 
 
+def test_a_teacher_dtype_for_megatron_teachers_is_refused_before_any_model_loads(assets, tmp_path):
+    """Megatron's frozen teachers run in model.dtype; opd.teacher_dtype (HF and SGLang teachers) would be ignored."""
+    from conftest import run_config
+    from megaopd.config import ConfigError
+    from megaopd.trainer import Trainer
+
+    cfg = run_config(assets, tmp_path / "run", "opd", **{"model.backend": "megatron", "opd.form": "topk",
+                                                        "opd.topk": 4, "opd.teacher_dtype": "bfloat16",
+                                                        "opd.teachers.*": "/nonexistent"})
+    with pytest.raises(ConfigError, match="opd.teacher_dtype=bfloat16 applies to HF and SGLang teachers"):
+        Trainer(cfg)
+    assert not (tmp_path / "run").exists()
+
+
 def test_truncated_is_weights_the_grpo_term_of_grpo_opd_and_not_its_kl():
     """Under grpo_opd with a KL form: loss = w * GRPO surrogate + coef * KL, the KL unweighted."""
     from types import SimpleNamespace

@@ -41,6 +41,7 @@ from megaopd.megatron.rollout_copy import RolloutCopy
 from megaopd.megatron.shared_prompt import shared_forward
 from megaopd.megatron.vocab import VocabShard
 from megaopd.metrics import device_clock, step_perf
+from megaopd.policy_protocol import TokenizerIds
 from megaopd.distributions import topk_view
 from megaopd.shared_prompt import PromptGroups, saved_flops
 
@@ -63,7 +64,7 @@ def pad_batch(batch: TokenBatch, rows: int, columns: int, pad_id: int) -> TokenB
     return TokenBatch(**fields)
 
 
-class MegatronPolicy:
+class MegatronPolicy(TokenizerIds):
     def __init__(self, cfg: ModelConfig, optim: OptimConfig | None = None, tp: int | None = None, seed: int = 0,
                  checkpoint_dir: str | Path | None = None, keep: int = 2, logit_chunk_rows: int = 1024,
                  shared_prompt: bool = False):
@@ -143,14 +144,6 @@ class MegatronPolicy:
         return get_megatron_optimizer(config, self.model_chunks)
 
     # ---- the HFPolicy interface ----
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id
-
-    @property
-    def eos_id(self) -> int:
-        return self.tokenizer.eos_token_id
-
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch, micro_batch_size: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0) -> torch.Tensor:
