@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from machine_memory import sharing
 from megaopd.embedded import build_data, build_model
 
 # make test runs the suite on two pytest-xdist workers, one per core: one intra-op thread each (run alone: two).
@@ -21,7 +24,7 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # use), podman's image store, and memory: the files of real weights and real widths each peak at 9-13 GB above an
 # idle machine (Megatron TP=2 and PP=2 on Qwen2.5-Coder-0.5B: 12.8 GB; TP=2 at Qwen3-0.6B width: 11.4 GB; SmolLM2 at
 # TP=3: 8.6 GB), and two at once exceed a 24 GB CI machine (a CI run's ranks were SIGKILLed so). One worker then
-# imports each published checkpoint once.
+# imports each published checkpoint once, and runs its largest jobs alone (tests/machine_memory.py).
 SHARED = {"slurm": ("test_slurm_cluster.py", "test_slurm_multinode.py", "test_slurm_failover.py", "test_rehearse.py",
                     "test_nemo_run.py"),
           "podman": ("test_docker_images.py",),
@@ -56,6 +59,28 @@ class SharedResourceHandOut:
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(SharedResourceHandOut())
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's clock: a wait is not the test's time
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, a test outside the memory unit waits while that unit runs a job alone (tests/machine_memory.py);
+    the unit's own tests run their jobs in turn on its one worker."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or shared_resource(item.path) == "memory":
+        yield
+        return
+    with sharing(item.nodeid):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def give_back_memory(request):
+    """The memory unit's tests each hold a model of GBs (and its Adam state): after each, free it and hand the
+    freed heap back to the system (glibc keeps it otherwise: a worker held 7-10 GB between tests)."""
+    yield
+    if shared_resource(request.path) == "memory":
+        gc.collect()
+        if sys.platform == "linux":
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ weights that write real text, imported once per session by ``megaopd import-mode
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import os
 import signal
@@ -33,6 +32,7 @@ from megaopd.rollout_pipeline import RolloutPipeline
 from megaopd.trainer import Trainer
 from megaopd.verifiers import score
 from conftest import run_config
+from machine_memory import alone
 
 # Generous limits: the first test of the tier also imports the model (~1 min on an idle machine, several when
 # loaded), and each later one loads a 0.13B-parameter policy. Slow: conftest hands this long file out first.
@@ -40,11 +40,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 END = "<|im_end|>"
 QUESTION = [{"role": "user", "content": "What is 23 + 45? Put the final answer in \\boxed{}."}]
 
-
-@pytest.fixture(autouse=True)
-def collect():
-    yield
-    gc.collect()  # each test holds a 0.13B-parameter policy (and its Adam state); free it before the next
 
 
 def worded(tokenizer, rows, end: bool = True) -> list[Sample]:
@@ -395,9 +390,10 @@ def megatron_against_hf(model: Path, layouts: dict[str, int], out: Path, rows: i
         torch.save(collate(grouped(tokenizer, word_split("heldout", 2)), tokenizer.pad_token_id), grouped_file)
     worker = Path(__file__).parent / "megatron_real_worker.py"
     for layout, ranks in layouts.items():
-        proc = run_ranks([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(ranks), str(worker), str(model), str(out / "batch.pt"), str(grouped_file),
-                          str(out), layout], 900)
+        with alone(f"megatron {layout} on {model.name}"):  # 8.6-12.8 GB above idle
+            proc = run_ranks([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                              str(ranks), str(worker), str(model), str(out / "batch.pt"), str(grouped_file),
+                              str(out), layout], 900)
         if proc.returncode:
             errors = [line for line in proc.stderr.splitlines() if "Warning" not in line and "warn" not in line]
             pytest.fail(f"megatron real worker ({layout}) failed:\n" + "\n".join(errors[-60:]))

@@ -8,7 +8,6 @@ exact) and one with the teacher on an SGLang server, whose credit is the local t
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import pytest
@@ -22,17 +21,13 @@ from megaopd.config import ModelConfig
 from megaopd.data.word_problems import build_word_problems, word_split
 from megaopd.hf_policy import HFPolicy
 from megaopd.teachers import TeacherRouter, local_teachers
+from machine_memory import alone
 from test_real import one_step, real_run
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(1800)]
 TEXTS = ["Tom has 3 apples and buys 4 more, so he has 3 + 4 = 7 apples.\n\nThe answer is \\boxed{7}.",
          "  def f(x):\n      return x * 2  # 数学 🙂", "cafe\u0301 na\u00efve \u00e9t\u00e9", "x" * 40 + "\n\n\n"]
 
-
-@pytest.fixture(autouse=True)
-def collect():
-    yield
-    gc.collect()  # a 0.5B teacher and a 0.13B student per test: free them before the next
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +80,7 @@ def test_cross_tokenizer_opd_step_with_the_qwen_teacher_in_process(assets, smoll
 
 
 @pytest.mark.sglang
+@alone("the 0.5B teacher's SGLang server")  # 6.5 GB, beside the two models in process
 def test_cross_tokenizer_opd_with_a_qwen_teacher_server(assets, smollm2, qwen05, words, tmp_path):
     """The Qwen teacher on a launched SGLang server scores its own tokens of SmolLM2's responses: the credit is the
     in-process teacher's (fp32 both, other kernels), and an OPD step trains with it."""

@@ -17,7 +17,6 @@ One file, so that one pytest-xdist worker runs it start to end: each step holds 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import os
 import subprocess
@@ -33,6 +32,7 @@ from megaopd.model_import import end_of_turn_token, set_stop_tokens
 from megaopd.hf_policy import HFPolicy
 from megaopd.rollout import LocalEngine
 from megaopd.verifiers import score
+from machine_memory import alone
 from test_real import (assert_detected, assert_megatron_matches_hf, chat_prompt_round_trips, megatron_against_hf,
                        one_step, padding_changes_nothing, real_run, served_rollouts, serving,
                        weight_sync_after_a_real_update)
@@ -44,11 +44,6 @@ QUESTION = [{"role": "user", "content": "What is 7 + 5?"}]
 PUBLISHED = {"qwen05": dict(layers=24, hidden=896, heads=14, kv_heads=2, parameters=494_032_768),
              "qwen15": dict(layers=28, hidden=1536, heads=12, kv_heads=2, parameters=1_543_714_304)}
 
-
-@pytest.fixture(autouse=True)
-def collect():
-    yield
-    gc.collect()  # each test holds a 0.5B policy (and its Adam state): free it before the next
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +248,8 @@ def test_a_broken_tie_or_qkv_bias_mapping_is_detected(megatron_qwen, control):
 
 @pytest.fixture(scope="module")
 def qwen_server(qwen05, tmp_path_factory):
-    yield from serving(qwen05, tmp_path_factory, "sglang_qwen")
+    with alone("the 0.5B's SGLang server"):  # 6.5 GB, beside this worker's 0.5B policy
+        yield from serving(qwen05, tmp_path_factory, "sglang_qwen")
 
 
 @pytest.mark.sglang
