@@ -50,12 +50,16 @@ def _release(fd) -> None:
 
 
 _alone_depth = 0  # a job alone inside another (a server fixture's module) already has its turn
+_sharing = False  # this process runs a test that shares the machine
 
 
 @contextmanager
 def alone(who: str):
     """Run the body with no test of the other worker running."""
     global _alone_depth
+    if _sharing:
+        raise RuntimeError(f"{who}: a job alone in a test that shares the machine would wait for itself; add the "
+                           "test's file to the memory unit of tests/conftest.py (SHARED)")
     if _alone_depth:
         _alone_depth += 1
         try:
@@ -77,10 +81,13 @@ def alone(who: str):
 @contextmanager
 def sharing(who: str):
     """Run the body (one test) unless a job is alone, or waiting to be."""
+    global _sharing
     gate = _take(_lock_file("gate"), fcntl.LOCK_SH, who)
     memory = _take(_lock_file("memory"), fcntl.LOCK_SH, who)
     _release(gate)
+    _sharing = True
     try:
         yield
     finally:
+        _sharing = False
         _release(memory)

@@ -156,9 +156,10 @@ def strong_to_weak(assets, qwen05, qwen15, words, tmp_path, mode: str, form: str
         "opd.form": form, "opd.topk": 16, "plan.memory_gib": BUDGET_GIB,
         **({"opd.teacher_engine": "sglang"} if mode == "sglang" else {})})
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "strong_to_weak_worker.py"), str(out), mode,
-                           *map(str, overrides)], capture_output=True, text=True, timeout=2000,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with alone(f"strong-to-weak {mode} {form}"):  # the 1.5B teacher and the 0.5B student: 11.5 GB
+        proc = subprocess.run([sys.executable, str(Path(__file__).parent / "strong_to_weak_worker.py"), str(out),
+                               mode, *map(str, overrides)], capture_output=True, text=True, timeout=2000,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     print(f"strong-to-weak {mode} {form}:\n{result['plan']['table']}\npeak RSS {result['peak_rss'] / 2**30:.2f} GiB "
@@ -230,7 +231,7 @@ def megatron_qwen(qwen05, tmp_path_factory) -> dict:
     return megatron_against_hf(qwen05, {"tp2": 2, "pp2": 2}, tmp_path_factory.mktemp("megatron_qwen"), rows=2)
 
 
-@pytest.mark.pair  # 12.8 GB above idle: a CI worker that held it beside the suite was OOM-killed
+@pytest.mark.pair  # 12.8 GB above idle: alone (tests/machine_memory.py)
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_megatron_matches_hf_on_the_qwen_weights_and_its_export_reloads(megatron_qwen, layout):
     assert_megatron_matches_hf(megatron_qwen[layout])
