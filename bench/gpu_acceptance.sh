@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance check: one command, one JSON of checks, each with its threshold; exit 0 only when every check
-# that ran passed. On one H200: ~20 minutes, of which ~6 are the CPU's import of the two models (reuse them with
-# --student DIR --teacher DIR) and 4 the Megatron step (planned, not yet run: no device so far).
+# that ran passed. On one H200: ~20 minutes planned, of which ~6 are the CPU's import of the two models (reuse them
+# with --student DIR --teacher DIR) and 4 the Megatron step (run once, on random real-width shapes: docs/scale.md).
 #
 #   bash bench/gpu_acceptance.sh [--student DIR --teacher DIR] [OUT.json]   # default runs/gpu_acceptance.json
 #   bash bench/gpu_acceptance.sh --dry-run [OUT.json]          # CPU, tiny shapes: the same script end to end

@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megaopd.config import FP8Recipe, choices  # noqa: E402
+
 # Qwen3-1.7B's shape (hidden 2048, 28 layers, 16 query / 8 KV heads of 128, SwiGLU 6144, vocab 151936, tied).
 QWEN3_1P7B = dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                   intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=8192,
@@ -86,7 +88,8 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--fp8", default="hybrid", help="FP8 recipe for the second run when TE is present ('none': skip)")
+    p.add_argument("--fp8", default="hybrid", choices=choices(FP8Recipe),
+                   help="FP8 recipe for the second run when TE is present ('none': skip)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -30,6 +30,7 @@ KLDirection = Literal["reverse", "forward"]  # the KL of the full_vocab and topk
 ISLevel = Literal["none", "token", "sequence"]  # train.tis, train.is_mask: per token or per response
 CountsAs = Literal["training", "cold_start", "external"]  # docs/flops.md, "Totals"
 DType = Literal["float32", "bfloat16", "float16"]
+FP8Recipe = Literal["none", "hybrid", "e4m3"]  # model.megatron.fp8; hybrid: E4M3 forward, E5M2 gradients
 OPSAScope = Literal["response", "batch"]  # opsa.scope: the tokens the lowest fraction is taken among
 
 
@@ -45,8 +46,7 @@ class MegatronConfig:
     tp: int = 1  # tensor-parallel size; data parallel is world_size / (tp * pp)
     pp: int = 1  # pipeline-parallel size (micro-batches: train.micro_batch_size sequences each)
     teacher_tp: int = 0  # frozen teachers' TP (0: the student's); teachers run with pp=1 on their own groups
-    # Transformer Engine FP8 recipe (needs TE and a GPU); none: bf16
-    fp8: Literal["none", "hybrid", "e4m3"] = "none"
+    fp8: FP8Recipe = "none"  # Transformer Engine FP8 recipe (needs TE and a GPU); none: bf16
     transformer_engine: bool = True  # TE layer spec on GPU; the local spec otherwise (always on CPU)
     distributed_optimizer: bool = True  # shard optimizer state over data parallel (megatron DistributedOptimizer)
     sequence_parallel: bool = True  # with TP > 1 and the TE spec; the local spec cannot (CPU tests)
@@ -168,7 +168,7 @@ class OPDConfig:
     teacher_urls: dict[str, list[str]] = field(default_factory=dict)
     # The teachers' dtype (HF in-process and SGLang teachers); "" = model.dtype. A frozen teacher needs no fp32
     # master: bfloat16 halves a 1.5B teacher beside a float32 student (the memory plan counts it so).
-    teacher_dtype: Literal["", "float32", "bfloat16", "float16"] = ""
+    teacher_dtype: Literal["", DType] = ""
 
 
 @dataclass

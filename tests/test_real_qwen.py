@@ -53,7 +53,6 @@ def words(tmp_path_factory) -> Path:
 
 # ------------------------------------------------------------------------------------------ the imported directories
 
-@pytest.mark.pair
 def test_imports_have_the_published_architecture_one_tokenizer_and_the_end_of_turn_stop(qwen05, qwen15):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -232,17 +231,15 @@ def megatron_qwen(qwen05, tmp_path_factory) -> dict:
 
 
 @pytest.mark.pair  # 12.8 GB above idle: alone (tests/machine_memory.py)
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_megatron_matches_hf_on_the_qwen_weights_and_its_export_reloads(megatron_qwen, layout):
-    assert_megatron_matches_hf(megatron_qwen[layout])
-
-
-@pytest.mark.pair
-@pytest.mark.parametrize("control", ["broken_tie", "broken_qkv_bias"])
-def test_a_broken_tie_or_qkv_bias_mapping_is_detected(megatron_qwen, control):
-    """Negative controls at PP=2: the output layer read from lm_head.weight (absent: tied), and the q/k/v biases
-    merged without their per-KV-group interleave (megatron_real_worker.broken_bias)."""
-    assert_detected(megatron_qwen["pp2"], control, "lm_head.weight" if control == "broken_tie" else None)
+@pytest.mark.parametrize("check", ["tp2", "pp2", "broken_tie", "broken_qkv_bias"])
+def test_megatron_matches_hf_on_the_qwen_weights_and_catches_a_broken_tie_or_bias(megatron_qwen, check):
+    """TP=2 and PP=2 against HF, the export reloading; then the negative controls at PP=2: the output layer read
+    from lm_head.weight (absent: tied), and the q/k/v biases merged without their per-KV-group interleave
+    (megatron_real_worker.broken_bias)."""
+    if check in ("tp2", "pp2"):
+        assert_megatron_matches_hf(megatron_qwen[check])
+    else:
+        assert_detected(megatron_qwen["pp2"], check, "lm_head.weight" if check == "broken_tie" else None)
 
 
 # ------------------------------------------------------------------------------------------ an SGLang CPU server

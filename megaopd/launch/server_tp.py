@@ -3,9 +3,9 @@ when the model's attention heads or KV heads do not split over it.
 
     python3 megaopd/launch/server_tp.py MODEL_DIR GPUS_PER_NODE [SGLANG_TP]   # prints the size, or says why not
 
-Standard library only: slurm/stage_multinode.sbatch runs it in the batch shell (outside any container or venv),
-because a stage's model is often written by an earlier job; ``megaopd submit`` checks the models that already
-exist when it renders the scripts.
+Standard library only (with ``megaopd.flops``, the one reader of a model's heads, which is too):
+slurm/stage_multinode.sbatch runs it in the batch shell (outside any container or venv), because a stage's model is
+often written by an earlier job; ``megaopd submit`` checks the models that already exist when it renders the scripts.
 """
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+if not __package__:  # run as a script by the batch shell: import megaopd from the checkout it is in
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megaopd.flops import attention_heads  # noqa: E402
 
 
 def server_tp(model_dir: str | Path, gpus: int, requested: int = 0) -> int:
@@ -24,11 +28,9 @@ def server_tp(model_dir: str | Path, gpus: int, requested: int = 0) -> int:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot read the model's config ({e})") from None
-    config = config.get("text_config", config)  # multimodal configs nest the language model's
-    heads = config.get("num_attention_heads")
+    heads, kv_heads = attention_heads(config)
     if not heads:
         raise ValueError(f"{path}: no num_attention_heads; set the launch setting sglang_tp to the size to use")
-    kv_heads = config.get("num_key_value_heads") or heads
     if fits(tp, heads, kv_heads):
         return tp
     sizes = [t for t in range(1, gpus + 1) if fits(t, heads, kv_heads)]
