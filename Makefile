@@ -46,8 +46,8 @@ test:
 	PY=$(PY) bash .ci/slurm_multinode_down.sh || true; exit $$status
 
 # The Qwen pair's heavy tests (marker pair): the strong-to-weak steps and the 0.5B under Megatron, each alone on the
-# machine, ~14 minutes of two cores doing one job; make test leaves them out to stay under 45 minutes (measured with
-# them: 49.5). make test imports both models and runs the rest of the Qwen tier.
+# machine, ~9 minutes with the two imports; make test leaves them out to stay under 45 minutes (measured with them:
+# 49.5, the other worker idle while each ran). make test imports both models and runs the rest of the Qwen tier.
 test-pair: setup setup-sglang
 	MEGAOPD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	MEGAOPD_SGLANG_UNAVAILABLE="$$(cat $(SGLANG_VENV).unavailable 2>/dev/null)" \
