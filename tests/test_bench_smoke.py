@@ -5,6 +5,7 @@ skipped, with the reason, when trl is not importable (CI installs it, so there t
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -78,3 +79,11 @@ def test_stale_gradient_smoke(bench_assets):
 def test_math_grader_agreement_smoke():
     out = run_bench("math_grader_agreement.py", None)
     assert "graded the same here: 2 (100.0%)" in out and "expected-to-fail cases paid: 0" in out
+
+
+def test_shared_prompt_pass_smoke(tmp_path):
+    out = run_bench("shared_prompt_pass.py", None, extra=["--out", str(tmp_path / "pass.json")])
+    assert "| pass (s) |" in out and "| executed / billed FLOPs |" in out and "speed-up" in out
+    result = json.loads((tmp_path / "pass.json").read_text())
+    assert result["executed_share"] < 1  # the shared side skipped the repeated prompts
+    assert result["max_logprob_gap"] < 1e-5  # and scored the same tokens the same (fp32)
