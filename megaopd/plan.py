@@ -125,16 +125,17 @@ class Arch:
 
     def shared_activation_bytes(self, groups: int, samples: int, prompt: int, response: int, b: int,
                                 layers: int | None = None, checkpointed: bool = False) -> int:
-        """The same over a shared-prompt micro-batch (``megaopd.shared_prompt``): the flat sequence of
+        """The same over a shared-prompt micro-batch (``megaopd.shared_prompt``, the HF backend): the flat sequence of
         groups x prompt + samples x response tokens, and beyond its per-token tensors, per layer the joined attention
-        output and each response's keys and values over prompt + response (repeated to every query head), and once
-        the response mask and the sample-to-group index. Checkpointed: one layer's extra at a time."""
+        output, each response's keys and values over prompt + response (its KV heads), and each group's causal mask
+        where SDPA builds it (the CPU's kernels; a GPU's FlashAttention takes none, so there it is a bound).
+        Checkpointed: one layer's extra at a time."""
         layers = self.layers if layers is None else layers
         tokens = groups * prompt + samples * response
-        per_layer = tokens * self.q * b + 2 * samples * (prompt + response) * self.q * b
-        once = samples * response * (prompt + response) * b + 8 * samples
+        per_layer = (tokens * self.q + 2 * samples * (prompt + response) * self.kv
+                     + groups * response * (prompt + response)) * b
         saved = self.checkpointed_activation_bytes if checkpointed else self.activation_bytes
-        return saved(tokens, tokens, b, layers) + (1 if checkpointed else layers) * per_layer + once
+        return saved(tokens, tokens, b, layers) + (1 if checkpointed else layers) * per_layer
 
     def kv_bytes(self, positions: int, b: int) -> int:
         return positions * self.layers * 2 * self.kv * b

@@ -120,9 +120,23 @@ class PromptGroups:
         return (x[:cut].unflatten(0, (self.groups, self.prompt_width)),
                 x[cut:cut + self.samples * self.response_width].unflatten(0, (self.samples, self.response_width)))
 
-    def response_keys(self, prompt: torch.Tensor, own: torch.Tensor, batch_dim: int, seq_dim: int) -> torch.Tensor:
-        """Each response's keys (or values): its group's prompt's, then its own, along ``seq_dim``."""
-        return torch.cat([prompt.index_select(batch_dim, self.group_of), own], seq_dim)
+    def spans(self) -> list[tuple[int, int, int, int]]:
+        """(group, its first sample, the sample after its last, its prompt length) of each group."""
+        ends = torch.bincount(self.group_of, minlength=self.groups).cumsum(0).tolist()
+        return [(g, start, end, length) for g, (start, end, length)
+                in enumerate(zip([0, *ends[:-1]], ends, self.prompt_lens.tolist()))]
+
+    def response_keys(self, prompt: torch.Tensor, own: torch.Tensor, batch_dim: int, seq_dim: int,
+                      span: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        """Each response's keys (or values): its group's prompt's, then its own, along ``seq_dim``. With a ``span``
+        (``spans``): that group's samples only (``own`` is theirs), its prompt cut to its real tokens."""
+        if span is None:
+            return torch.cat([prompt.index_select(batch_dim, self.group_of), own], seq_dim)
+        group, _, _, length = span
+        part = prompt.narrow(batch_dim, group, 1).narrow(seq_dim, 0, length)
+        sizes = list(part.shape)
+        sizes[batch_dim] = own.shape[batch_dim]
+        return torch.cat([part.expand(sizes), own], seq_dim)
 
     def join(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """(prompts [G, Pp, ...], responses [b, Rp, ...]) back to the flat [T, ...]."""
@@ -164,12 +178,15 @@ class _Routed:
     groups: PromptGroups
     base: object  # the model's own attention function (sdpa, eager, ...), called per segment
     prompt_mask: torch.Tensor | None  # additive [1, 1, Pp, Pp] causal; None: the function is causal without one
-    response_mask: torch.Tensor  # additive [b, 1, Rp, Pp + Rp] (``PromptGroups.response_visible``)
+    # SDPA: ``PromptGroups.spans``, the responses attended group by group without a mask (``_sdpa_by_group``);
+    # other functions: None, and the responses take the additive mask [b, 1, Rp, Pp + Rp] (``response_visible``)
+    spans: list[tuple[int, int, int, int]] | None
+    response_mask: torch.Tensor | None
 
 
 def _segment_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention call over the flat sequence ([1, heads, T, d] each): the prompts and the responses as
-    two batches through the model's own attention function."""
+    two batches through the model's own attention function (SDPA: the responses one call per group)."""
     routed: _Routed = kwargs.pop(KWARG)
     groups, base = routed.groups, routed.base
     if kwargs.get("sliding_window") is not None:
@@ -177,9 +194,32 @@ def _segment_attention(module, query, key, value, attention_mask, **kwargs):
     (qp, qr), (kp, kr), (vp, vr) = (tuple(part.movedim(1, 2) for part in groups.split(x, 2))
                                     for x in (query, key, value))  # [G, h, Pp, d], [b, h, Rp, d]
     prompt_out, _ = base(module, qp, kp, vp, routed.prompt_mask, **kwargs)
-    response_out, _ = base(module, qr, groups.response_keys(kp, kr, 0, 2), groups.response_keys(vp, vr, 0, 2),
-                           routed.response_mask, **kwargs)
+    if routed.spans is not None:
+        response_out = _sdpa_by_group(groups, routed.spans, qr, (kp, kr), (vp, vr), kwargs.get("dropout", 0.0),
+                                      kwargs.get("scaling"))
+    else:
+        response_out, _ = base(module, qr, groups.response_keys(kp, kr, 0, 2), groups.response_keys(vp, vr, 0, 2),
+                               routed.response_mask, **kwargs)
     return groups.join(prompt_out, response_out)[None], None  # [1, T, h, d]: what the attention functions return
+
+
+def _sdpa_by_group(groups: PromptGroups, spans, query, keys, values, dropout: float, scale: float | None):
+    """The responses' attention without a mask, one SDPA call per group: its samples' queries [n, h, Rp, d] over
+    their prompt's real keys then their own, causal aligned to the end (``causal_lower_right``: query t sees the
+    prompt and its own first t + 1 keys). On a GPU that runs FlashAttention, as the unshared rows' maskless causal
+    call does; a mask (the prompt's padding) would send it to a slower kernel over the whole rectangle. KV heads are
+    not repeated (``enable_gqa``). Returns [b, Rp, h, d], the layout the attention functions return."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    outs = []
+    for span in spans:
+        _, first, end, _ = span
+        k = groups.response_keys(keys[0], keys[1][first:end], 0, 2, span)
+        v = groups.response_keys(values[0], values[1][first:end], 0, 2, span)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[first:end], k, v, attn_mask=causal_lower_right(query.shape[2], k.shape[2]), dropout_p=dropout,
+            scale=scale, enable_gqa=True))
+    return torch.cat(outs).transpose(1, 2)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -206,8 +246,10 @@ def hf_attention(model, groups: PromptGroups):
     base = _family_eager(model) if previous == "eager" else ALL_ATTENTION_FUNCTIONS[previous]
     # One set of masks for every layer; SDPA applies causality itself where no mask is given (its fast path).
     causal = torch.ones(groups.prompt_width, groups.prompt_width, dtype=torch.bool, device=groups.source.device)
-    prompt_mask = None if previous == "sdpa" else _additive(causal.tril()[None, None], model.dtype)
-    routed = _Routed(groups, base, prompt_mask, _additive(groups.response_visible(), model.dtype))
+    sdpa = previous == "sdpa"
+    prompt_mask = None if sdpa else _additive(causal.tril()[None, None], model.dtype)
+    routed = _Routed(groups, base, prompt_mask, groups.spans() if sdpa else None,
+                     None if sdpa else _additive(groups.response_visible(), model.dtype))
     model.config._attn_implementation = NAME  # not a mask implementation: the model builds no [T x T] mask
     try:
         yield {KWARG: routed, "position_ids": groups.positions[None]}

@@ -219,8 +219,8 @@ def check_shared_prompt(assets: Path, tp: int, pp: int) -> dict:
     exported = [p.export_hf_state() for p in policies]
     result["weights"] = max(max_diff(exported[1][k], exported[0][k]) for k in exported[0])
     keys = PromptGroups.response_keys
-    PromptGroups.response_keys = lambda self, prompt, own, batch_dim, seq_dim: keys(
-        self, prompt, own.roll(1, batch_dim), batch_dim, seq_dim)
+    PromptGroups.response_keys = lambda self, prompt, own, batch_dim, *rest: keys(
+        self, prompt, own.roll(1, batch_dim), batch_dim, *rest)
     try:
         result["leaked_logprobs"] = max_diff(policies[1].logprobs(batch, MBS), policies[0].logprobs(batch, MBS))
     finally:

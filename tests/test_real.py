@@ -345,8 +345,8 @@ def test_shared_prompt_passes_equal_the_unshared_ones_on_real_weights(smollm2, m
         assert difference <= FP32_FACTOR * fp32_error, what
 
     keys = PromptGroups.response_keys  # negative control: each response attends to another sample's instead
-    monkeypatch.setattr(PromptGroups, "response_keys", lambda self, prompt, own, batch_dim, seq_dim: keys(
-        self, prompt, own.roll(1, batch_dim), batch_dim, seq_dim))
+    monkeypatch.setattr(PromptGroups, "response_keys", lambda self, prompt, own, batch_dim, *rest: keys(
+        self, prompt, own.roll(1, batch_dim), batch_dim, *rest))
     leaked = apart({0: shared.logprobs(batch, 8)}, {0: expected})
     assert leaked > 1e3 * FP32_FACTOR * measured["logprobs"][1], leaked
 

@@ -146,8 +146,8 @@ def test_a_response_that_sees_another_response_fails_the_comparison(assets, roll
     plain, shared = policies(assets, "qwen3-tiny")
     expected = plain.logprobs(batch, 64)
     keys = PromptGroups.response_keys
-    monkeypatch.setattr(PromptGroups, "response_keys", lambda self, prompt, own, batch_dim, seq_dim: keys(
-        self, prompt, own.roll(1, batch_dim), batch_dim, seq_dim))
+    monkeypatch.setattr(PromptGroups, "response_keys", lambda self, prompt, own, batch_dim, *rest: keys(
+        self, prompt, own.roll(1, batch_dim), batch_dim, *rest))
     leaked = shared.logprobs(batch, 64)
     assert (leaked - expected).abs().max() > 1e3 * ATOL
 
