@@ -206,9 +206,10 @@ def _segment_attention(module, query, key, value, attention_mask, **kwargs):
 def _sdpa_by_group(groups: PromptGroups, spans, query, keys, values, dropout: float, scale: float | None):
     """The responses' attention without a mask, one SDPA call per group: its samples' queries [n, h, Rp, d] over
     their prompt's real keys then their own, causal aligned to the end (``causal_lower_right``: query t sees the
-    prompt and its own first t + 1 keys). On a GPU that runs FlashAttention, as the unshared rows' maskless causal
-    call does; a mask (the prompt's padding) would send it to a slower kernel over the whole rectangle. KV heads are
-    not repeated (``enable_gqa``). Returns [b, Rp, h, d], the layout the attention functions return."""
+    prompt and its own first t + 1 keys). Without a mask SDPA may run FlashAttention on a GPU (torch's lower-right
+    causal dispatch), as for the unshared rows' causal call; a mask (the prompt's padding) would send it to a kernel
+    over the whole rectangle. KV heads are not repeated (``enable_gqa``). Returns [b, Rp, h, d], the layout the
+    attention functions return."""
     from torch.nn.attention.bias import causal_lower_right
 
     outs = []
