@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     gap = float(((logprobs["shared"] - logprobs["unshared"]).abs() * batch.response_mask).max())
 
     shape = plain.shape
-    groups = [(len(samples[g * a.group].prompt_ids), [len(s.response_ids) for s in samples[g * a.group:][:a.group]])
-              for g in range(a.groups)]
+    in_group = [samples[g * a.group:(g + 1) * a.group] for g in range(a.groups)]
+    groups = [(len(group[0].prompt_ids), [len(s.response_ids) for s in group]) for group in in_group]
     billed = sum(3 * scoring_flops(shape, [prompt], responses, len(responses)) for prompt, responses in groups)
     times = {name: [] for name in sides}
     peak = {}
