@@ -210,17 +210,27 @@ def _sdpa_by_group(groups: PromptGroups, spans, query, keys, values, dropout: fl
     causal dispatch), as for the unshared rows' causal call; a mask (the prompt's padding) would send it to a kernel
     over the whole rectangle. KV heads are not repeated (``enable_gqa``). Returns [b, Rp, h, d], the layout the
     attention functions return."""
-    from torch.nn.attention.bias import causal_lower_right
-
     outs = []
     for span in spans:
         _, first, end, _ = span
         k = groups.response_keys(keys[0], keys[1][first:end], 0, 2, span)
         v = groups.response_keys(values[0], values[1][first:end], 0, 2, span)
         outs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[first:end], k, v, attn_mask=causal_lower_right(query.shape[2], k.shape[2]), dropout_p=dropout,
-            scale=scale, enable_gqa=True))
+            query[first:end], k, v, attn_mask=_causal_to_the_end(query.shape[2], k.shape[2], query.device),
+            dropout_p=dropout, scale=scale, enable_gqa=True))
     return torch.cat(outs).transpose(1, 2)
+
+
+def _causal_to_the_end(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """Query t sees keys [0, keys - queries + t]: torch's ``causal_lower_right``, which lets SDPA pick its maskless
+    kernels. Under a TorchDispatchMode (a FLOP counter, a memory probe) that tensor subclass cannot be made, and the
+    boolean mask it stands for goes instead (what SDPA builds from it on CPU anyway)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    try:
+        return causal_lower_right(queries, keys)
+    except RuntimeError:  # "Creating a new Tensor subclass CausalBias but the raw Tensor ... is already associated"
+        return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

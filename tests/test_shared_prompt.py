@@ -180,3 +180,15 @@ def test_the_switch_is_off_with_its_reason_where_it_cannot_apply(assets, tmp_pat
     assert not resolve(run_config(assets, tmp_path / "s", **on, **{"model.path": sliding})).train.shared_prompt
     with pytest.raises(ModelError, match="sliding_attention"):  # a policy asked directly refuses it
         HFPolicy(ModelConfig(path=str(sliding)), shared_prompt=True)
+
+
+def test_logprobs_equal_the_unshared_pass_under_a_dispatch_mode(assets, rollout):
+    """Under a TorchDispatchMode (here torch's FLOP counter) the responses' causal form cannot be a CausalBias; the
+    boolean mask that stands in gives the same logprobs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _, batch = rollout
+    plain, shared = policies(assets, "qwen3-tiny")
+    expected = plain.logprobs(batch, 64)
+    with FlopCounterMode(display=False):
+        assert torch.allclose(shared.logprobs(batch, 64), expected, atol=ATOL, rtol=0)
