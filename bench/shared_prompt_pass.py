@@ -30,11 +30,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaopd.batch import Sample, collate  # noqa: E402
-from megaopd.config import ModelConfig, OptimConfig  # noqa: E402
+from megaopd.config import GRPOConfig, ModelConfig, OptimConfig  # noqa: E402
 from megaopd.embedded import build_model  # noqa: E402
 from megaopd.flops import scoring_flops  # noqa: E402
 from megaopd.hf_policy import HFPolicy  # noqa: E402
-from megaopd.objectives import clipped_pg_loss  # noqa: E402
+from megaopd.objectives import GRPO  # noqa: E402
 
 
 def random_batch(groups: int, n: int, prompt: int, response: int, vocab: int, pad_id: int, seed: int):
@@ -57,11 +57,6 @@ def random_batch(groups: int, n: int, prompt: int, response: int, vocab: int, pa
     batch = collate(samples, pad_id)
     batch.advantages = torch.randn(batch.size, 1, generator=gen).sign() * batch.response_mask
     return samples, batch
-
-
-def grpo_loss(logp, vocab, mb):
-    loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, 0.2, 0.2)
-    return loss, {"clip_fraction": clipped}
 
 
 def sync(device: str) -> None:
@@ -99,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = min(plain.model.config.vocab_size, len(plain.tokenizer))
     samples, batch = random_batch(a.groups, a.group, a.prompt, a.response, vocab, plain.pad_id, seed=0)
     mbs = batch.size
+    loss = GRPO(GRPOConfig(), a.group).token_loss  # the trainer's clipped surrogate, its defaults
 
     logprobs = {name: policy.logprobs(batch, mbs) for name, policy in sides.items()}
     batch.old_logprobs = logprobs["unshared"]
@@ -118,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             sync(a.device)
             start = time.perf_counter()
-            policy.train_minibatch(batch, grpo_loss, mbs)
+            policy.train_minibatch(batch, loss, mbs)
             sync(a.device)
             if i:
                 times[name].append(time.perf_counter() - start)
