@@ -4,9 +4,9 @@
     python bench/memory.py --smoke  # CI: one tiny round
 
 Method: every measurement is its own subprocess (bench/common.py worker) that sets up the trainer, records its
-resident set (VmRSS) just before the step, runs exactly one step (no warm-up), and reports the RSS high-water mark
-``resource.getrusage(RUSAGE_SELF).ru_maxrss``. "Peak RSS" is the whole process (Python, torch, the libraries each
-side imports, models, optimizer state, activations); "step increment" = peak - RSS before the step, i.e. what the
+resident set (VmRSS) just before the step, runs exactly one step (no warm-up), and reports its own RSS high-water
+mark (VmHWM; getrusage's ru_maxrss would carry the driver's over). "Peak RSS" is the whole process (Python, torch,
+the libraries each side imports, models, optimizer state, activations); "step increment" = peak - RSS before the step, i.e. what the
 step itself added on top of the set-up process (0 when the peak was reached while loading). tracemalloc is not used:
 it does not see torch's allocations.
 """
