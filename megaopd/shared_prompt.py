@@ -255,12 +255,14 @@ def hf_attention(model, groups: PromptGroups):
         ALL_ATTENTION_FUNCTIONS.register(NAME, _segment_attention)
     previous = model.config._attn_implementation
     base = _family_eager(model) if previous == "eager" else ALL_ATTENTION_FUNCTIONS[previous]
-    # One set of masks for every layer; SDPA applies causality itself where no mask is given (its fast path).
-    causal = torch.ones(groups.prompt_width, groups.prompt_width, dtype=torch.bool, device=groups.source.device)
-    sdpa = previous == "sdpa"
-    prompt_mask = None if sdpa else _additive(causal.tril()[None, None], model.dtype)
-    routed = _Routed(groups, base, prompt_mask, groups.spans() if sdpa else None,
-                     None if sdpa else _additive(groups.response_visible(), model.dtype))
+    # One layout for every layer. SDPA needs no mask: causal where none is given (its fast path), the responses by
+    # group (spans); the other functions take additive masks.
+    if previous == "sdpa":
+        routed = _Routed(groups, base, None, groups.spans(), None)
+    else:
+        causal = torch.ones(groups.prompt_width, groups.prompt_width, dtype=torch.bool, device=groups.source.device)
+        routed = _Routed(groups, base, _additive(causal.tril()[None, None], model.dtype), None,
+                         _additive(groups.response_visible(), model.dtype))
     model.config._attn_implementation = NAME  # not a mask implementation: the model builds no [T x T] mask
     try:
         yield {KWARG: routed, "position_ids": groups.positions[None]}
