@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megaopd import allocator  # noqa: E402
 from megaopd.methods import method  # noqa: E402
 
 DEFAULT_ASSETS = Path(os.environ.get("MEGAOPD_BENCH_ASSETS", "/tmp/megaopd_bench_assets"))
@@ -394,7 +395,8 @@ def run_worker(side: str, algo: str, tmp: Path, tag: str, **kw) -> dict:
         return json.loads(out.read_text())
     cmd = [sys.executable, str(Path(__file__).resolve()), "worker"] + args
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(kw.get("threads", 1)),
-               PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+               PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               **allocator.environment())  # megaopd's trainer sets the same itself: both sides keep their heap
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {side}/{algo} failed:\n{proc.stderr[-4000:]}")
