@@ -124,18 +124,20 @@ class Arch:
         return self.activation_bytes(tokens, seq, b, 0) + tokens * layers * self.hidden * b + one_layer
 
     def shared_activation_bytes(self, groups: int, samples: int, prompt: int, response: int, b: int,
-                                layers: int | None = None, checkpointed: bool = False) -> int:
+                                layers: int | None = None, checkpointed: bool = False, per_group: bool = False) -> int:
         """The same over a shared-prompt micro-batch (``megaopd.shared_prompt``, the HF backend): the flat sequence of
         groups x prompt + samples x response tokens, and beyond its per-token tensors, per layer the joined attention
-        output, each response's keys and values over prompt + response (its KV heads), and each group's causal mask
-        where SDPA builds it (the CPU's kernels; a GPU's FlashAttention takes none, so there it is a bound).
-        Checkpointed: one layer's extra at a time."""
+        output, each response's keys and values over prompt + response (its KV heads), and the responses' mask as
+        SDPA keeps it: one row block per sample in the one masked call (CPU), one per group where the responses go
+        by group (``per_group``: a GPU's, whose FlashAttention takes no mask, so there it is a bound), and the one call's
+        index of each sample's group. Checkpointed: one layer's extra at a time."""
         layers = self.layers if layers is None else layers
         tokens = groups * prompt + samples * response
         per_layer = (tokens * self.q + 2 * samples * (prompt + response) * self.kv
-                     + groups * response * (prompt + response)) * b
+                     + (groups if per_group else samples) * response * (prompt + response)) * b
         saved = self.checkpointed_activation_bytes if checkpointed else self.activation_bytes
-        return saved(tokens, tokens, b, layers) + (1 if checkpointed else layers) * per_layer
+        group_index = 0 if per_group else 8 * samples  # each sample's group (int64), one tensor for every layer
+        return saved(tokens, tokens, b, layers) + (1 if checkpointed else layers) * per_layer + group_index
 
     def kv_bytes(self, positions: int, b: int) -> int:
         return positions * self.layers * 2 * self.kv * b
@@ -275,8 +277,10 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
         groups = max(1, rows_per_mb // n)
         rows_per_mb = min(groups * n, rows_per_mb)
         tokens = groups * p.prompt_tokens + rows_per_mb * r.max_new_tokens
+        from megaopd.shared_prompt import PER_GROUP_DEVICES
+
         acts = arch.shared_activation_bytes(groups, rows_per_mb, p.prompt_tokens, r.max_new_tokens, b, layers,
-                                            checkpointed)
+                                            checkpointed, m.device.split(":")[0] in PER_GROUP_DEVICES)
         shape = f"shared prompts: {groups} x {p.prompt_tokens} + {rows_per_mb} x {r.max_new_tokens} tokens"
     else:
         saved = arch.checkpointed_activation_bytes if checkpointed else arch.activation_bytes

@@ -173,20 +173,29 @@ def saved_flops(shape, ran: list[tuple[int, list[int], int]], causal: bool = Tru
 NAME = "megaopd_shared_prompt"
 
 
+# Where SDPA takes the responses one maskless call per group: a GPU's (FlashAttention, ``_sdpa_responses``). The CPU's
+# kernels take a mask either way, so there one masked call over every response does the same in fewer calls (the
+# GRPO bench's update 0.124 -> 0.110 s: docs/benchmarks.md).
+PER_GROUP_DEVICES = ("cuda",)
+
+
 @dataclass
 class _Routed:
     groups: PromptGroups
     base: object  # the model's own attention function (sdpa, eager, ...), called per segment
     prompt_mask: torch.Tensor | None  # additive [1, 1, Pp, Pp] causal; None: the function is causal without one
-    # SDPA: ``PromptGroups.spans``, the responses attended group by group without a mask (``_sdpa_by_group``);
-    # other functions: None, and the responses take the additive mask [b, 1, Rp, Pp + Rp] (``response_visible``)
+    # How the responses attend. SDPA (``sdpa``: called directly, ``_sdpa_responses``): where it runs per group
+    # (PER_GROUP_DEVICES) ``spans`` (``PromptGroups.spans``) and no mask, elsewhere one call with ``response_mask``
+    # boolean [b, 1, Rp, Pp + Rp] (``response_visible``). Other functions: the same batch through the function,
+    # ``response_mask`` additive.
+    sdpa: bool
     spans: list[tuple[int, int, int, int]] | None
     response_mask: torch.Tensor | None
 
 
 def _segment_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention call over the flat sequence ([1, heads, T, d] each): the prompts and the responses as
-    two batches through the model's own attention function (SDPA: the responses one call per group)."""
+    two batches through the model's own attention function (SDPA: ``_sdpa_responses``)."""
     routed: _Routed = kwargs.pop(KWARG)
     groups, base = routed.groups, routed.base
     if kwargs.get("sliding_window") is not None:
@@ -194,30 +203,36 @@ def _segment_attention(module, query, key, value, attention_mask, **kwargs):
     (qp, qr), (kp, kr), (vp, vr) = (tuple(part.movedim(1, 2) for part in groups.split(x, 2))
                                     for x in (query, key, value))  # [G, h, Pp, d], [b, h, Rp, d]
     prompt_out, _ = base(module, qp, kp, vp, routed.prompt_mask, **kwargs)
-    if routed.spans is not None:
-        response_out = _sdpa_by_group(groups, routed.spans, qr, (kp, kr), (vp, vr), kwargs.get("dropout", 0.0),
-                                      kwargs.get("scaling"))
+    if routed.sdpa:
+        response_out = _sdpa_responses(groups, routed, qr, (kp, kr), (vp, vr), kwargs.get("dropout", 0.0),
+                                       kwargs.get("scaling"))
     else:
         response_out, _ = base(module, qr, groups.response_keys(kp, kr, 0, 2), groups.response_keys(vp, vr, 0, 2),
                                routed.response_mask, **kwargs)
     return groups.join(prompt_out, response_out)[None], None  # [1, T, h, d]: what the attention functions return
 
 
-def _sdpa_by_group(groups: PromptGroups, spans, query, keys, values, dropout: float, scale: float | None):
-    """The responses' attention without a mask, one SDPA call per group: its samples' queries [n, h, Rp, d] over
-    their prompt's real keys then their own, causal aligned to the end (``causal_lower_right``: query t sees the
-    prompt and its own first t + 1 keys). Without a mask SDPA may run FlashAttention on a GPU (torch's lower-right
-    causal dispatch), as for the unshared rows' causal call; a mask (the prompt's padding) would send it to a kernel
-    over the whole rectangle. KV heads are not repeated (``enable_gqa``). Returns [b, Rp, h, d], the layout the
-    attention functions return."""
+def _sdpa_responses(groups: PromptGroups, routed: _Routed, query, keys, values, dropout: float,
+                    scale: float | None):
+    """The responses' attention through SDPA, KV heads not repeated (``enable_gqa``): each response's queries
+    [h, Rp, d] over its prompt's keys then its own. Per group (``routed.spans``): its samples' queries over their
+    prompt's real keys, causal aligned to the end (``causal_lower_right``: query t sees the prompt and its own first
+    t + 1 keys), no mask, so SDPA may run FlashAttention on a GPU (torch's lower-right causal dispatch), as for the
+    unshared rows' causal call; a mask (the prompt's padding) would send it to a kernel over the whole rectangle.
+    Else one call with the boolean mask. Returns [b, Rp, h, d], the layout the attention functions return."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if routed.spans is None:
+        k, v = groups.response_keys(*keys, 0, 2), groups.response_keys(*values, 0, 2)
+        return sdpa(query, k, v, attn_mask=routed.response_mask, dropout_p=dropout, scale=scale,
+                    enable_gqa=True).transpose(1, 2)
     outs = []
-    for span in spans:
+    for span in routed.spans:
         _, first, end, _ = span
         k = groups.response_keys(keys[0], keys[1][first:end], 0, 2, span)
         v = groups.response_keys(values[0], values[1][first:end], 0, 2, span)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[first:end], k, v, attn_mask=_causal_to_the_end(query.shape[2], k.shape[2], query.device),
-            dropout_p=dropout, scale=scale, enable_gqa=True))
+        outs.append(sdpa(query[first:end], k, v, attn_mask=_causal_to_the_end(query.shape[2], k.shape[2],
+                                                                             query.device),
+                         dropout_p=dropout, scale=scale, enable_gqa=True))
     return torch.cat(outs).transpose(1, 2)
 
 
@@ -255,13 +270,15 @@ def hf_attention(model, groups: PromptGroups):
         ALL_ATTENTION_FUNCTIONS.register(NAME, _segment_attention)
     previous = model.config._attn_implementation
     base = _family_eager(model) if previous == "eager" else ALL_ATTENTION_FUNCTIONS[previous]
-    # One layout for every layer. SDPA needs no mask: causal where none is given (its fast path), the responses by
-    # group (spans); the other functions take additive masks.
-    if previous == "sdpa":
-        routed = _Routed(groups, base, None, groups.spans(), None)
+    # One layout for every layer. SDPA's prompts need no mask (causal where none is given: its fast path), nor its
+    # responses where they go by group; the other functions take additive masks.
+    if previous == "sdpa" and groups.source.device.type in PER_GROUP_DEVICES:
+        routed = _Routed(groups, base, None, True, groups.spans(), None)
+    elif previous == "sdpa":
+        routed = _Routed(groups, base, None, True, None, groups.response_visible())
     else:
         causal = torch.ones(groups.prompt_width, groups.prompt_width, dtype=torch.bool, device=groups.source.device)
-        routed = _Routed(groups, base, _additive(causal.tril()[None, None], model.dtype), None,
+        routed = _Routed(groups, base, _additive(causal.tril()[None, None], model.dtype), False, None,
                          _additive(groups.response_visible(), model.dtype))
     model.config._attn_implementation = NAME  # not a mask implementation: the model builds no [T x T] mask
     try:

@@ -102,12 +102,18 @@ def test_activations_match_autograds_saved_tensors(preset, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset,dtype", [("qwen3-tiny", "float32"), ("llama-tiny", "bfloat16"),
                                           ("qwen3-0.6b:layers=1", "bfloat16")])
-def test_shared_prompt_activations_match_autograds_saved_tensors(preset, dtype):
+@pytest.mark.parametrize("per_group", [False, True], ids=["one masked call", "per group"])
+def test_shared_prompt_activations_match_autograds_saved_tensors(preset, dtype, per_group, monkeypatch):
     """train.shared_prompt: two groups of four samples as one flat sequence (megaopd.shared_prompt), the plan's
-    figure against what the forward keeps for backward."""
+    figure against what the forward keeps for backward, in both of SDPA's forms for the responses (per group: a
+    GPU's, run here on CPU)."""
     from transformers import AutoModelForCausalLM
 
+    from megaopd import shared_prompt
     from megaopd.shared_prompt import PromptGroups, hf_attention
+
+    if per_group:
+        monkeypatch.setattr(shared_prompt, "PER_GROUP_DEVICES", ("cpu",))
 
     tok = build_tokenizer()
     config = build_model_config(preset, len(tok), tok.eos_token_id, tok.pad_token_id)
@@ -121,8 +127,8 @@ def test_shared_prompt_activations_match_autograds_saved_tensors(preset, dtype):
     with hf_attention(model, layout) as extra:
         measured = saved_bytes(model, layout.input_ids[None], **extra)
     planned = Arch.from_hf(config.to_dict()).shared_activation_bytes(groups, samples, prompt, response,
-                                                                    model.dtype.itemsize)
-    print(preset, dtype, measured, planned)
+                                                                    model.dtype.itemsize, per_group=per_group)
+    print(preset, dtype, per_group, measured, planned)
     assert layout.groups == groups and abs(planned - measured) <= 0.02 * measured  # the same 2% as unshared
 
 

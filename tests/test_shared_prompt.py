@@ -22,6 +22,7 @@ from megaopd.data.rows import load_rows
 from megaopd.objectives import OPD, clipped_pg_loss
 from megaopd.hf_policy import HFPolicy, _group_cuts
 from megaopd.rollout import LocalEngine
+from megaopd import shared_prompt
 from megaopd.shared_prompt import PromptGroups
 from megaopd.teachers import TeacherRouter, local_teachers
 
@@ -45,6 +46,15 @@ def rollout(assets):
     batch.old_logprobs *= batch.response_mask
     batch.advantages = torch.linspace(-1, 1, batch.size)[:, None] * batch.response_mask
     return samples, batch
+
+
+@pytest.fixture(params=["one masked call", "per group"])
+def sdpa_form(request, monkeypatch):
+    """SDPA's two forms for the responses' attention: one masked call (the CPU's) and one maskless call per group (a
+    GPU's, ``shared_prompt.PER_GROUP_DEVICES``), both run here on CPU."""
+    if request.param == "per group":
+        monkeypatch.setattr(shared_prompt, "PER_GROUP_DEVICES", ("cpu",))
+    return request.param
 
 
 def test_the_layout_holds_every_row(rollout):
@@ -83,7 +93,7 @@ def policies(assets, preset: str, **kwargs) -> tuple[HFPolicy, HFPolicy]:
 
 
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny"])
-def test_logprobs_equal_the_unshared_pass(assets, rollout, preset):
+def test_logprobs_equal_the_unshared_pass(assets, rollout, preset, sdpa_form):
     _, batch = rollout
     plain, shared = policies(assets, preset)
     expected = plain.logprobs(batch, 64)
@@ -116,7 +126,7 @@ def assert_same_update(plain: HFPolicy, shared: HFPolicy, batch, loss_fn, mbs: i
 
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny"])
 @pytest.mark.parametrize("micro_batch_size", [64, 4])
-def test_grpo_update_equals_the_unshared_update(assets, rollout, preset, micro_batch_size):
+def test_grpo_update_equals_the_unshared_update(assets, rollout, preset, micro_batch_size, sdpa_form):
     _, batch = rollout
     assert_same_update(*policies(assets, preset), batch, _grpo_loss, micro_batch_size)
 
@@ -140,7 +150,7 @@ def test_update_with_activation_checkpointing_equals_the_unshared_update(assets,
     assert_same_update(plain, shared, batch, _grpo_loss, 64)
 
 
-def test_a_response_that_sees_another_response_fails_the_comparison(assets, rollout, monkeypatch):
+def test_a_response_that_sees_another_response_fails_the_comparison(assets, rollout, monkeypatch, sdpa_form):
     """Negative control: each response attends to its prompt and, instead of its own, the next sample's tokens."""
     _, batch = rollout
     plain, shared = policies(assets, "qwen3-tiny")
@@ -182,11 +192,12 @@ def test_the_switch_is_off_with_its_reason_where_it_cannot_apply(assets, tmp_pat
         HFPolicy(ModelConfig(path=str(sliding)), shared_prompt=True)
 
 
-def test_logprobs_equal_the_unshared_pass_under_a_dispatch_mode(assets, rollout):
-    """Under a TorchDispatchMode (here torch's FLOP counter) the responses' causal form cannot be a CausalBias; the
-    boolean mask that stands in gives the same logprobs."""
+def test_logprobs_equal_the_unshared_pass_under_a_dispatch_mode(assets, rollout, monkeypatch):
+    """Under a TorchDispatchMode (here torch's FLOP counter) the per-group form's causal mask cannot be a CausalBias;
+    the boolean mask that stands in gives the same logprobs."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    monkeypatch.setattr(shared_prompt, "PER_GROUP_DEVICES", ("cpu",))
     _, batch = rollout
     plain, shared = policies(assets, "qwen3-tiny")
     expected = plain.logprobs(batch, 64)
