@@ -5,9 +5,9 @@ a block above its mmap threshold with new pages from the kernel; its dynamic rul
 largest block freed so far (up to 32 MiB), but also trims the heap's free top once it exceeds twice the threshold,
 so the next step faults the same pages in again, zero-filled, inside the ops that write them (measured on the GRPO
 bench's qwen3-tiny step: a [4784, 192] float multiply at 1.6 ms, its matmul beside it at 2.2 ms). Fixed values, a
-32 MiB threshold and trimming only above 2 GiB, keep those blocks in the heap: the bench's step 0.185 -> 0.169 s on one thread,
-its peak RSS unchanged (docs/benchmarks.md). Freed memory stays with the process, which holds its high-water mark
-anyway for the next step. Blocks above 32 MiB (a real model's weights) still come and go as their own mappings.
+32 MiB threshold and trimming only above 2 GiB, keep those blocks in the heap: the bench's step 0.185-0.190 ->
+0.168-0.178 s on one thread, its peak RSS unchanged (docs/benchmarks.md). Freed memory stays with the process,
+which holds its high-water mark anyway for the next step. Blocks above 32 MiB (a real model's weights) still come and go as their own mappings.
 
 Only glibc has ``mallopt``: elsewhere (macOS, musl), and where another allocator is preloaded (it takes no notice),
 nothing changes.

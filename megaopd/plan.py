@@ -128,9 +128,9 @@ class Arch:
         """The same over a shared-prompt micro-batch (``megaopd.shared_prompt``, the HF backend): the flat sequence of
         groups x prompt + samples x response tokens, and beyond its per-token tensors, per layer the joined attention
         output, each response's keys and values over prompt + response (its KV heads), and the responses' mask as
-        SDPA keeps it: one row block per sample in the one masked call (CPU), one per group where the responses go
-        by group (``per_group``: a GPU's, whose FlashAttention takes no mask, so there it is a bound), and the one call's
-        index of each sample's group. Checkpointed: one layer's extra at a time."""
+        SDPA keeps it: one row block per sample in the one masked call (CPU), one per group where the responses
+        go by group (``per_group``: a GPU's, whose FlashAttention takes no mask, so there it is a bound), and the
+        one call's index of each sample's group. Checkpointed: one layer's extra at a time."""
         layers = self.layers if layers is None else layers
         tokens = groups * prompt + samples * response
         per_layer = (tokens * self.q + 2 * samples * (prompt + response) * self.kv

@@ -175,7 +175,7 @@ NAME = "megaopd_shared_prompt"
 
 # Where SDPA takes the responses one maskless call per group: a GPU's (FlashAttention, ``_sdpa_responses``). The CPU's
 # kernels take a mask either way, so there one masked call over every response does the same in fewer calls (the
-# GRPO bench's update 0.124 -> 0.110 s: docs/benchmarks.md).
+# GRPO bench's update 0.117-0.124 -> 0.100-0.114 s: docs/benchmarks.md).
 PER_GROUP_DEVICES = ("cuda",)
 
 
