@@ -72,19 +72,23 @@ class TokenBatch:
 
 
 def collate(samples: list[Sample], pad_id: int) -> TokenBatch:
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    width = max(lengths)
-    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
-    response_mask = torch.zeros((len(samples), width - 1))
-    rollout_logprobs = torch.zeros((len(samples), width - 1))
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
-        attention_mask[i, : p + r] = 1
-        response_mask[i, p - 1: p - 1 + r] = 1
-        rollout_logprobs[i, p - 1: p - 1 + r] = torch.tensor(s.rollout_logprobs)
-    return TokenBatch(input_ids, attention_mask, response_mask, rollout_logprobs)
+    """The samples as right-padded rows. Built from flat token lists with masks (a boolean index fills row by row),
+    not row by row: a step of 128 samples took 4.6 ms in ~800 small tensor ops before."""
+    prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples])
+    response_lens = torch.tensor([len(s.response_ids) for s in samples])
+    lengths = prompt_lens + response_lens
+    column = torch.arange(int(lengths.max()))
+    attention_mask = (column < lengths[:, None]).long()
+    input_ids = torch.full(attention_mask.shape, pad_id, dtype=torch.long)
+    input_ids[attention_mask.bool()] = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.response_ids)],
+                                                    dtype=torch.long)
+    # Target position t scores token t + 1: a response's tokens are scored from its prompt's last position on.
+    target = column[:-1]
+    in_response = (target >= prompt_lens[:, None] - 1) & (target < (prompt_lens + response_lens)[:, None] - 1)
+    rollout_logprobs = torch.zeros(in_response.shape)
+    rollout_logprobs[in_response] = torch.tensor([lp for s in samples for lp in s.rollout_logprobs],
+                                                 dtype=rollout_logprobs.dtype)
+    return TokenBatch(input_ids, attention_mask, in_response.float(), rollout_logprobs)
 
 
 @dataclass

@@ -185,10 +185,10 @@ class LocalEngine:
         is_eos = tokens == self.policy.eos_id
         lengths = torch.where(done, is_eos.int().argmax(-1) + 1, tokens.shape[1]).tolist()
         samples = []
-        for i in range(tokens.shape[0]):
-            length = lengths[i]
+        for i, (row_tokens, row_logprobs, stopped) in enumerate(zip(tokens.tolist(), logprobs.tolist(),
+                                                                   done.tolist())):
             samples.append(Sample(
                 row=rows[i // n], group=first_group + i // n, prompt_ids=prompts[i // n],
-                response_ids=tokens[i, :length].tolist(), rollout_logprobs=logprobs[i, :length].tolist(),
-                finish_reason="stop" if bool(done[i]) else "length", weight_version=self.weight_version))
+                response_ids=row_tokens[:lengths[i]], rollout_logprobs=row_logprobs[:lengths[i]],
+                finish_reason="stop" if stopped else "length", weight_version=self.weight_version))
         return samples
