@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Union
 
 __all__ = [
@@ -89,7 +90,7 @@ class ModelShape:
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
-    @property
+    @cached_property
     def body_params(self) -> int:
         """N_body: parameters that multiply per token in the decoder layers (attention projections and MLP)."""
         d, dh = self.d_model, self.head_dim
@@ -97,17 +98,17 @@ class ModelShape:
         mlp = (3 if self.gated_mlp else 2) * d * self.d_ff
         return self.n_layers * (attn + mlp)
 
-    @property
+    @cached_property
     def head_params(self) -> int:
         """d*V: the LM head's parameters (counted even when tied to the embedding)."""
         return self.d_model * self.vocab_size
 
-    @property
+    @cached_property
     def matmul_params(self) -> int:
         """N_mm = N_body + d*V: parameters that multiply per token when the LM head runs at every position."""
         return self.body_params + self.head_params
 
-    @property
+    @cached_property
     def attn_width(self) -> int:
         """L*nq*dh, the coefficient of the sequence-length-squared attention terms."""
         return self.n_layers * self.n_heads * self.head_dim
