@@ -127,17 +127,20 @@ class Arch:
                                 layers: int | None = None, checkpointed: bool = False, per_group: bool = False) -> int:
         """The same over a shared-prompt micro-batch (``megaopd.shared_prompt``, the HF backend): the flat sequence of
         groups x prompt + samples x response tokens, and beyond its per-token tensors, per layer the joined attention
-        output, each response's keys and values over prompt + response (its KV heads), and the responses' mask as
-        SDPA keeps it: one row block per sample in the one masked call (CPU), one per group where the responses
-        go by group (``per_group``: a GPU's, whose FlashAttention takes no mask, so there it is a bound), and the
-        one call's index of each sample's group. Checkpointed: one layer's extra at a time."""
+        output and each response's keys and values over prompt + response (its KV heads), and the responses' mask:
+        in the one masked call (CPU) one additive row block per sample, a tensor that every layer shares; where the
+        responses go by group (``per_group``: a GPU's, whose FlashAttention takes no mask, so there it is a bound)
+        one per group in each layer. Checkpointed: one layer's extra at a time. A micro-batch's groups are taken
+        equal (a GRPO group, or one part of it): groups of unequal size also keep each sample's group index (8 bytes
+        a sample) for the gather that repeats the prompt's keys (``PromptGroups.response_keys``)."""
         layers = self.layers if layers is None else layers
         tokens = groups * prompt + samples * response
-        per_layer = (tokens * self.q + 2 * samples * (prompt + response) * self.kv
-                     + (groups if per_group else samples) * response * (prompt + response)) * b
+        mask_rows = response * (prompt + response) * b
+        per_layer = (tokens * self.q + 2 * samples * (prompt + response) * self.kv) * b \
+            + (groups * mask_rows if per_group else 0)
+        shared_mask = 0 if per_group else samples * mask_rows
         saved = self.checkpointed_activation_bytes if checkpointed else self.activation_bytes
-        group_index = 0 if per_group else 8 * samples  # each sample's group (int64), one tensor for every layer
-        return saved(tokens, tokens, b, layers) + (1 if checkpointed else layers) * per_layer + group_index
+        return saved(tokens, tokens, b, layers) + (1 if checkpointed else layers) * per_layer + shared_mask
 
     def kv_bytes(self, positions: int, b: int) -> int:
         return positions * self.layers * 2 * self.kv * b

@@ -66,6 +66,9 @@ def test_the_layout_holds_every_row(rollout):
     groups = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.response_mask, 256)
     real = batch.attention_mask.bool()
     assert groups.groups == len(samples) // GROUP and groups.group_of.tolist() == [s.group for s in samples]
+    assert groups.group_size == GROUP  # every group of one size: the prompt's keys repeat without a gather
+    short = batch.select(slice(0, batch.size - 1))  # the last group one sample short: gathered by index instead
+    assert PromptGroups.of(short.input_ids, short.attention_mask, short.response_mask, 256).group_size == 0
     assert torch.equal(groups.input_ids[groups.source][real], batch.input_ids[real])
     columns = torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids)
     assert torch.equal(groups.positions[groups.source][real], columns[real])
@@ -74,6 +77,29 @@ def test_the_layout_holds_every_row(rollout):
     single = batch.select(slice(0, None, GROUP))
     assert PromptGroups.of(single.input_ids, single.attention_mask, single.response_mask, 256) is None
     assert PromptGroups.of(batch.input_ids, batch.attention_mask.flip(-1), batch.response_mask, 256) is None
+
+
+@pytest.mark.parametrize("dim", [0, 1])  # the HF layout's batch dimension, and Megatron's [S, b, ...]
+def test_the_repeat_per_group_is_the_gather_to_the_bit(dim):
+    """_RepeatPerGroup gives index_select's values and, from a strided upstream gradient (a cat's backward slice),
+    its gradient bit for bit: the same sums in the same order, so a shared-prompt run does not move with it. A sum
+    over the group (expand's backward) orders its additions its own way and, in the HF layout, misses the bits (the
+    negative control; in Megatron's the group is not the innermost reduced run and its sum happens to agree)."""
+    generator = torch.Generator().manual_seed(0)
+    sum_misses = 0
+    for groups, size, length in [(16, 8, 43), (5, 3, 17), (3, 7, 60), (1, 4, 9)]:
+        shape = [groups, 2, length, 16] if dim == 0 else [length, groups, 2, 16]
+        x = torch.randn(shape, generator=generator, requires_grad=True)
+        gather = x.index_select(dim, torch.arange(groups).repeat_interleave(size))
+        repeat = shared_prompt._RepeatPerGroup.apply(x, dim, size)
+        expanded = x.unsqueeze(dim + 1).expand(*shape[:dim + 1], size, *shape[dim + 1:]).flatten(dim, dim + 1)
+        seq = 2 if dim == 0 else 0
+        upstream = torch.randn([*gather.shape[:seq], length + 5, *gather.shape[seq + 1:]],
+                               generator=generator).narrow(seq, 0, length)
+        (want,), (got,), (summed,) = (torch.autograd.grad(y, x, upstream) for y in (gather, repeat, expanded))
+        assert torch.equal(repeat, gather) and torch.equal(got, want)
+        sum_misses += not torch.equal(summed, want)
+    assert sum_misses > 0 or dim == 1
 
 
 def test_micro_batches_take_whole_groups():
@@ -129,6 +155,12 @@ def assert_same_update(plain: HFPolicy, shared: HFPolicy, batch, loss_fn, mbs: i
 def test_grpo_update_equals_the_unshared_update(assets, rollout, preset, micro_batch_size, sdpa_form):
     _, batch = rollout
     assert_same_update(*policies(assets, preset), batch, _grpo_loss, micro_batch_size)
+
+
+def test_update_over_groups_of_unequal_size_equals_the_unshared_update(assets, rollout, sdpa_form):
+    """The last group one sample short: the prompt's keys gathered by index for each sample, not expanded."""
+    _, batch = rollout
+    assert_same_update(*policies(assets, "qwen3-tiny"), batch.select(slice(0, batch.size - 1)), _grpo_loss, 64)
 
 
 def test_full_vocabulary_kl_update_equals_the_unshared_update(assets, rollout):
