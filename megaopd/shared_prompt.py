@@ -304,15 +304,19 @@ def hf_attention(model, groups: PromptGroups):
     previous = model.config._attn_implementation
     base = _family_eager(model) if previous == "eager" else ALL_ATTENTION_FUNCTIONS[previous]
     # One layout for every layer. SDPA's prompts need no mask (causal where none is given: its fast path), nor its
-    # responses where they go by group; the other functions take additive masks.
+    # responses where they go by group; elsewhere the responses' mask is additive, made once here (SDPA would convert
+    # a boolean one in each layer's call), and the other functions' prompts take an additive causal mask too.
     if previous == "sdpa" and groups.source.device.type in PER_GROUP_DEVICES:
         routed = _Routed(groups, base, None, True, groups.spans(), None)
-    elif previous == "sdpa":  # additive, as SDPA would convert a boolean mask in each layer's call
-        routed = _Routed(groups, base, None, True, None, _additive(groups.response_visible(), model.dtype))
     else:
-        causal = torch.ones(groups.prompt_width, groups.prompt_width, dtype=torch.bool, device=groups.source.device)
-        routed = _Routed(groups, base, _additive(causal.tril()[None, None], model.dtype), False, None,
-                         _additive(groups.response_visible(), model.dtype))
+        response_mask = _additive(groups.response_visible(), model.dtype)
+        if previous == "sdpa":
+            routed = _Routed(groups, base, None, True, None, response_mask)
+        else:
+            causal = torch.ones(groups.prompt_width, groups.prompt_width, dtype=torch.bool,
+                                device=groups.source.device)
+            routed = _Routed(groups, base, _additive(causal.tril()[None, None], model.dtype), False, None,
+                             response_mask)
     model.config._attn_implementation = NAME  # not a mask implementation: the model builds no [T x T] mask
     try:
         yield {KWARG: routed, "position_ids": groups.positions[None]}
