@@ -27,10 +27,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from megaopd.analysis import (BUDGET_RULE, FINDING_RULES, INTERVAL_RULE, LENGTH_RULE, LENGTH_WINDOW,  # noqa: E402
-                              MATCH_TOLERANCE, SMALL_SHARE, TARGET_RULE, TOTALS, WALL_RULE, Stage, analyse_seeds,
-                              budget_sensitivity, json_safe, pointer, reached, study_dirs, wall_clock_across)
+                              MATCH_TOLERANCE, SMALL_SHARE, SPLIT_RULE, TARGET_RULE, TOTALS, WALL_RULE, Stage,
+                              analyse_seeds, budget_sensitivity, json_safe, pointer, reached, study_dirs,
+                              wall_clock_across)
+from megaopd.analysis.findings import needed, ratio  # noqa: E402
+from megaopd.analysis.runs import stop_text  # noqa: E402
+from megaopd.analysis.stats import MIN_SEEDS, NOT_MEASURED, REPLICATES, interval_wording  # noqa: E402
 from megaopd.flops import COMPONENTS  # noqa: E402
-from megaopd.analysis.stats import NOT_MEASURED, REPLICATES, interval_wording  # noqa: E402
 
 TARGET_STYLES = (":", "-.", "--")
 
@@ -132,57 +135,73 @@ def _plot_length(seeds: list[tuple[dict, list[Stage]]], path: Path) -> bool:
 
 
 def _f(v, fmt: str = ".3e") -> str:
-    if v is None:
+    return "-" if v is None else format(v, fmt)
+
+
+def _bounded(b: list | tuple | None, fmt: str = ".3g") -> str:
+    """A check's number: itself when measured, "< hi" or "> lo" where a censored arm leaves one side open."""
+    if b is None or b == [None, None] or b == (None, None):
         return "-"
-    if isinstance(v, str):  # json_safe's "inf" / "-inf"
-        return "never" if v == "inf" else v
-    return ("never" if v > 0 else "-inf") if math.isinf(v) else format(v, fmt)
+    lo, hi = b
+    if lo is not None and lo == hi:
+        return format(lo, fmt)
+    if lo is None:
+        return f"< {hi:{fmt}}"
+    return f"> {lo:{fmt}}" if hi is None else f"{lo:{fmt}}..{hi:{fmt}}"
 
 
-def _ratio(v, fmt: str = ".3g") -> str:
-    """A finding's number or a ratio: an infinite one is inf (its denominator needs no FLOPs, or its numerator's
-    stage never reaches the target), not "never" as for FLOPs."""
-    if isinstance(v, str) or (isinstance(v, float) and math.isinf(v)):
-        return v if isinstance(v, str) else ("inf" if v > 0 else "-inf")
-    return _f(v, fmt)
+def _interval(interval: list | None, fmt: str = ".3g", scale: float = 1.0) -> str:
+    """ " [lo, hi]", an open end printed as such (an arm censored in the resamples that set it)."""
+    if interval is None:
+        return ""
+    lo, hi = ("open" if v is None else format(v * scale, fmt) for v in interval[:2])
+    return f" [{lo}, {hi}]"
 
 
 def _pct(v: float | None) -> str:
     return "not measurable" if v is None else f"{100 * v:.1f}%"
 
 
-def _ci(r: dict, path: tuple, fmt: str = ".3e", scale: float = 1.0, show=_f) -> str:
+def _ci(r: dict, path: tuple, fmt: str = ".3e", scale: float = 1.0) -> str:
     """ " [lo, hi]" after a number when it has an interval (and how often it is defined when not always)."""
     interval = r.get("intervals", {}).get(pointer(path))
     if interval is None:
         return ""
-    lo, hi = (show(v * scale if not math.isinf(v) else v, fmt) for v in interval[:2])
-    return f" [{lo}, {hi}]" + (f" (defined in {100 * interval[2]:.0f}% of resamples)" if len(interval) > 2 else "")
+    return _interval(interval, fmt, scale) + (f" (defined in {100 * interval[2]:.0f}% of resamples)"
+                                              if len(interval) > 2 else "")
 
 
 def _check_line(label: str, c: dict) -> str:
-    interval = "" if c["interval"] is None else f" [{_ratio(c['interval'][0])}, {_ratio(c['interval'][1])}]"
     defined = f" (defined in {100 * c['defined']:.0f}% of resamples)" if c.get("defined", 1.0) < 1 else ""
-    return (f"  - {label}: {c['detail']} {_ratio(c['value'])}{interval}{defined} "
-            f"{c['op']} {c['threshold']:g}: {c['verdict']}")
+    censored = f" ({c['censored']})" if c.get("censored") else ""
+    return (f"  - {label}: {c['detail']} {_bounded(c['bounds'])}{_interval(c['interval'])}{defined} "
+            f"{c['op']} {c['threshold']:g}: {c['verdict']}{censored}")
+
+
+def verdict_words(finding: dict) -> str:
+    """A finding's verdict with how many seeds reproduce it, provisional under MIN_SEEDS seeds."""
+    words = finding["verdict"]
+    if finding["n_seeds"] > 1 and finding["verdict"] != NOT_MEASURED:
+        words += f" (reproduced in {finding['seeds_reproduced']} seeds)"
+    if finding.get("provisional"):
+        words += f" (provisional: {finding['n_seeds']} seed(s), a decisive verdict needs {MIN_SEEDS})"
+    return words
+
+
+def magnitude_line(finding: dict) -> str:
+    """Our number beside the paper's: each check's value [interval] (the mean over seeds)."""
+    ours = "; ".join(f"{label} {_bounded(c['bounds'])}{_interval(c['interval'])}"
+                     for label, c in finding["checks"].items()) or "not measured"
+    return f"  - magnitude: {ours}; the paper: {finding['paper']}"
 
 
 def budget_line(budget: dict) -> str:
     """A finding's verdict (and check values) at each cut of BUDGET_RULE, and whether it depends on the budget."""
-    cuts = " / ".join(f"{cut} {r['verdict']} ({', '.join(_ratio(v) for v in r['values'].values()) or '-'})"
+    cuts = " / ".join(f"{cut} {r['verdict']} ({', '.join(_bounded(v) for v in r['values'].values()) or '-'})"
                       for cut, r in budget["cuts"].items())
     dependent = (f"**budget-dependent** (changes at {budget['changes_at']})" if budget["budget_dependent"]
                  else "not budget-dependent")
     return f"  - budget, each stage cut at {cuts}: {dependent}"
-
-
-def _stopped(stop: dict) -> str:
-    """Why a stage ended (megaopd/stopping.py), for the ledger table."""
-    if not stop:
-        return "-"
-    if stop["reason"] == "plateau":
-        return f"plateau ({stop['metric']}) at {stop['step']}"
-    return f"cap {stop['step']}" if stop["reason"] == "max_steps" else f"{stop['reason']} at {stop['step']}"
 
 
 def _wall(w: dict) -> list[str]:
@@ -199,13 +218,14 @@ def _spread(v: dict | None, fmt: str, scale: float = 1.0, unit: str = "") -> str
     return f"{mean} ({lo}-{hi}, n={v['n']})"
 
 
-def _target_cells(r: dict, path: tuple, t: dict, roles: tuple[str, str], show=_f) -> str:
+def _target_cells(r: dict, path: tuple, t: dict, roles: tuple[str, str], ratio_of: tuple[str, str] = ()) -> str:
     """A comparison's cells for one target: the accuracy, each role's FLOPs to it (or how close it got) and their
-    ratio, each with its interval."""
+    ratio (of `ratio_of`, default `roles`; a bound where one never reached it), each with its interval."""
     flops = " | ".join(f"{reached(t[f'{x}_flops'], t[f'{x}_best_smoothed'])}{_ci(r, path + (f'{x}_flops',))}"
                        for x in roles)
+    num, den = ratio_of or roles
     return (f"| {t['target']:.3f}{_ci(r, path + ('target',), '.3f')} | {flops} | "
-            f"{show(t['ratio'], '.2f')}{_ci(r, path + ('ratio',), '.2f', show=show)} |")
+            f"{_bounded(ratio(needed(t, num), needed(t, den)), '.3g')}{_ci(r, path + ('ratio',), '.3g')} |")
 
 
 def _matched(r: dict, c: dict, path: tuple, roles: tuple[str, str]) -> str:
@@ -261,7 +281,7 @@ def _control_markdown(r: dict, fraction: float) -> list[str]:
         for name, t in c["targets"].items():
             label = "OPD final" if name == "teacher" else f"base + {fraction} x OPD gain (base {c['base']:.3f})"
             md.append(f"| {c['opd']} | {c['control']} | {c['domain']} | {label} "
-                      + _target_cells(r, ("teacher_free", i, "targets", name), t, ("opd", "control"), _ratio))
+                      + _target_cells(r, ("teacher_free", i, "targets", name), t, ("opd", "control"), ("control", "opd")))
     md += [f"\n{_matched(r, c, ('teacher_free', i, 'matched'), ('opd', 'control'))} ({c['domain']})."
            for i, c in enumerate(r["teacher_free"]) if "matched" in c]
     return md
@@ -315,7 +335,7 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
            "|---" * (15 + len(COMPONENTS)) + "|"]
     for name, s in r["stages"].items():
         form = f" {s['form']}" if s.get("form") and s["form"] != s["algorithm"] else ""  # the OPD form, labelled
-        md.append(f"| {name} | {s['method']}{form} | {s['steps']} | {_stopped(s['stop'])} | "
+        md.append(f"| {name} | {s['method']}{form} | {s['steps']} | {stop_text(s['stop'])} | "
                   f"{_f(s['final_mean_acc'], '.3f')}"
                   f"{_ci(r, ('stages', name, 'final_mean_acc'), '.3f')} | "
                   + " | ".join(_f(s["totals"][k]) for k in TOTALS) + " | "
@@ -377,24 +397,25 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
           f"- {WALL_RULE}. Seconds are this machine's under its load at the time, beside FLOPs that are not.",
           f"- {INTERVAL_RULE} replicates = {replicates}; intervals are printed in brackets after their number.",
           f"- findings: {FINDING_RULES} Tolerance {MATCH_TOLERANCE}; small share <= {SMALL_SHARE}.",
-          f"- {BUDGET_RULE} Why each stage stopped: the ledger tables (docs/budgets.md).", "",
+          f"- {BUDGET_RULE} Why each stage stopped (and which budgets it had to cover): the ledger tables "
+          "(docs/budgets.md).",
+          f"- {SPLIT_RULE}", "",
           "## Findings of the paper, checked against this study", ""]
     if len(seeds) == 1:
-        md += ["One seed: these intervals resample the held-out prompts only. Training noise (another seed, or another "
+        md += ["One seed: these intervals resample the test prompts only. Training noise (another seed, or another "
                "machine's floating point) is not in them and can move a verdict; run the study with "
                "`seeds=[0, 1, 2]` (its report bootstraps over the seeds too) for verdicts that hold across runs.", ""]
     else:
         md += [f"Intervals: a {interval_wording(len(seeds))}.", ""]
     for f in overall:
-        md.append(f"- ({f['id']}) {f['claim']}: **{f['verdict']}**"
-                  + (f" (reproduced in {f['seeds_reproduced']} seeds)"
-                     if len(seeds) > 1 and f["verdict"] != NOT_MEASURED else ""))
-        md += [_check_line(label, c) for label, c in f["checks"].items()] + [budget_line(f["budget"])]
+        md.append(f"- ({f['id']}) {f['claim']}: **{f['verdict']}**" + verdict_words(f).removeprefix(f["verdict"]))
+        md += ([_check_line(label, c) for label, c in f["checks"].items()]
+               + [magnitude_line(f), budget_line(f["budget"])])
     md += ["", "## Headline numbers" + (" (single seed)" if len(seeds) == 1 else
                                         " across seeds (mean [interval], min-max)"), ""]
-    md += [f"- {k}: {v['mean']:.4g}"
-           + (f" [{_f(v['interval'][0], '.4g')}, {_f(v['interval'][1], '.4g')}]" if v["interval"] else "")
-           # a ratio is undefined in a seed whose stage never reaches the target: that seed is not in the mean
+    # A ratio is undefined in a seed whose stage never reaches the target: no mean without every seed.
+    md += [f"- {k}: " + (f"{v['mean']:.4g}{_interval(v['interval'], '.4g')}" if v["mean"] is not None
+                         else "no mean (not measured or censored in some seeds)")
            + (f" (min {v['min']:.4g}, max {v['max']:.4g}, defined in {v['n']} of {len(seeds)} seeds)"
               if len(seeds) > 1 else "")
            for k, v in spread.items()] or ["- none measured"]
@@ -418,14 +439,12 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
 
 
 def finding_line(finding: dict) -> str:
-    """One printed line per finding: its verdict, then each check's number [interval] against its threshold."""
-    checks = "; ".join(f"{label} {_ratio(c['value'])}"
-                       + (f" [{_ratio(c['interval'][0])}, {_ratio(c['interval'][1])}]" if c["interval"] else "")
-                       + f" {c['op']} {c['threshold']:g}" for label, c in finding["checks"].items())
-    seeds = (f" (reproduced in {finding['seeds_reproduced']} seeds)"
-             if finding["n_seeds"] > 1 and finding["verdict"] != NOT_MEASURED else "")
-    return (f"({finding['id']}) {finding['verdict']}{seeds}: {finding['claim']}" + (f": {checks}" if checks else "")
-            + "\n" + budget_line(finding["budget"]))
+    """One printed line per finding: its verdict, then each check's number [interval] against its threshold, its
+    magnitude beside the paper's, and its budget line."""
+    checks = "; ".join(f"{label} {_bounded(c['bounds'])}{_interval(c['interval'])} {c['op']} {c['threshold']:g}"
+                       for label, c in finding["checks"].items())
+    return (f"({finding['id']}) {verdict_words(finding)}: {finding['claim']}" + (f": {checks}" if checks else "")
+            + f"\n  the paper: {finding['paper']}\n" + budget_line(finding["budget"]))
 
 
 def main(argv: list[str] | None = None) -> int:

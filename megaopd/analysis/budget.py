@@ -7,18 +7,16 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 from megaopd.analysis.curves import LENGTH_WINDOW, analyse
-from megaopd.analysis.findings import judged
+from megaopd.analysis.findings import BY_ID, judged, verdict_of
 from megaopd.analysis.runs import Stage
-from megaopd.analysis.stats import combine
+from megaopd.analysis.stats import mean_bounds
 
 CUTS = (0.5, 0.75, 1.0)
 BUDGET_RULE = ("budget sensitivity: every stage's run is cut at the last periodic eval within 50% / 75% of its "
                "steps (that eval, on the fixed subset, stands in for the final one, and the stage's FLOPs end there; "
                "100% is the report's own numbers), each stage alone with its inputs as they were, and every finding "
-               "recomputed; a verdict is from the check's point value (the mean over seeds), no interval. A finding "
+               "recomputed; a verdict is from the check's point value (the mean over seeds, bounds where censored), no interval. A finding "
                "whose verdict differs between cuts is budget-dependent, at the first cut where it changes.")
 
 
@@ -40,14 +38,15 @@ def cut_stage(stage: Stage, fraction: float) -> Stage:
 
 
 def _pooled(per_seed: list[list[dict]], i: int) -> dict:
-    """Finding i over the seeds at one cut: each check's mean over the seeds that measure it, judged on the point."""
+    """Finding i over the seeds at one cut: each check's mean over the seeds that measure it (bounds where an arm
+    was censored), judged on that point."""
+    rule = BY_ID[per_seed[0][i]["id"]]
     checks = {}
     for label in dict.fromkeys(label for findings in per_seed for label in findings[i]["checks"]):
         have = [f[i]["checks"][label] for f in per_seed if label in f[i]["checks"]]
-        value = float(np.mean([c["value"] for c in have]))
-        checks[label] = judged(value, have[0]["op"], have[0]["threshold"], None)
-    return {"verdict": combine([c["verdict"] for c in checks.values()]),
-            "values": {label: c["value"] for label, c in checks.items()}}
+        bounds = mean_bounds([tuple(c["bounds"]) for c in have], rule.log)
+        checks[label] = {**judged(bounds, rule.op, rule.threshold, None), "group": have[0]["group"]}
+    return {"verdict": verdict_of(checks), "values": {label: c["bounds"] for label, c in checks.items()}}
 
 
 def budget_sensitivity(dirs: list[Path], loaded: list[tuple[dict, list[Stage]]], metric: str = "greedy",

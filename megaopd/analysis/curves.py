@@ -6,7 +6,6 @@ vs joint GRPO), each OPD stage against its teacher-free control, the FLOPs ledge
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,10 @@ TARGET_RULE = ("FLOPs-to-target: smooth the accuracy with a trailing moving aver
                "the start), find the first eval whose smoothed accuracy >= target, and interpolate linearly in "
                "FLOPs between it and the previous eval (on the smoothed accuracy); the first eval itself if it "
                "already reaches the target; not reached if no eval does.")
+SPLIT_RULE = ("data: every study dataset is split three ways (train / validation / test, fixed by seed); stop rules, "
+              "budgets to cover, learning-rate choices and any selection read the validation split (valid/ metrics), "
+              "and this report's curves, targets and verdicts read the test split alone (eval/ and final/ metrics, "
+              "per-prompt results in evals/).")
 LENGTH_WINDOW = 10  # training steps averaged at each end for the response length
 LENGTH_RULE = "mean rollout/response_length of the first (last) `length_window` training steps"
 WALL_RULE = ("wall-clock: s / step is the mean of perf/step_seconds over the stage's training steps (rollouts to "
@@ -70,13 +73,15 @@ def split_vs_joint(expert_flops: list[float], merge_flops: list[float], merge_ac
     merge = flops_to_target(merge_flops, merge_acc, target, window)
     joint = flops_to_target(joint_flops, joint_acc, target, window)
     out = {"target": target, "merge_flops_to_target": merge,
+           "merge_flops_more_than": merge_flops[-1] if merge is None and merge_flops else None,
            "merge_best_smoothed": max(smooth(merge_acc, window), default=None), "joint_flops_to_target": joint,
            "joint_best_smoothed": max(smooth(joint_acc, window), default=None)}
     ways = {"": expert_flops} | ({"_experts_to_final": expert_flops_to_final}
                                          if expert_flops_to_final is not None else {})
     for suffix, experts in ways.items():
-        split = float(sum(experts)) + merge if merge is not None else None
-        out |= {f"experts_flops{suffix}": float(sum(experts)), f"split_flops{suffix}": split,
+        total = float(sum(experts)) if None not in experts else None  # an expert without a curve on its domain
+        split = total + merge if merge is not None and total is not None else None
+        out |= {f"experts_flops{suffix}": total, f"split_flops{suffix}": split,
                 f"saving{suffix}": 1 - split / joint if split is not None and joint else None}
     return out
 
@@ -92,9 +97,10 @@ def compare_stages(stage: Stage, ref: Stage, metric: str, fraction: float, windo
                    length_window: int = LENGTH_WINDOW, roles: tuple[str, str] = ("opd", "grpo"),
                    domain: str = "") -> dict:
     """FLOPs each of two stages needs to reach the reference stage's final accuracy (and base + a fraction of its
-    gain), their ratio reference / stage (> 1: the stage needs fewer), accuracy at matched FLOPs and response
-    lengths; keys name the stages by `roles` (stage, reference): E1-E3's ("opd", "grpo"), ("stage",
-    "reference") for two settings of one method (`compare_same_method`), or ("control", "opd") (`compare_control`).
+    gain), their ratio reference / stage (> 1: the stage needs fewer; None where a stage never reached it: its
+    FLOPs are then only bounded, `{role}_flops_more_than`), accuracy at matched FLOPs and response lengths; keys
+    name the stages by `roles` (stage, reference): E1-E3's ("opd", "grpo"), ("stage", "reference") for two settings
+    of one method (`compare_same_method`), or ("control", "opd") (`compare_control`).
 
     On `domain` when given, else the reference's own domain when it is an expert (the paper's E3 is math on math),
     else the mean; the target is the last point of the reference's smoothed curve, so that both curves and the
@@ -107,20 +113,27 @@ def compare_stages(stage: Stage, ref: Stage, metric: str, fraction: float, windo
     teacher = smooth(ag, window)[-1] if ag else None
     base = ag[0] if ag else None  # the reference's step-0 eval: the accuracy both stages start from
     out = {s: stage.name, r: ref.name, "method": stage.method, "domain": domain, "base": base,
-           "teacher": teacher, "teacher_cost_ratio": max(stage.teacher_cost.values(), default=None), "targets": {}}
+           "teacher": teacher, "teacher_cost_ratio": max(stage.teacher_cost.values(), default=None), "targets": {},
+           "stopped": {s: stage.stopped, r: ref.stopped}}
     if not ao or not ag:
         return out
     for name, target in (("teacher", teacher), ("fraction", base + fraction * (teacher - base))):
         g, o = flops_to_target(fg, ag, target, window), flops_to_target(fo, ao, target, window)
         out["targets"][name] = {"target": target, f"{r}_flops": g, f"{s}_flops": o,
+                                # censored: more FLOPs than its last eval's were needed, how many more is unknown
+                                f"{r}_flops_more_than": fg[-1] if g is None else None,
+                                f"{s}_flops_more_than": fo[-1] if o is None else None,
                                 f"{r}_best_smoothed": max(smooth(ag, window)),
                                 f"{s}_best_smoothed": max(smooth(ao, window)),
                                 "ratio": g / o if g is not None and o else None}
     at = min(fg[-1], fo[-1])
     out["matched"] = {"flops": at, f"{r}_acc": accuracy_at(fg, ag, at, window),
                       f"{s}_acc": accuracy_at(fo, ao, at, window)}
-    out["length"] = {k: dict(zip(("first", "last"), v.length_first_last(length_window)))
-                     for k, v in ((s, stage), (r, ref))}
+    out["length"] = {k: {**dict(zip(("first", "last"), v.length_first_last(length_window))),
+                         "truncated": v.truncated_last(length_window)} for k, v in ((s, stage), (r, ref))}
+    # The base model's length under the same token cap and sampling: both stages' first rollouts come from it.
+    starts = [v for v in (stage.first_step_length(), ref.first_step_length()) if v is not None]
+    out["length"]["base"] = float(np.mean(starts)) if len(starts) == 2 else None
     return out
 
 
@@ -149,12 +162,12 @@ def compare_control(control: Stage, opd: Stage, metric: str, fraction: float, wi
                     length_window: int = LENGTH_WINDOW) -> dict:
     """(g): the FLOPs an OPD stage and its teacher-free control need to reach OPD's final accuracy (and base + a
     fraction of OPD's gain), on the control's domain (else the mean), with `compare_stages`' other numbers; here
-    each target's ratio is control / OPD (> 1: OPD needs fewer; inf: the control never gets there; None where OPD's
-    own first eval already meets the target: no gain to compare)."""
+    each target's ratio is control / OPD (> 1: OPD needs fewer; None where the control never gets there, its FLOPs
+    only bounded, or where OPD's own first eval already meets the target: no gain to compare)."""
     out = compare_stages(control, opd, metric, fraction, window, x, length_window, ("control", "opd"), control.domain)
     for t in out["targets"].values():
         control_flops, opd_flops = t["control_flops"], t["opd_flops"]
-        t["ratio"] = None if not opd_flops else math.inf if control_flops is None else control_flops / opd_flops
+        t["ratio"] = control_flops / opd_flops if control_flops is not None and opd_flops else None
     return out
 
 
@@ -167,7 +180,8 @@ def multi_teacher(mt: Stage, experts: list[Stage], metric: str, window: int = 3)
     for d in domains.values():
         d["gap"] = d["student_acc"] - d["expert_acc"] if d["expert_acc"] is not None else None
     specialist = sum(e.total("stage") for e in own)
-    to_final = sum(flops_to_own_final(e, metric, window) for e in own)
+    each_to_final = [flops_to_own_final(e, metric, window) for e in own]
+    to_final = sum(each_to_final) if None not in each_to_final else None
     distill = mt.total("stage")
     return {"stage": mt.name, "domains": domains, "distill_flops": distill, "specialist_flops": specialist,
             "share": distill / specialist if specialist else None, "specialist_flops_to_final": to_final,
@@ -199,6 +213,7 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
         target = smooth(joint_a, window)[-1]  # joint GRPO's final accuracy, on the same prompts as the curves
         mt_experts = [by_name[d["expert"]] for d in mt["domains"].values()]
         splits.append({"joint": joint.name, "merge": mt["stage"], "experts": [e.name for e in mt_experts],
+                       "stopped": by_name[mt["stage"]].stopped,
                        **split_vs_joint([e.total("stage") for e in mt_experts], merge_f, merge_a, joint_f, joint_a,
                                         target, window, [flops_to_own_final(e, metric, window) for e in mt_experts])})
     table = {s.name: {"method": s.method, "algorithm": s.algorithm, "form": s.form, "steps": s.lines[-1]["step"],

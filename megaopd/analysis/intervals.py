@@ -12,27 +12,30 @@ from pathlib import Path
 import numpy as np
 
 from megaopd.analysis.curves import LENGTH_WINDOW, analyse, curve_points
-from megaopd.analysis.findings import judge, judged
+from megaopd.analysis.findings import BY_ID, judge, judged, verdict_of
 from megaopd.analysis.runs import Stage, load_study, resample_stage
-from megaopd.analysis.stats import (LEVEL, MAX_UNDEFINED, NOT_MEASURED, REPLICATES, REPRODUCED, combine,
-                                    defined_fraction, percentile_interval, resample, seed_bootstrap)
+from megaopd.analysis.stats import (LEVEL, MAX_UNDEFINED, MIN_SEEDS, NOT_MEASURED, NOT_REPRODUCED, REPLICATES,
+                                    REPRODUCED, bounds_interval, defined_fraction, mean_bounds, percentile_interval,
+                                    resample, seed_bootstrap)
 
 BOOTSTRAP_SEED = 17  # the resamples are drawn from a fixed seed: the same runs give the same report
-# FLOPs to a target that a replicate never reaches count as infinite (GRPO's to a fraction of its gain above 1).
-NOT_REACHED_IS_INF = ("grpo_flops", "opd_flops", "reference_flops", "stage_flops", "control_flops",
-                      "merge_flops_to_target", "split_flops", "split_flops_experts_to_final")
+# FLOPs to a target that a replicate may never reach, and the key of what bounds them then (more than its last eval's)
+CENSORED_BY = {key: f"{key}_more_than" for key in ("grpo_flops", "opd_flops", "reference_flops", "stage_flops",
+                                                   "control_flops")} | {"merge_flops_to_target": "merge_flops_more_than"}
 INTERVAL_RULE = (f"intervals: {int(100 * LEVEL)}% percentile bootstrap, `replicates` resamples (fixed seed). Each "
-                 "replicate resamples every domain's held-out prompts with replacement, once per prompt set, so "
-                 "that every eval and every stage on the same prompts sees the same resample (comparisons are "
-                 "paired), recomputes every accuracy from the per-prompt results (evals/*.json), then every "
-                 "smoothed curve, FLOPs-to-target, ratio, gap and saving; response lengths resample the training "
-                 "steps within the first and the last `length_window`. A target not reached counts as infinite "
-                 "FLOPs. With several seeds a replicate also draws the seeds with replacement (then one prompt "
-                 "replicate of each) and averages over them. FLOPs themselves carry no interval: the held-out "
-                 "sample does not move them. A verdict is reproduced when the whole interval satisfies the rule, "
-                 "not reproduced when none of it does, and inconclusive when it straddles the threshold, or when "
-                 f"the number is undefined in more than {100 * MAX_UNDEFINED:.0f}% of the resamples (the defined ones alone are no "
-                 "sample of it).")
+                 "replicate resamples every domain's test prompts with replacement, once per prompt set, so that "
+                 "every eval and every stage on the same prompts sees the same resample (comparisons are paired), "
+                 "recomputes every accuracy from the per-prompt results (evals/*.json), then every smoothed curve, "
+                 "FLOPs-to-target, ratio, gap and saving; response lengths resample the training steps within the "
+                 "first and the last `length_window`. A target a replicate never reaches bounds its FLOPs from below "
+                 "(the arm's last eval's FLOPs), and an interval end that falls on such a bound is open. With several "
+                 "seeds a replicate also draws the seeds with replacement (then one prompt replicate of each) and "
+                 "averages over them, bounds as bounds (CENSORING_RULE). FLOPs themselves carry no interval: the test "
+                 "sample does not move them. A verdict is reproduced when the whole interval satisfies the rule, not "
+                 "reproduced when none of it does, inconclusive when it straddles the threshold or when the number is "
+                 f"undefined in more than {100 * MAX_UNDEFINED:.0f}% of the resamples (the defined ones alone are no "
+                 "sample of it), and inconclusive (censored) when an open end leaves it undecided. A decisive verdict "
+                 f"over fewer than {MIN_SEEDS} seeds is provisional.")
 
 
 def json_safe(obj):
@@ -70,15 +73,22 @@ def _rng(*key) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
+def _check_bounds(findings: list[dict]) -> dict[str, tuple | None]:
+    """Each check's bounds by the JSON pointer of its bounds (the key of its replicates)."""
+    return {pointer(("findings", i, "checks", label, "bounds")): tuple(c["bounds"])
+            for i, f in enumerate(findings) for label, c in f["checks"].items()}
+
+
 def bootstrap(study_dir: str | Path, study: dict, stages: list[Stage], metric: str = "greedy",
               target_fraction: float = 0.9, window: int = 3, x: str = "stage", length_window: int = LENGTH_WINDOW,
               replicates: int = REPLICATES, seed: int = 0) -> tuple[dict, dict[str, list]]:
     """`analyse` on the measured curves, then on `replicates` resamples (INTERVAL_RULE); returns the result with
-    "intervals" (JSON pointer -> [lo, hi], plus the share of replicates where it is defined when not all) and the
-    findings' verdicts, and every number's replicates (for the seeds' bootstrap)."""
+    "intervals" (JSON pointer -> [lo, hi], plus the share of replicates where it is defined when not all; None for an
+    open end) and the findings' verdicts, and every number's replicates (for the seeds' bootstrap): a check's
+    replicates are its bounds."""
     args = (metric, target_fraction, window, x, length_window)
     result = analyse(study_dir, study, stages, *args)
-    draws = []
+    draws, check_draws = [], []
     if any(s.records for s in stages):
         for b in range(replicates):
             indices: dict[tuple, np.ndarray] = {}
@@ -89,65 +99,90 @@ def bootstrap(study_dir: str | Path, study: dict, stages: list[Stage], metric: s
                     indices[key] = resample(_rng(seed, b, *key), prompts["n"])
                 return indices[key]
 
-            replicate = [resample_stage(s, metric, draw, _rng(seed, b, s.name), length_window) for s in stages]
-            draws.append(dict(_numbers(analyse(study_dir, study, replicate, *args))))
+            replicate = analyse(study_dir, study, [resample_stage(s, metric, draw, _rng(seed, b, s.name),
+                                                                  length_window) for s in stages], *args)
+            check_draws.append(_check_bounds(replicate.pop("findings")))
+            draws.append(dict(_numbers(replicate)))
     intervals, reps = {}, {}
-    for path, point in _numbers(result):
+    for path, value in _numbers({k: v for k, v in result.items() if k != "findings"}):
         values = [d.get(path) for d in draws]
-        if path[-1] in NOT_REACHED_IS_INF:
-            values = [math.inf if v is None else v for v in values]
+        if path[-1] in CENSORED_BY:  # not reached: more than its bound, how much more unknown
+            more = [d.get(path[:-1] + (CENSORED_BY[path[-1]],)) for d in draws]
+            interval = bounds_interval([(v, v) if v is not None else (m, None) for v, m in zip(values, more)])
+            share = 1.0
+        else:
+            interval, share = percentile_interval(values), defined_fraction(values)
         reps[pointer(path)] = values
-        interval = percentile_interval(values)
-        if interval is None or (interval == (point, point) and None not in values):
-            continue  # no replicates, or a number the held-out sample does not move (FLOPs)
-        share = defined_fraction(values)
+        if interval is None or (tuple(interval) == (value, value) and None not in values):
+            continue  # no replicates, or a number the test sample does not move (FLOPs)
         intervals[pointer(path)] = list(interval) + ([share] if share < 1 else [])
+    for key, bounds in _check_bounds(result["findings"]).items():
+        reps[key] = [d.get(key) for d in check_draws]
     result["intervals"] = intervals
     for i, f in enumerate(result["findings"]):
-        judge(f, {label: interval for label in f["checks"]
-                  if (interval := intervals.get(pointer(("findings", i, "checks", label, "value"))))})
+        judge(f, {label: interval for label, c in f["checks"].items()
+                  if (interval := _check_interval(reps[pointer(("findings", i, "checks", label, "bounds"))],
+                                                  c["bounds"]))})
     return result, reps
+
+
+def _check_interval(draws: list, bounds: list) -> list | None:
+    """A check's interval from its replicates' bounds, with the share of them where it is defined; None without
+    replicates, or where the test sample does not move it (FLOPs): its bounds decide."""
+    if not draws or all(d is not None and list(d) == list(bounds) for d in draws):
+        return None
+    return list(bounds_interval(draws) or (None, None)) + [defined_fraction(draws)]
 
 
 def aggregate(seeds: list[dict], reps: list[dict[str, list]]) -> tuple[dict, list[dict]]:
     """Headline numbers (mean, min-max, interval) and one verdict per finding over the seeds (INTERVAL_RULE):
-    each check's mean over the seeds with its two-level bootstrap interval, and how many seeds reproduce it."""
+    each check's mean over the seeds, as bounds where a seed's arm was censored, with its two-level bootstrap
+    interval, and how many seeds reproduce it; a decisive verdict over fewer than MIN_SEEDS seeds is provisional."""
     rng = np.random.default_rng([BOOTSTRAP_SEED, len(seeds)])
-
     numbers = [dict(_numbers(s)) for s in seeds]
-
-    def pooled(path: tuple) -> tuple[float, list[float] | None, float]:
-        """A headline or check value (defined in at least one seed), its interval over the seeds and the share of
-        the replicates where it is defined."""
-        have = [(k, n[path]) for k, n in enumerate(numbers) if n.get(path) is not None]
-        if len(seeds) == 1:
-            interval = seeds[0]["intervals"].get(pointer(path))
-            share = interval[2] if interval and len(interval) > 2 else 1.0
-            return have[0][1], interval[:2] if interval else None, share
-        per_seed = [reps[k].get(pointer(path)) or [v] for k, v in have]
-        draws = seed_bootstrap(per_seed, rng)
-        interval = percentile_interval(draws)
-        return float(np.mean([v for _, v in have])), list(interval) if interval else None, defined_fraction(draws)
 
     spread = {}
     for name in sorted({k for s in seeds for k in s["headline"]}):
         values = [s["headline"][name] for s in seeds if name in s["headline"]]
-        _, interval, _ = pooled(("headline", name))
-        spread[name] = {"mean": float(np.mean(values)), "min": min(values), "max": max(values), "n": len(values),
-                        "interval": interval}
+        path = ("headline", name)
+        if len(seeds) == 1:
+            interval = seeds[0]["intervals"].get(pointer(path))
+        else:
+            per_seed = [reps[k].get(pointer(path)) or [n[path]] for k, n in enumerate(numbers) if path in n]
+            interval = percentile_interval(seed_bootstrap(per_seed, rng)) if len(values) == len(seeds) else None
+        # A number some seed lacks (its arm censored, say) gets no mean: the others alone are no sample of it.
+        spread[name] = {"mean": float(np.mean(values)) if len(values) == len(seeds) else None, "min": min(values),
+                        "max": max(values), "n": len(values),
+                        "interval": list(interval[:2]) if interval else None}
     overall = []
     for i, f in enumerate(seeds[0]["findings"]):
+        rule = BY_ID[f["id"]]
         labels = list(dict.fromkeys(label for s in seeds for label in s["findings"][i]["checks"]))
         checks = {}
         for label in labels:
-            first = next(s["findings"][i]["checks"][label] for s in seeds if label in s["findings"][i]["checks"])
-            value, interval, defined = pooled(("findings", i, "checks", label, "value"))
-            checks[label] = {**judged(value, first["op"], first["threshold"], interval, defined),
-                             "detail": first["detail"] if len(seeds) == 1 else "mean over seeds"}
+            have = [k for k, s in enumerate(seeds) if label in s["findings"][i]["checks"]]
+            first = seeds[have[0]]["findings"][i]["checks"][label]
+            path = ("findings", i, "checks", label, "bounds")
+            bounds = mean_bounds([tuple(seeds[k]["findings"][i]["checks"][label]["bounds"]) for k in have], rule.log)
+            if len(seeds) == 1:
+                interval, defined = first["interval"], first["defined"]
+            else:
+                own = [reps[k].get(pointer(path)) or [tuple(seeds[k]["findings"][i]["checks"][label]["bounds"])]
+                       for k in have]  # a seed without per-prompt results: its point
+                draws = seed_bootstrap(own, rng,
+                                       pool=lambda d: mean_bounds(d, rule.log))
+                interval, defined = bounds_interval(draws), defined_fraction(draws)
+            censored = "; ".join(dict.fromkeys(c for k in have if (c := seeds[k]["findings"][i]["checks"][label]
+                                                                   ["censored"])))
+            checks[label] = {**judged(bounds, rule.op, rule.threshold, interval, defined), "group": first["group"],
+                             "detail": first["detail"] if len(seeds) == 1 else "mean over seeds",
+                             "censored": censored}
         measured = [s["findings"][i]["verdict"] for s in seeds if s["findings"][i]["verdict"] != NOT_MEASURED]
-        overall.append({"id": f["id"], "claim": f["claim"], "verdict": combine([c["verdict"] for c in checks.values()]),
-                        "checks": checks, "seeds_reproduced": f"{measured.count(REPRODUCED)} of {len(measured)}",
-                        "n_seeds": len(seeds)})
+        call = verdict_of(checks)
+        overall.append({"id": f["id"], "claim": f["claim"], "paper": rule.paper, "verdict": call, "checks": checks,
+                        "seeds_reproduced": f"{measured.count(REPRODUCED)} of {len(measured)}",
+                        "n_seeds": len(seeds),
+                        "provisional": call in (REPRODUCED, NOT_REPRODUCED) and len(seeds) < MIN_SEEDS})
     return spread, overall
 
 

@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from megaopd.analysis.curves import LENGTH_WINDOW, TARGET_RULE  # noqa: E402
+from megaopd.analysis.findings import TARGETS, point  # noqa: E402
 from megaopd.analysis.intervals import (BOOTSTRAP_SEED, INTERVAL_RULE, analyse_seeds, json_safe,  # noqa: E402
                                         pointer)
 from megaopd.analysis.runs import study_dirs  # noqa: E402
@@ -42,20 +43,22 @@ def sweep_point(path: str | Path, target_fraction: float, metric: str, window: i
         c = next((c for c in r["comparisons"] if c["method"] == "opd_self"), None)
         if c is None or "teacher" not in c["targets"]:  # a point still running (or not a length_sweep.yaml study)
             return {"dir": str(path), "incomplete": f"{r['study_dir']}: no finished opd_self stage with its GRPO stage"}
-        # Finding (c)'s check: the ratio with OPD never reaching the target as 0 (FINDING_RULES).
-        k, label = next(k for k, f in enumerate(r["findings"]) if f["id"] == "c"), f"{c['opd']} vs {c['grpo']}"
+        # Finding (c)'s check on GRPO's final accuracy: a seed whose OPD never reached it has a bound, not a ratio.
+        k = next(k for k, f in enumerate(r["findings"]) if f["id"] == "c")
+        label = f"{c['opd']} vs {c['grpo']} ({TARGETS['teacher']})"
         check = r["findings"][k]["checks"].get(label, {"value": None})
         ratios.append(check["value"])
         grpo, opd = (next(s for s in stages if s.name == c[role]) for role in ("grpo", "opd"))
         step_costs.append(_per_step(grpo) / _per_step(opd))
         lengths.append(grpo.final.get(f"final/{c['domain'] if c['domain'] != 'mean' else grpo.domains(metric)[0]}"
                                       "/response_length"))
-        per_seed.append(rep.get(pointer(("findings", k, "checks", label, "value"))) or [check["value"]])
+        per_seed.append([point(b) for b in rep.get(pointer(("findings", k, "checks", label, "bounds")), [])]
+                        or [check["value"]])
     rng = np.random.default_rng([BOOTSTRAP_SEED, len(dirs), 1])
     reps = per_seed[0] if len(per_seed) == 1 else seed_bootstrap(per_seed, rng, replicates)
-    defined = [v for v in ratios if v is not None]
+    # A seed whose OPD never reached the target leaves the point without a ratio (the others are no sample of it).
     return {"dir": str(path), "seeds": len(dirs), "response_length": float(np.mean([v for v in lengths if v])),
-            "ratio": float(np.mean(defined)) if defined else None, "seed_ratios": ratios,
+            "ratio": float(np.mean(ratios)) if None not in ratios else None, "seed_ratios": ratios,
             "step_cost_ratio": float(np.mean(step_costs)),
             "interval": list(percentile_interval(reps) or [None, None]), "_replicates": reps}
 

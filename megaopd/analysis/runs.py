@@ -96,6 +96,33 @@ class Stage:
             return None, None
         return float(np.mean(lengths[:window])), float(np.mean(lengths[-window:]))
 
+    def first_step_length(self) -> float | None:
+        """Mean response length of the first training step's rollouts: the start model's, before any update."""
+        return next((m["rollout/response_length"] for m in self.lines if "rollout/response_length" in m), None)
+
+    def truncated_last(self, window: int) -> float | None:
+        """Share of the last `window` training steps' rollouts cut at the token cap; None where not logged."""
+        shares = [m["rollout/truncated_share"] for m in self.lines if "rollout/truncated_share" in m]
+        return float(np.mean(shares[-window:])) if shares else None
+
+    @property
+    def stopped(self) -> str:
+        """Why the stage ended, in words (its `stop` record, megaopd/stopping.py)."""
+        return stop_text(self.stop)
+
+
+def stop_text(stop: dict) -> str:
+    """A stop record in words: the rule that ended the stage at which step, and each budget it had to cover."""
+    if not stop:
+        return "stopped (no stop record)"
+    reason = {"plateau": f"plateau ({stop.get('metric')})", "max_steps": "cap"}.get(stop["reason"], stop["reason"])
+    covers = []
+    for c in stop.get("cover") or []:
+        partner = Path(c["run"]).name
+        how = {"target": "reached its target", "budget": "spent its budget"}.get(c.get("met"))
+        covers.append(f"covering {partner}: {how} at {c['met_at_step']}" if how else f"covering {partner}: not met")
+    return f"{reason} at {stop['step']}" + "".join(f"; {c}" for c in covers)
+
 
 def _record_se(record: dict | None, domain: str, metric: str) -> float | None:
     if record is None or metric not in record["reward"]:

@@ -17,10 +17,18 @@ LEVEL = 0.95  # two-sided coverage of every interval
 REPLICATES = 1000  # bootstrap replicates per study directory
 OPS = (">", ">=", "<", "<=")
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
+# Inconclusive because an arm stopped before the target: its number is only bounded on one side (``Bounds``), and the
+# bound does not settle the claim. A run with more budget could decide it.
+CENSORED = "inconclusive (censored)"
+MIN_SEEDS = 3  # a decisive verdict over fewer seeds is provisional: two seeds' bootstrap is little more than their range
 # A number undefined in more of the resamples than this (a ratio whose curve missed the target) gets no verdict from
 # the resamples where it happens to exist: they are not a sample of the number.
 MAX_UNDEFINED = 0.05
 NOT_MEASURED = "not measured in this study"
+
+# A number known to lie in [lo, hi]: lo == hi when measured; None on a side where it is unbounded, as when an arm
+# stopped before a target (its FLOPs to it: more than it spent, no more known). Never 0, inf or -inf for "never".
+Bounds = tuple[float | None, float | None]
 
 
 def percentile_interval(values: Sequence[float | None], level: float = LEVEL) -> tuple[float, float] | None:
@@ -40,7 +48,8 @@ def percentile_interval(values: Sequence[float | None], level: float = LEVEL) ->
 
 def defined_fraction(values: Sequence[float | None]) -> float:
     """Share of replicates where the number exists (e.g. a ratio needs both curves to reach the target)."""
-    return sum(v is not None and not math.isnan(v) for v in values) / len(values) if values else 0.0
+    return (sum(v is not None and not (isinstance(v, float) and math.isnan(v)) for v in values) / len(values)
+            if values else 0.0)
 
 
 def interval_wording(n_seeds: int) -> str:
@@ -83,23 +92,49 @@ def resample(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, n, size=n)
 
 
-def seed_bootstrap(per_seed: Sequence[Sequence[float | None]], rng: np.random.Generator,
-                   replicates: int = REPLICATES) -> list[float | None]:
+def seed_bootstrap(per_seed: Sequence[Sequence], rng: np.random.Generator, replicates: int = REPLICATES,
+                   pool=None) -> list:
     """Replicates of the mean over seeds: draw the seeds with replacement, then one prompt-level replicate of each.
 
-    per_seed[s] holds seed s's replicates of the number (None where undefined); a draw with an undefined value
-    is undefined. This two-level bootstrap carries both the seed-to-seed spread and each seed's prompt noise.
+    per_seed[s] holds seed s's replicates of the number (None or nan where undefined); a draw with an undefined
+    value is undefined. This two-level bootstrap carries both the seed-to-seed spread and each seed's prompt noise.
+    ``pool`` averages one draw (default: the mean of numbers; ``mean_bounds`` for bounded numbers).
     """
-    arrays = [np.array([np.nan if v is None else v for v in values], dtype=float) for values in per_seed]
-    if not arrays or any(a.size == 0 for a in arrays):
+    if not per_seed or any(len(values) == 0 for values in per_seed):
         raise ValueError("seed_bootstrap needs at least one replicate for every seed")
-    out: list[float | None] = []
+    pool = pool or (lambda draws: float(np.mean(draws)))
+    out = []
     for _ in range(replicates):
-        seeds = rng.integers(0, len(arrays), size=len(arrays))
-        draws = [arrays[s][rng.integers(0, arrays[s].size)] for s in seeds]
-        value = float(np.mean(draws))
-        out.append(None if math.isnan(value) else value)
+        seeds = rng.integers(0, len(per_seed), size=len(per_seed))
+        draws = [per_seed[s][rng.integers(0, len(per_seed[s]))] for s in seeds]
+        undefined = any(d is None or (isinstance(d, float) and math.isnan(d)) for d in draws)
+        out.append(None if undefined else pool(draws))
     return out
+
+
+def mean_bounds(values: Sequence[Bounds], log: bool = False) -> Bounds:
+    """The mean of numbers each known only within its bounds (the geometric mean with ``log``, for ratios): it lies
+    between the mean of their lower bounds and the mean of their upper ones, and is unbounded on a side where any of
+    them is. A censored seed stays a bound; it never becomes a number."""
+    def side(ends: list[float | None]) -> float | None:
+        if any(e is None or (log and e <= 0) for e in ends):
+            return None
+        return float(np.exp(np.mean(np.log(ends)))) if log else float(np.mean(ends))
+
+    return side([b[0] for b in values]), side([b[1] for b in values])
+
+
+def bounds_interval(draws: Sequence[Bounds | None], level: float = LEVEL) -> Bounds | None:
+    """Percentile interval of a bounded number's replicates (None where undefined): the lower end is the order
+    statistic of their lower bounds, an unbounded one below every number, and the upper end that of their upper
+    bounds; None on a side where the order statistic is unbounded, and None if no replicate is defined."""
+    defined = [d for d in draws if d is not None]
+    if not defined:
+        return None
+    tail, n = (1 - level) / 2, len(defined)
+    lows = sorted(defined, key=lambda d: (d[0] is not None, d[0] or 0.0))
+    highs = sorted(defined, key=lambda d: (d[1] is None, d[1] or 0.0))
+    return lows[min(n - 1, math.floor(tail * n))][0], highs[max(0, math.ceil((1 - tail) * n) - 1)][1]
 
 
 def holds(value: float, op: str, threshold: float) -> bool:
@@ -109,12 +144,13 @@ def holds(value: float, op: str, threshold: float) -> bool:
             "<=": value <= threshold}[op]
 
 
-def verdict(interval: tuple[float, float] | None, op: str, threshold: float, point: float | None = None,
+def verdict(interval: Bounds | None, op: str, threshold: float, point: float | None = None,
             defined: float = 1.0) -> str:
     """A claim "value OP threshold": reproduced when the whole interval satisfies it, not reproduced when none of
     it does, inconclusive when it straddles the threshold or when the number is undefined in more than
-    MAX_UNDEFINED of the resamples (``defined``: the share where it exists). Without an interval, the point decides
-    (two-way)."""
+    MAX_UNDEFINED of the resamples (``defined``: the share where it exists). An interval end may be None (a censored
+    arm: unbounded on that side): the claim is then decided only where the bounded end settles it, else it is
+    CENSORED. Without an interval, the point decides (two-way)."""
     if interval is None:
         if point is None:
             return NOT_MEASURED
@@ -122,11 +158,25 @@ def verdict(interval: tuple[float, float] | None, op: str, threshold: float, poi
     if defined < 1 - MAX_UNDEFINED:
         return INCONCLUSIVE
     lo, hi = interval
-    if holds(lo, op, threshold) and holds(hi, op, threshold):
+    # Every value of the interval holds when its far end does (its lower end for > and >=), none when its near
+    # end fails.
+    far, near = (lo, hi) if op in (">", ">=") else (hi, lo)
+    if far is not None and holds(far, op, threshold):
         return REPRODUCED
-    if not holds(lo, op, threshold) and not holds(hi, op, threshold):
+    if near is not None and not holds(near, op, threshold):
         return NOT_REPRODUCED
-    return INCONCLUSIVE
+    return CENSORED if None in interval else INCONCLUSIVE
+
+
+def agree(verdicts: Sequence[str]) -> str:
+    """One claim measured several ways (a pair's two targets): decisive only where they all say the same; a
+    reproduced beside a not reproduced is inconclusive."""
+    measured = [v for v in verdicts if v != NOT_MEASURED]
+    if not measured:
+        return NOT_MEASURED
+    if len(set(measured)) == 1:
+        return measured[0]
+    return CENSORED if CENSORED in measured else INCONCLUSIVE
 
 
 def combine(verdicts: Sequence[str]) -> str:
@@ -137,4 +187,7 @@ def combine(verdicts: Sequence[str]) -> str:
         return NOT_MEASURED
     if NOT_REPRODUCED in measured:
         return NOT_REPRODUCED
-    return INCONCLUSIVE if INCONCLUSIVE in measured else REPRODUCED
+    for undecided in (INCONCLUSIVE, CENSORED):
+        if undecided in measured:
+            return undecided
+    return REPRODUCED
