@@ -78,7 +78,11 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: list[str] = field(default_factory=list)  # JSONL / Parquet files in the common RL row format
-    eval: list[str] = field(default_factory=list)  # held-out files; accuracy is reported per data_source
+    # The test split: what the report judges (curves, targets, verdicts); accuracy is reported per data_source
+    eval: list[str] = field(default_factory=list)
+    # The validation split: what stops or tunes a run reads (train.stop, train.stop.cover, sft.stop_at_accuracy);
+    # evaluated beside the test split (valid/ and final_valid/ metrics). Disjoint from train and eval.
+    validation: list[str] = field(default_factory=list)
     strict: bool = False  # stop at the first malformed row instead of skipping and reporting it
 
 

@@ -208,7 +208,7 @@ def tiny_overrides(assets, run_dir, algorithm: str = "grpo", **overrides) -> lis
         f"run_dir={run_dir}",
         f"model.path={assets / 'models' / 'qwen3-tiny'}",
         f"data.train=[{data / 'arith_add' / 'train.jsonl'}, {data / 'prog_trace' / 'train.jsonl'}]",
-        f"data.eval=[{data / 'arith_add' / 'heldout.jsonl'}, {data / 'prog_trace' / 'heldout.jsonl'}]",
+        f"data.eval=[{data / 'arith_add' / 'test.jsonl'}, {data / 'prog_trace' / 'test.jsonl'}]",
         f"train.algorithm={algorithm}", "train.steps=4", "train.prompts_per_step=4", "train.micro_batch_size=8",
         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12",
         "eval.every=2", "eval.prompts_per_domain=4", "eval.final_prompts_per_domain=4",

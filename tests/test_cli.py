@@ -40,7 +40,7 @@ def test_make_embedded_then_eval(tmp_path):
     model = tmp_path / "models" / "llama-tiny"
     assert (model / "model.safetensors").exists() and (model / "tokenizer.json").exists()
     answering_model(model, "answer:7")  # 8 tokens + EOS
-    heldout = tmp_path / "data" / "letter_count" / "heldout.jsonl"
+    heldout = tmp_path / "data" / "letter_count" / "test.jsonl"
     rows = [json.loads(line) for line in heldout.read_text().splitlines()]
     for i, row in enumerate(rows):  # the first five: truths 7, 8, 7, 8, 8; the rest must not be read
         row["reward_model"]["ground_truth"] = "7" if i in (0, 2) or i >= 5 else "8"

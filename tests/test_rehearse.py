@@ -66,7 +66,7 @@ def test_stand_ins_keep_the_layout_and_swap_models_data_and_site(tmp_path):
     models, data = rehearse.stand_ins(study)
     assert models == {"/models/Qwen3-1.7B": "qwen3-tiny", "/models/Qwen3-8B": "qwen3-small"}
     assert data["/data/rl/math/train.jsonl"] == ("math", "arith_add", "train")
-    assert data["/data/rl/code/heldout.jsonl"] == ("code", "prog_trace", "heldout")
+    assert data["/data/rl/code/test.jsonl"] == ("code", "prog_trace", "test")
     rehearse.write_standin_data(study, tmp_path / "out")
     from megaopd.data.rows import load_rows
 
