@@ -166,7 +166,7 @@ def dependencies(study: StudyConfig) -> dict[str, list[str]]:
     names = {s.name for s in study.stages}
     deps = {}
     for stage in study.stages:
-        found = re.findall(r"\{out\}/([^/\s,\]\"']+)", " ".join(stage.overrides))
+        found = re.findall(r"\{out\}/([^/\s,\]}\"']+)", " ".join(stage.overrides))
         deps[stage.name] = sorted({n for n in found if n in names and n != stage.name},
                                   key=[s.name for s in study.stages].index)
     return deps

@@ -89,8 +89,14 @@ def assets(tmp_path_factory):
     for preset in ("qwen3-tiny", "llama-tiny"):
         build_model(preset, root / "models" / preset, seed=0)
     build_model("qwen3-tiny", root / "models" / "qwen3-tiny-seed1", seed=1)
-    build_data(root / "data", ["arith_add", "prog_trace"], train_rows=200, heldout_rows=40)
+    build_data(root / "data", ["arith_add", "prog_trace"], train_rows=200, heldout_rows=40, validation_rows=40)
     return root
+
+
+def validation(assets) -> dict[str, str]:
+    """The data.validation override of the session's tiny assets, for run_config (what the stop rules read)."""
+    data = assets / "data"
+    return {"data.validation": f"[{data / 'arith_add' / 'validation.jsonl'}, {data / 'prog_trace' / 'validation.jsonl'}]"}
 
 
 # A chat template of its own, with a default system message: a teacher of this tokenizer renders prompts its way.
