@@ -162,11 +162,13 @@ def build_assets(study: StudyConfig) -> None:
 
 
 def dependencies(study: StudyConfig) -> dict[str, list[str]]:
-    """Stage -> the stages whose run directories its overrides mention (``{out}/<stage>`` or ``{out}/<stage>/``)."""
+    """Stage -> the stages whose run directories its overrides mention (``{out}/<stage>`` or ``{out}/<stage>/``),
+    themselves or through ``vars`` (a teacher's model, a partner in ``train.stop.cover``)."""
     names = {s.name for s in study.stages}
     deps = {}
     for stage in study.stages:
-        found = re.findall(r"\{out\}/([^/\s,\]}\"']+)", " ".join(stage.overrides))
+        text = " ".join(map(study.substitute, stage.overrides))
+        found = re.findall(re.escape(study.out) + r"/([^/\s,\]}\"']+)", text)
         deps[stage.name] = sorted({n for n in found if n in names and n != stage.name},
                                   key=[s.name for s in study.stages].index)
     return deps
