@@ -7,6 +7,7 @@ import json
 import pytest
 
 from conftest import run_config, validation
+from megaopd.analysis.curves import flops_to_target, smooth
 from megaopd.config import ConfigError
 from megaopd.ledger import LEDGER_FILE
 from megaopd.metrics import read_metrics
@@ -169,3 +170,36 @@ def test_a_run_that_cannot_improve_stops_at_its_plateau_and_says_why(assets, tmp
         "final.json", "step_000000.json", "step_000002.json", "step_000004.json"]
     again = train(config)  # the same command again: it had stopped, so it trains no further
     assert again["steps"] == 4 and again["ledger"]["own"] == summary["ledger"]["own"]
+
+
+def test_a_trained_stage_covers_a_trained_partner(assets, tmp_path):
+    """End to end: a partner GRPO run, then a stage that alone would stop at step 4 (min_delta 1, as above) covering
+    it with margin 1: the trainer feeds the rule each eval's step, validation accuracy and stage FLOPs, and the
+    summary's record agrees with both runs' metrics (the target and FLOPs-to-target recomputed here from the
+    partner's, the stop at or after the eval that met the cover, and none of the evals before it meeting it).
+    The tiny models answer nothing right in a few steps, so the partner's validation curve is rewritten to climb
+    (0.2, 0.4, 0.6 at its evals: target 0.4 at its last eval's FLOPs), which the stage meets by its budget."""
+    small = {**validation(assets), "eval.every": 2, "checkpoint.every": 100}
+    train(run_config(assets, tmp_path / "partner", "grpo", **small, **{"train.steps": 4}))
+    lines, climb = read_metrics(tmp_path / "partner"), iter((0.2, 0.4, 0.6))
+    for m in lines:
+        if "valid/arith_add/accuracy_greedy" in m:
+            m["valid/arith_add/accuracy_greedy"] = next(climb)
+    (tmp_path / "partner" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    summary = train(run_config(assets, tmp_path / "stage", "grpo", **small, **{
+        "train.steps": 12, "train.stop.rule": "plateau", "train.stop.metric": "arith_add", "train.stop.window": 2,
+        "train.stop.min_delta": 1.0,
+        "train.stop.cover": f"[{{run: {tmp_path / 'partner'}, domain: arith_add, margin: 1.0}}]"}))
+    key = "valid/arith_add/accuracy_greedy"
+    partner = [m for m in read_metrics(tmp_path / "partner") if key in m]
+    target = smooth([m[key] for m in partner])[-1]
+    to_target = flops_to_target([m["flops/total_stage"] for m in partner], [m[key] for m in partner], target)
+    (cover,) = summary["stop"]["cover"]
+    assert cover["target"] == target and cover["partner_flops_to_target"] == to_target > 0
+    assert cover["min_flops"] == 2 * to_target
+    evals = [m for m in read_metrics(tmp_path / "stage") if key in m]
+    smoothed = smooth([m[key] for m in evals])
+    met = [i for i, m in enumerate(evals) if smoothed[i] >= target or m["flops/total_stage"] >= cover["min_flops"]]
+    assert met and cover["met_at_step"] == evals[met[0]]["step"] > 4  # the plateau alone stopped at step 4
+    assert cover["met"] == ("target" if smoothed[met[0]] >= target else "budget")
+    assert summary["stop"]["reason"] == "plateau" and summary["steps"] >= cover["met_at_step"]
