@@ -96,7 +96,8 @@ def assets(tmp_path_factory):
 def validation(assets) -> dict[str, str]:
     """The data.validation override of the session's tiny assets, for run_config (what the stop rules read)."""
     data = assets / "data"
-    return {"data.validation": f"[{data / 'arith_add' / 'validation.jsonl'}, {data / 'prog_trace' / 'validation.jsonl'}]"}
+    files = ", ".join(str(data / domain / "validation.jsonl") for domain in ("arith_add", "prog_trace"))
+    return {"data.validation": f"[{files}]"}
 
 
 # A chat template of its own, with a default system message: a teacher of this tokenizer renders prompts its way.
