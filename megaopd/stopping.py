@@ -64,6 +64,9 @@ class Cover:
         if cover.domain != "mean" and cover.domain not in valid_domains:
             raise ConfigError(f"{where}: domain {cover.domain!r} is not in data.validation "
                               f"({', '.join(valid_domains)}); use 'mean' or one of them")
+        if cover.margin < 0:
+            raise ConfigError(f"{where}: margin {cover.margin} would stop it short of its partner's FLOPs-to-target; "
+                              "set a margin >= 0")
         if not (Path(cover.run) / SUMMARY).exists():
             raise ConfigError(f"{where}: no finished run there ({SUMMARY} missing); run the partner stage first")
         points = [(m[FLOPS], m[valid_key(cover.domain)]) for m in read_metrics(cover.run)

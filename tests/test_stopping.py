@@ -89,6 +89,8 @@ def test_what_a_rule_cannot_read_is_refused_with_what_to_set(tmp_path):
     StopRule(cold.train.stop, 4, {}, ["arith_add"], [], 0.0)  # the steps rule reads nothing: no validation needed
     with pytest.raises(ConfigError, match="train.stop.cover holds back the plateau rule: set train.stop.rule=plateau"):
         rule(tmp_path, "arith_add", rule="steps", cover=f"[{{run: {partner(tmp_path)}}}]")
+    with pytest.raises(ConfigError, match="margin -0.1 would stop it short of its partner's FLOPs-to-target; set"):
+        rule(tmp_path, "arith_add", cover=f"[{{run: {partner(tmp_path)}, margin: -0.1}}]")
     with pytest.raises(ConfigError, match="no finished run there .summary.json missing.; run the partner stage first"):
         rule(tmp_path, "arith_add", cover=f"[{{run: {tmp_path / 'absent'}}}]")
     with pytest.raises(ConfigError, match="no valid/arith_add/accuracy_greedy; train the partner with data.valid"):
