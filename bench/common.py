@@ -70,7 +70,7 @@ def prepare_assets(root: Path = DEFAULT_ASSETS, presets=("qwen3-tiny", "qwen3-sm
     root.mkdir(parents=True, exist_ok=True)
     for preset in presets:
         fixed_length_model(preset, root / "models" / preset, seed=0)
-    if not (root / "data" / DOMAINS[-1] / "heldout.jsonl").exists():
+    if not (root / "data" / DOMAINS[-1] / "test.jsonl").exists():
         build_data(root / "data", DOMAINS, train_rows=rows, heldout_rows=16)
     return root
 

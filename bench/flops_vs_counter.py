@@ -107,7 +107,7 @@ def trainer_rows(preset: str, model_dir: Path, teacher_dir: Path, data: Path, ru
                                    ("opd", "opd", [f"opd.teachers.*={teacher_dir}", "opd.form=full_vocab"])]:
         cfg = load_config(None, [
             f"run_dir={run_dir / name.replace(' ', '_')}", f"model.path={model_dir}", f"train.algorithm={algorithm}",
-            f"data.train=[{data / 'arith_add' / 'train.jsonl'}]", f"data.eval=[{data / 'arith_add' / 'heldout.jsonl'}]",
+            f"data.train=[{data / 'arith_add' / 'train.jsonl'}]", f"data.eval=[{data / 'arith_add' / 'test.jsonl'}]",
             "train.prompts_per_step=1", f"rollout.samples_per_prompt={group}", f"rollout.max_new_tokens={max_new}",
             "train.recompute_old_logprobs=true", *extra])
         for component, row in audit_step(cfg).items():

@@ -171,7 +171,7 @@ class Acceptance:
 
             problems = load_humaneval()
             write_rows(self.data / "code" / "train.jsonl", problems[:CODE_TRAIN])
-            write_rows(self.data / "code" / "heldout.jsonl", problems[CODE_TRAIN:])
+            write_rows(self.data / "code" / "test.jsonl", problems[CODE_TRAIN:])
 
     def part(self, name: str, fn, *args):
         """Run one part; record its time and error; return its result (None when it failed)."""
@@ -198,7 +198,7 @@ class Acceptance:
                 f"rollout.max_new_tokens={20 if self.dry else 384}",
                 f"rollout.temperature={1.0 if self.dry else 0.7}",
                 f"rollout.samples_per_prompt={4 if method(algorithm).group_term else 1}", f"optim.lr={lr}",
-                f"data.train={self.files('train')}", f"data.eval={self.files('heldout')}", "eval.every=1000",
+                f"data.train={self.files('train')}", f"data.eval={self.files('test')}", "eval.every=1000",
                 "eval.prompts_per_domain=4", f"eval.final_prompts_per_domain={8 if self.dry else 64}",
                 "checkpoint.every=1000", *self.overrides]
 
@@ -273,7 +273,7 @@ class Acceptance:
 
         cfg = load_config(None, [f"run_dir={self.work / 'eval'}", *self.run_args(model, "grpo", 1, 0.0)])
         policy = HFPolicy(ModelConfig(path=str(model), dtype=cfg.model.dtype, device=cfg.model.device))
-        rows = [r for d in self.domains for r in load_rows(str(self.data / d / "heldout.jsonl"))[0]]
+        rows = [r for d in self.domains for r in load_rows(str(self.data / d / "test.jsonl"))[0]]
         evaluator = Evaluator(rows, EvalConfig(final_prompts_per_domain=cfg.eval.final_prompts_per_domain),
                               cfg.rollout.max_new_tokens, 0, policy.device)
         metrics = evaluator.run(LocalEngine(policy), policy.tokenizer, 0, final=True)

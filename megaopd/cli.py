@@ -78,6 +78,11 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--input", help="JSONL / JSON / Parquet file (not needed for humaneval: the package ships it)")
     p.add_argument("--out", required=True, help="output JSONL")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed record")
+    p.add_argument("--validation", type=int, default=0, metavar="N",
+                   help="carve N distinct problems (drawn by --seed) off the converted held-out file into "
+                        "validation.jsonl beside --out (data.validation: what stops and tunes a run; --out keeps "
+                        "the rest, the test split the report judges)")
+    p.add_argument("--seed", type=int, default=0, help="the seed of --validation's draw")
 
     sub.add_parser("report", help="write the report of one or more study directories (see megaopd report -h)")
     sub.add_parser("submit", help="submit a study to Slurm (see megaopd submit -h)")
@@ -130,13 +135,21 @@ def _run(args) -> int:
         print(json.dumps(evaluator.run(LocalEngine(policy), policy.tokenizer, step=0), indent=1))
     elif args.command == "convert":
         from megaopd.data.rows import write_rows
-        from megaopd.data.sources import convert, load_humaneval
+        from megaopd.data.sources import VALIDATION_FILE, convert, load_humaneval, split_validation
+        from megaopd.errors import DataError
 
         if args.source == "humaneval" and not args.input:
             rows = load_humaneval()
         else:
             rows, report = convert(args.input, args.source, args.strict)
             print(report.summary())
+        if args.validation:
+            validation_out = Path(args.out).parent / VALIDATION_FILE
+            if Path(args.out).name == VALIDATION_FILE:
+                raise DataError(f"--out {args.out} is where --validation writes: name the test file otherwise")
+            validation, rows = split_validation(rows, args.validation, args.seed)
+            write_rows(validation_out, validation)
+            print(f"wrote {len(validation)} rows to {validation_out}")
         write_rows(args.out, rows)
         print(f"wrote {len(rows)} rows to {args.out}")
     elif args.command == "import-model":

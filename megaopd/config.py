@@ -78,7 +78,11 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: list[str] = field(default_factory=list)  # JSONL / Parquet files in the common RL row format
-    eval: list[str] = field(default_factory=list)  # held-out files; accuracy is reported per data_source
+    # The test split: what the report judges (curves, targets, verdicts); accuracy is reported per data_source
+    eval: list[str] = field(default_factory=list)
+    # The validation split: what stops or tunes a run reads (train.stop, train.stop.cover, sft.stop_at_accuracy);
+    # evaluated beside the test split (valid/ and final_valid/ metrics). Disjoint from train and eval.
+    validation: list[str] = field(default_factory=list)
     strict: bool = False  # stop at the first malformed row instead of skipping and reporting it
 
 
@@ -187,10 +191,23 @@ class OPSAConfig:
 @dataclass
 class SFTConfig:
     # The rows of one SFT step are train.prompts_per_step (sft.batch_size is refused: REMOVED_KEYS).
-    # Cold start: stop once held-out accuracy of every domain reaches `stop_at_accuracy` (checked at each eval)
+    # Cold start: stop once validation accuracy of every domain reaches `stop_at_accuracy` (checked at each eval)
     # so that the base student is weak but not hopeless. 0 disables the early stop.
     stop_at_accuracy: float = 0.0
     noise: float = 0.0  # share of targets corrupted (a character substituted or dropped, or the answer cut off)
+
+
+@dataclass
+class CoverConfig:
+    """A stage this one is compared with (train.stop.cover, docs/budgets.md): the plateau rule does not end this
+    stage before its smoothed validation accuracy on `domain` reaches the partner's target (the last point of the
+    partner's smoothed validation curve) or its stage FLOPs reach (1 + margin) x the partner's FLOPs-to-target."""
+
+    run: str = ""  # the partner stage's run directory (finished before this stage starts)
+    domain: str = "mean"  # a domain of data.validation, or the mean over them
+    # Slack for the partner's FLOPs-to-target measured on validation where the report measures it on test
+    # (docs/budgets.md, "Budgets that cover each other")
+    margin: float = 0.25
 
 
 @dataclass
@@ -200,11 +217,13 @@ class StopConfig:
     # steps: run train.steps; plateau: stop once the watched metric, smoothed as in the report, has not improved
     # by min_delta over the last `window` evals
     rule: Literal["steps", "plateau"] = "steps"
-    # What the stage watches (greedy held-out accuracy): a domain, "mean" (of the domains), or "teacher_gap" (OPD:
-    # the mean over its training domains of how far it is below its teacher's final accuracy there).
+    # What the stage watches (greedy validation accuracy): a domain, "mean" (of the domains), or "teacher_gap" (OPD:
+    # the mean over its training domains of how far it is below its teacher's final validation accuracy there).
     metric: str = "mean"
     window: int = 3  # evals (eval.every steps apart)
     min_delta: float = 0.01  # absolute accuracy
+    # The stages this one is compared with: the plateau rule waits until each is covered (by target or budget)
+    cover: list[CoverConfig] = field(default_factory=list)
 
 
 @dataclass

@@ -3,7 +3,7 @@
     megaopd make-embedded --out runs/embedded
 
 writes ``models/<preset>/`` (config.json, model.safetensors, tokenizer with a chat template) and
-``data/<domain>/{train,heldout}.jsonl``. Nothing is downloaded: the tokenizer is a byte-level BPE with no merges
+``data/<domain>/{train,validation,test}.jsonl``. Nothing is downloaded: the tokenizer is a byte-level BPE with no merges
 (every byte one token) plus chat special tokens, and the models are transformers' own Qwen3 / Llama classes,
 random-initialised, so the same loading code serves Qwen3-1.7B or Llama-3-8B on a cluster.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megaopd.data.rows import write_rows
-from megaopd.data.synthetic import DOMAINS, make_split
+from megaopd.data.synthetic import DOMAINS, make_splits
 from megaopd.shapes import REAL_SHAPES, real_model_config, real_shape
 
 log = logging.getLogger(__name__)
@@ -84,14 +84,17 @@ def build_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
 
 def build_data(out_dir: str | Path, domains: list[str] | None = None, train_rows: int = 4000,
                heldout_rows: int = 500, difficulty: dict[str, int] | None = None, seed: int = 0,
-               heldout_percent: int = 10, verbosity: dict[str, int] | None = None) -> dict[str, Path]:
-    """Write train / held-out JSONL per domain; returns domain -> its data directory."""
+               heldout_percent: int = 10, verbosity: dict[str, int] | None = None,
+               validation_rows: int = 200) -> dict[str, Path]:
+    """Write train / validation / test JSONL per domain (`heldout_rows`: the test rows); returns domain -> its data
+    directory."""
     out_dir = Path(out_dir)
     paths = {}
+    counts = {"train": train_rows, "validation": validation_rows, "test": heldout_rows}
     for domain in domains or list(DOMAINS):
         level = (difficulty or {}).get(domain)
-        for split, count in (("train", train_rows), ("heldout", heldout_rows)):
-            rows = make_split(domain, split, count, level, seed, heldout_percent, (verbosity or {}).get(domain, 0))
+        splits = make_splits(domain, counts, level, seed, heldout_percent, (verbosity or {}).get(domain, 0))
+        for split, rows in splits.items():
             write_rows(out_dir / domain / f"{split}.jsonl", rows)
         paths[domain] = out_dir / domain
     return paths
@@ -99,9 +102,11 @@ def build_data(out_dir: str | Path, domains: list[str] | None = None, train_rows
 
 def make_embedded(out: str | Path, presets: list[str], domains: list[str] | None = None, seed: int = 0,
                   train_rows: int = 4000, heldout_rows: int = 500, difficulty: dict[str, int] | None = None,
-                  heldout_percent: int = 10, verbosity: dict[str, int] | None = None) -> None:
+                  heldout_percent: int = 10, verbosity: dict[str, int] | None = None,
+                  validation_rows: int = 200) -> None:
     out = Path(out)
     for preset in presets:
         if not (out / "models" / preset / "config.json").exists():
             build_model(preset, out / "models" / preset, seed)
-    build_data(out / "data", domains, train_rows, heldout_rows, difficulty, seed, heldout_percent, verbosity)
+    build_data(out / "data", domains, train_rows, heldout_rows, difficulty, seed, heldout_percent, verbosity,
+               validation_rows)

@@ -45,12 +45,25 @@ def score_samples(tokenizer, samples: list[Sample]) -> tuple[float, int]:
     return seconds, errors
 
 
+# The metric prefixes of the splits' periodic evals: eval/<domain>/accuracy_<mode> (the test split, which the report
+# judges) and valid/<domain>/accuracy_greedy (the validation split, which stop rules read).
+TEST, VALID = "eval", "valid"
+
+
+def final_prefix(prefix: str) -> str:
+    """The prefix of a split's final eval: final/ (test), final_valid/ (validation)."""
+    return "final" if prefix == TEST else f"final_{prefix}"
+
+
 class Evaluator:
     """Fixed held-out prompts: a subset per domain during training, all of them (or a stated number) at the end."""
 
     def __init__(self, rows: list[Row], cfg: EvalConfig, max_new_tokens: int, seed: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", prefix: str = TEST):
+        """`prefix`: of the metric keys, ``<prefix>/<domain>/accuracy_<mode>`` (TEST or VALID; at the end
+        ``final_prefix(prefix)``)."""
         self.cfg, self.seed, self.device = cfg, seed, device  # device: the policy's, where sampling draws
+        self.prefix = prefix
         self.max_new_tokens = cfg.max_new_tokens or max_new_tokens
         self.by_domain: dict[str, list[Row]] = defaultdict(list)
         for row in rows:
@@ -66,6 +79,7 @@ class Evaluator:
         if not rows:
             return {}
         metrics: dict[str, float] = {}
+        prefix = final_prefix(self.prefix) if final else self.prefix
         per_prompt: dict = {"step": step, "final": final, "prompts": {}, "reward": {}, "response_length": {}}
         modes = [("greedy", 0.0)] + ([("sampled", 1.0)] if self.cfg.sampled else [])
         for mode, temperature in modes:
@@ -76,11 +90,11 @@ class Evaluator:
             per_prompt["reward"][mode] = _by_domain(samples, lambda s: _compact(s.reward))
             accuracy = per_domain_means(samples, lambda s: s.reward)
             for domain, acc in accuracy.items():
-                metrics[f"eval/{domain}/accuracy_{mode}"] = acc
-            metrics[f"eval/mean/accuracy_{mode}"] = sum(accuracy.values()) / len(accuracy)
+                metrics[f"{prefix}/{domain}/accuracy_{mode}"] = acc
+            metrics[f"{prefix}/mean/accuracy_{mode}"] = sum(accuracy.values()) / len(accuracy)
             if mode == "greedy":
                 for domain, length in per_domain_means(samples, lambda s: len(s.response_ids)).items():
-                    metrics[f"eval/{domain}/response_length"] = length
+                    metrics[f"{prefix}/{domain}/response_length"] = length
                 per_prompt["response_length"] = _by_domain(samples, lambda s: len(s.response_ids))
         if record is not None:
             # The prompts' identity (count and a hash of their texts): the report pairs only evals of the same prompts.

@@ -1,8 +1,10 @@
 """The scalars a run logs: computed from a step's samples and timings, then written as one ``metrics.jsonl`` line
 per logged step and the same scalars in TensorBoard.
 
-Scalar names are grouped by prefix: ``train/``, ``rollout/``, ``eval/``, ``flops/``, ``perf/``. On resume, lines
-and events after the checkpoint's step are dropped, so a resumed run's logs equal an uninterrupted run's.
+Scalar names are grouped by prefix: ``train/``, ``rollout/``, ``eval/`` (the test split), ``valid/`` (the
+validation split, which stop rules read), ``flops/``, ``perf/``; the end's evals ``final/`` and ``final_valid/``.
+On resume, lines and events after the checkpoint's step are dropped, so a resumed run's logs equal an
+uninterrupted run's.
 
 MFU (model FLOP utilisation) is achieved model FLOP/s (``megaopd.flops`` conventions: matmuls only, 3x forward for a
 training pass, real tokens) over the devices' dense peak. It is always quoted against the bf16 dense peak, also for

@@ -41,8 +41,11 @@ class AssetsConfig:
     domains: list[str] = field(default_factory=list)
     difficulty: dict[str, int] = field(default_factory=dict)
     train_rows: int = 4000
-    heldout_rows: int = 500
-    heldout_percent: int = 10  # share of distinct problems kept for held-out (2-digit addition has 8100 in all)
+    heldout_rows: int = 500  # test rows per domain (test.jsonl: what the report judges)
+    validation_rows: int = 200  # validation rows per domain (validation.jsonl: what stops and tunes a run)
+    # Share of distinct problems kept out of train (2-digit addition has 8100 in all); validation and test are cut
+    # from them, disjoint (megaopd.data.synthetic).
+    heldout_percent: int = 10
     verbosity: dict[str, int] = field(default_factory=dict)  # worded solutions (the length sweep): domain -> 0..2
     seed: int = 0
     # Published checkpoints, imported into {out}/models/<name> (`megaopd import-model <name>`; names may use {var})
@@ -144,7 +147,8 @@ def build_assets(study: StudyConfig) -> None:
     a = study.assets
     if a.presets or a.domains:
         make_embedded(out, [study.substitute(p) for p in a.presets], [study.substitute(d) for d in a.domains] or None,
-                      a.seed, a.train_rows, a.heldout_rows, a.difficulty, a.heldout_percent, a.verbosity)
+                      a.seed, a.train_rows, a.heldout_rows, a.difficulty, a.heldout_percent, a.verbosity,
+                      a.validation_rows)
     for name in map(study.substitute, a.imported):
         if not (out / "models" / name / "config.json").exists():
             from megaopd.model_import import import_model
@@ -154,15 +158,17 @@ def build_assets(study: StudyConfig) -> None:
         from megaopd.data.word_problems import build_word_problems
 
         build_word_problems(out / "data", a.train_rows, a.heldout_rows, a.word_problem_digits, a.seed,
-                            a.heldout_percent)
+                            a.heldout_percent, a.validation_rows)
 
 
 def dependencies(study: StudyConfig) -> dict[str, list[str]]:
-    """Stage -> the stages whose run directories its overrides mention (``{out}/<stage>`` or ``{out}/<stage>/``)."""
+    """Stage -> the stages whose run directories its overrides mention (``{out}/<stage>`` or ``{out}/<stage>/``),
+    themselves or through ``vars`` (a teacher's model, a partner in ``train.stop.cover``)."""
     names = {s.name for s in study.stages}
     deps = {}
     for stage in study.stages:
-        found = re.findall(r"\{out\}/([^/\s,\]\"']+)", " ".join(stage.overrides))
+        text = " ".join(map(study.substitute, stage.overrides))
+        found = re.findall(re.escape(study.out) + r"/([^/\s,\]}\"']+)", text)
         deps[stage.name] = sorted({n for n in found if n in names and n != stage.name},
                                   key=[s.name for s in study.stages].index)
     return deps

@@ -38,7 +38,7 @@ from megaopd.data.rows import load_rows
 from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
 from megaopd.errors import DataError, require_file
-from megaopd.evaluate import Evaluator, score_samples
+from megaopd.evaluate import VALID, Evaluator, score_samples
 from megaopd.finished import FINAL_DIR, SUMMARY, finished_summary
 from megaopd.hf_policy import HFPolicy
 from megaopd.ledger import Ledger
@@ -144,8 +144,15 @@ class Trainer:
             check_opd(cfg.opd, cfg.model.backend, aligned)
         if spec.self_term:
             check_opsa(cfg.opsa)
-        for path in cfg.data.train + cfg.data.eval:  # before any model is loaded
+        for path in cfg.data.train + cfg.data.validation + cfg.data.eval:  # before any model is loaded
             require_file(path, "data file", DataError)
+        # The splits, and the stop rule that reads the validation one (it refuses what it cannot read), before the run
+        # directory is made and any model is planned or loaded.
+        train_rows, valid_rows, test_rows = (load_split(files, cfg.data.strict)
+                                             for files in (cfg.data.train, cfg.data.validation, cfg.data.eval))
+        self.stop = StopRule(cfg.train.stop, cfg.train.steps, spec.teachers(cfg.opd),
+                             sorted({r.domain for r in train_rows}), sorted({r.domain for r in valid_rows}),
+                             0.0 if spec.rollouts else cfg.sft.stop_at_accuracy)
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -159,12 +166,12 @@ class Trainer:
 
         self.policy = build_policy(cfg)
         self.engine = build_engine(cfg, self.policy)
-        self.sampler = PromptSampler(load_split(cfg.data.train, cfg.data.strict), cfg.train.prompts_per_step,
-                                     cfg.train.seed)
-        self.evaluator = Evaluator(load_split(cfg.data.eval, cfg.data.strict), cfg.eval, cfg.rollout.max_new_tokens,
-                                   cfg.train.seed, self.policy.device)
-        verifiers.check_ready(self.sampler.rows + [r for rows in self.evaluator.by_domain.values() for r in rows],
-                              cfg.verifier.sandbox)
+        self.sampler = PromptSampler(train_rows, cfg.train.prompts_per_step, cfg.train.seed)
+        self.evaluator = Evaluator(test_rows, cfg.eval, cfg.rollout.max_new_tokens, cfg.train.seed, self.policy.device)
+        # The validation split, greedy only (what the stop rules read); its per-prompt results are not recorded
+        self.validator = Evaluator(valid_rows, replace(cfg.eval, sampled=False), cfg.rollout.max_new_tokens,
+                                   cfg.train.seed, self.policy.device, VALID) if valid_rows else None
+        verifiers.check_ready(train_rows + valid_rows + test_rows, cfg.verifier.sandbox)
         self.verifier_watch = verifiers.ErrorWatch(cfg.verifier.max_error_share, cfg.verifier.error_steps)
         self.generator = sampling_generator(self.policy.device, cfg.train.seed)  # rollout sampling only
         self.ledger = Ledger(self.run_dir.name, cfg.counts_as)
@@ -191,8 +198,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
         self.start_step = self._resume()
         self.metrics = MetricsLogger(self.run_dir, self.start_step)
-        self.stop = StopRule(cfg.train.stop, cfg.train.steps, spec.teachers(cfg.opd), self.sampler.domains(),
-                             sorted(self.evaluator.by_domain), read_metrics(self.run_dir))  # a resumed run's evals
+        self.stop.resume(read_metrics(self.run_dir))  # a resumed run's evals (up to its checkpoint)
         self.preempted = False
 
     def _on_preempt(self, signum, frame) -> None:
@@ -319,16 +325,6 @@ class Trainer:
         self._book_flops(rows, samples)
         return {f"train/{k}": v for k, v in update.items()}
 
-    def _sft_band_reached(self, eval_metrics: dict[str, float]) -> bool:
-        """The cold start stops at the first eval where every domain reaches `sft.stop_at_accuracy`.
-
-        Domains stay in the mix until then: dropping one that reached the band made it forget within ten steps.
-        """
-        threshold = self.cfg.sft.stop_at_accuracy
-        if self.method.rollouts or threshold <= 0:
-            return False
-        return all(eval_metrics.get(f"eval/{d}/accuracy_greedy", 0.0) >= threshold for d in self.sampler.domains())
-
     # ---- the loop around every step ----
     def fit(self) -> dict:
         # Slurm sends SIGUSR1 (--signal=B:USR1@N) before the time limit and SIGTERM on preemption: finish the
@@ -353,9 +349,9 @@ class Trainer:
     def _fit(self) -> dict:
         cfg = self.cfg
         if self.start_step == 0:
-            first = self._eval(0)
-            self.stop.observe(first)  # the plateau rule's baseline
-            self.metrics.log(0, first | self._flop_metrics())
+            first = self._eval(0) | self._flop_metrics()
+            self.stop.observe(0, first)  # the plateau rule's baseline
+            self.metrics.log(0, first)
         stopped_early = False
         step = self.start_step
         last = self.start_step if self.stop.reason else cfg.train.steps  # a resumed run that had already stopped
@@ -364,7 +360,7 @@ class Trainer:
             metrics = self.step_fn(step)
             if step % cfg.eval.every == 0 or step == cfg.train.steps:
                 metrics |= self._eval(step)
-                stopped_early = self.stop.observe(metrics, sft_band=self._sft_band_reached(metrics))
+                stopped_early = self.stop.observe(step, metrics | self._flop_metrics())
             self.metrics.log(step, metrics | self._flop_metrics())
             self.checkpointer.maybe_save(step, lambda: self._state(step), force=stopped_early or self.preempted)
             if self.preempted:
@@ -375,11 +371,13 @@ class Trainer:
         return self._finish(step)
 
     def _eval(self, step: int, final: bool = False) -> dict[str, float]:
-        # Per-prompt results beside the metrics, for the report's bootstrap (a resumed run rewrites its own steps).
+        """The test split's metrics (eval/, at the end final/) and the validation split's (valid/, final_valid/)."""
+        # Per-prompt results of the test split beside the metrics, for the report's bootstrap (a resumed run
+        # rewrites its own steps).
         record = self.run_dir / "evals" / ("final.json" if final else f"step_{step:06d}.json")
         metrics = self.evaluator.run(self.engine, self.policy.tokenizer, step, final, record)
-        if final:
-            metrics = {k.replace("eval/", "final/", 1): v for k, v in metrics.items()}
+        if self.validator is not None:
+            metrics |= self.validator.run(self.engine, self.policy.tokenizer, step, final)
         return metrics
 
     def _flop_metrics(self) -> dict[str, float]:

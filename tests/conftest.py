@@ -89,8 +89,15 @@ def assets(tmp_path_factory):
     for preset in ("qwen3-tiny", "llama-tiny"):
         build_model(preset, root / "models" / preset, seed=0)
     build_model("qwen3-tiny", root / "models" / "qwen3-tiny-seed1", seed=1)
-    build_data(root / "data", ["arith_add", "prog_trace"], train_rows=200, heldout_rows=40)
+    build_data(root / "data", ["arith_add", "prog_trace"], train_rows=200, heldout_rows=40, validation_rows=40)
     return root
+
+
+def validation(assets) -> dict[str, str]:
+    """The data.validation override of the session's tiny assets, for run_config (what the stop rules read)."""
+    data = assets / "data"
+    files = ", ".join(str(data / domain / "validation.jsonl") for domain in ("arith_add", "prog_trace"))
+    return {"data.validation": f"[{files}]"}
 
 
 # A chat template of its own, with a default system message: a teacher of this tokenizer renders prompts its way.
@@ -208,7 +215,7 @@ def tiny_overrides(assets, run_dir, algorithm: str = "grpo", **overrides) -> lis
         f"run_dir={run_dir}",
         f"model.path={assets / 'models' / 'qwen3-tiny'}",
         f"data.train=[{data / 'arith_add' / 'train.jsonl'}, {data / 'prog_trace' / 'train.jsonl'}]",
-        f"data.eval=[{data / 'arith_add' / 'heldout.jsonl'}, {data / 'prog_trace' / 'heldout.jsonl'}]",
+        f"data.eval=[{data / 'arith_add' / 'test.jsonl'}, {data / 'prog_trace' / 'test.jsonl'}]",
         f"train.algorithm={algorithm}", "train.steps=4", "train.prompts_per_step=4", "train.micro_batch_size=8",
         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12",
         "eval.every=2", "eval.prompts_per_domain=4", "eval.final_prompts_per_domain=4",

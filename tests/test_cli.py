@@ -40,7 +40,7 @@ def test_make_embedded_then_eval(tmp_path):
     model = tmp_path / "models" / "llama-tiny"
     assert (model / "model.safetensors").exists() and (model / "tokenizer.json").exists()
     answering_model(model, "answer:7")  # 8 tokens + EOS
-    heldout = tmp_path / "data" / "letter_count" / "heldout.jsonl"
+    heldout = tmp_path / "data" / "letter_count" / "test.jsonl"
     rows = [json.loads(line) for line in heldout.read_text().splitlines()]
     for i, row in enumerate(rows):  # the first five: truths 7, 8, 7, 8, 8; the rest must not be read
         row["reward_model"]["ground_truth"] = "7" if i in (0, 2) or i >= 5 else "8"
@@ -67,3 +67,25 @@ def test_convert_names_bad_records(tmp_path):
     assert "1 rows loaded, 1 skipped" in result.stdout and f"{raw}:2" in result.stdout
     row = json.loads((tmp_path / "rows.jsonl").read_text())
     assert row["reward_model"]["ground_truth"] == "2" and row["data_source"]
+
+
+def test_convert_carves_a_validation_split_off_the_held_out_file(tmp_path):
+    """--validation N: N distinct problems, drawn by --seed, into validation.jsonl beside --out; --out keeps the
+    rest; a repeated problem stays on one side; the same seed draws the same split."""
+    raw = tmp_path / "gsm8k.jsonl"
+    questions = [f"{i}+1?" for i in range(10)] + ["3+1?"]  # the last repeats a problem
+    raw.write_text("".join(json.dumps({"question": q, "answer": f"#### {q.split('+')[0]}1"}) + "\n" for q in questions))
+
+    def split(out, seed="0"):
+        result = megaopd("convert", "--source", "gsm8k", "--input", raw, "--out", out / "test.jsonl",
+                         "--validation", "4", "--seed", seed)
+        assert f"to {out / 'validation.jsonl'}" in result.stdout
+        return [[json.loads(line)["prompt"][0]["content"] for line in (out / f).read_text().splitlines()]
+                for f in ("validation.jsonl", "test.jsonl")]
+
+    validation, test = split(tmp_path / "a")
+    assert len(set(validation)) == 4 and len(validation) + len(test) == 11 and not set(validation) & set(test)
+    assert [validation, test] == split(tmp_path / "b") and [validation, test] != split(tmp_path / "c", "1")
+    too_many = megaopd("convert", "--source", "gsm8k", "--input", raw, "--out", tmp_path / "d" / "test.jsonl",
+                       "--validation", "10", check=False)
+    assert too_many.returncode == 2 and "the file has 10 distinct prompts; carve off fewer" in too_many.stderr

@@ -3,21 +3,33 @@ import json
 import pytest
 
 from megaopd.data.rows import RowError, load_rows, write_rows
-from megaopd.data.synthetic import DOMAINS, corrupt, make_split
+from megaopd.data.synthetic import DOMAINS, corrupt, make_split, make_splits
 from megaopd.embedded import build_data
 from megaopd.verifiers import get_verifier, score
 
 
 @pytest.mark.parametrize("domain", sorted(DOMAINS))
-def test_train_and_heldout_files_do_not_overlap(tmp_path, domain):
-    build_data(tmp_path, [domain], train_rows=600, heldout_rows=60)
-    train, _ = load_rows(tmp_path / domain / "train.jsonl", strict=True)
-    heldout, _ = load_rows(tmp_path / domain / "heldout.jsonl", strict=True)
-    train_keys = {r.extra_info["key"] for r in train}
-    heldout_keys = {r.extra_info["key"] for r in heldout}
-    assert len(heldout_keys) == len(heldout) == 60  # held-out problems are distinct
-    assert not train_keys & heldout_keys
-    assert {r.data_source for r in train} == {domain}
+def test_train_validation_and_test_files_do_not_overlap_and_are_fixed_by_the_seed(tmp_path, domain):
+    """Three files per domain; validation and test are distinct problems, disjoint from each other and from train;
+    the same seed writes the same files, another seed other problems; the test rows are the held-out stream's first
+    (what the single held-out file held before the validation split)."""
+    def keys(out, split):
+        rows, _ = load_rows(out / domain / f"{split}.jsonl", strict=True)
+        return [r.extra_info["key"] for r in rows]
+
+    for seed, out in ((0, tmp_path / "a"), (0, tmp_path / "b"), (1, tmp_path / "c")):
+        build_data(out, [domain], train_rows=600, heldout_rows=60, validation_rows=40, seed=seed)
+    train, validation, test = (set(keys(tmp_path / "a", split)) for split in ("train", "validation", "test"))
+    assert len(keys(tmp_path / "a", "test")) == len(test) == 60 and len(validation) == 40  # distinct problems
+    assert not train & validation and not train & test and not validation & test
+    assert {r.data_source for r in load_rows(tmp_path / "a" / domain / "train.jsonl")[0]} == {domain}
+    for split in ("train", "validation", "test"):
+        assert (tmp_path / "a" / domain / f"{split}.jsonl").read_bytes() == \
+            (tmp_path / "b" / domain / f"{split}.jsonl").read_bytes()
+        assert keys(tmp_path / "a", split) != keys(tmp_path / "c", split)
+    assert keys(tmp_path / "a", "test") == [r.extra_info["key"] for r in make_split(domain, "test", 60)]
+    with pytest.raises(ValueError, match="give the test count too"):
+        make_splits(domain, {"validation": 5})
 
 
 @pytest.mark.parametrize("domain", sorted(DOMAINS))
@@ -29,7 +41,7 @@ def test_difficulty_knob_changes_the_problems(domain):
 
 @pytest.mark.parametrize("domain", sorted(DOMAINS))
 def test_verifier_scores_worked_solutions_and_rejects_wrong_ones(domain):
-    rows = make_split(domain, "heldout", 30)
+    rows = make_split(domain, "test", 30)
     for row in rows:
         solution = row.extra_info["solution"]
         assert score(row, solution) == 1.0
@@ -82,7 +94,7 @@ def test_parquet_rows_load_through_the_same_path(tmp_path):
 
 
 def test_worded_solutions_keep_the_problems_and_grow_the_length():
-    rows = {v: make_split("arith_add", "heldout", 100, verbosity=v, heldout_percent=20) for v in range(3)}
+    rows = {v: make_split("arith_add", "test", 100, verbosity=v, heldout_percent=20) for v in range(3)}
     for v in (1, 2):
         assert [r.prompt for r in rows[v]] == [r.prompt for r in rows[0]]
         assert [r.ground_truth for r in rows[v]] == [r.ground_truth for r in rows[0]]

@@ -141,7 +141,7 @@ def test_slurm_executor_runs_a_multinode_stage_on_the_cluster(cluster, tmp_path)
                                     "heldout_rows": 20},
         "stages": [{"name": "base", "config": str(ROOT / "configs/embedded/sft.yaml"), "overrides": [
             "model.path={out}/models/qwen3-tiny", "data.train=[{out}/data/arith_add/train.jsonl]",
-            "data.eval=[{out}/data/arith_add/heldout.jsonl]", "train.steps=2", "sft.stop_at_accuracy=0",
+            "data.eval=[{out}/data/arith_add/test.jsonl]", "train.steps=2", "sft.stop_at_accuracy=0",
             "eval.every=2", "eval.prompts_per_domain=2", "eval.final_prompts_per_domain=2",
             "rollout.max_new_tokens=8"]}]}))
     launch = [f"venv={sys.prefix}", f"workdir={ROOT}", "nodes=2", "gpus_per_node=1",

@@ -123,7 +123,7 @@ def chat_prompt_round_trips(tokenizer, question) -> str:
 def padding_changes_nothing(policy, rows: int) -> list[torch.Tensor]:
     """Worked solutions of `rows` held-out problems scored in one padded batch and each alone: the same logprobs
     (1e-4), every response token and only those in the mask. Returns each one's logprobs alone."""
-    samples = worded(policy.tokenizer, word_split("heldout", rows))
+    samples = worded(policy.tokenizer, word_split("test", rows))
     batch = collate(samples, policy.pad_id)
     assert [int(batch.response_mask[i].sum()) for i in range(rows)] == [len(s.response_ids) for s in samples]
     together, out = policy.logprobs(batch), []
@@ -142,7 +142,7 @@ def test_local_engine_stops_at_end_of_turn_and_the_verifier_reads_real_answers(s
         return engine.generate(rows, 1, temperature=0.0, max_new_tokens=max_new_tokens,
                                generator=torch.Generator().manual_seed(0))
 
-    question = [dataclasses.replace(word_split("heldout", 1)[0], prompt=QUESTION)]
+    question = [dataclasses.replace(word_split("test", 1)[0], prompt=QUESTION)]
     [answer] = greedy(question, 16)
     text = policy.tokenizer.decode(answer.response_ids)
     assert answer.finish_reason == "stop" and text.endswith(END) and text.count(END) == 1, text
@@ -157,7 +157,7 @@ def test_local_engine_stops_at_end_of_turn_and_the_verifier_reads_real_answers(s
 
     # Three held-out problems the model, greedy, answers within 64 tokens, one of them right ("#### 42"; the "57"
     # has an empty \boxed{}, which scores 0). Of the first 8, 3 others ramble on past 64 tokens.
-    rows = word_split("heldout", 8)[5:]
+    rows = word_split("test", 8)[5:]
     samples = greedy(rows, 64)
     texts = [policy.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     print("\n".join(f"{s.row.ground_truth} {s.finish_reason}: {t!r}" for s, t in zip(samples, texts)))
@@ -181,7 +181,7 @@ def words(tmp_path_factory) -> Path:
 def real_run(assets, run_dir, model: Path, words: Path, algorithm: str = "grpo", **overrides):
     """One prompt, 8 new tokens: each step of the real model is a forward and backward of 0.13B parameters."""
     return run_config(assets, run_dir, algorithm, **{
-        "model.path": model, "data.train": f"[{words / 'train.jsonl'}]", "data.eval": f"[{words / 'heldout.jsonl'}]",
+        "model.path": model, "data.train": f"[{words / 'train.jsonl'}]", "data.eval": f"[{words / 'test.jsonl'}]",
         "train.steps": 1, "train.prompts_per_step": 1, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 8,
         "train.micro_batch_size": 2, "optim.lr": 1e-5, **overrides})
 
@@ -323,7 +323,7 @@ def test_shared_prompt_passes_equal_the_unshared_ones_on_real_weights(smollm2, m
 
     optim = OptimConfig(lr=1e-5, grad_clip=0.0)  # the gradients as computed, unclipped
     plain, shared = (HFPolicy(ModelConfig(path=str(smollm2)), optim, shared_prompt=on) for on in (False, True))
-    samples = grouped(plain.tokenizer, word_split("heldout", 2))
+    samples = grouped(plain.tokenizer, word_split("test", 2))
     assert len({len(s.prompt_ids) for s in samples}) == 2
     batch = collate(samples, plain.pad_id)
     expected, got = plain.logprobs(batch, 8), shared.logprobs(batch, 8)
@@ -384,10 +384,10 @@ def megatron_against_hf(model: Path, layouts: dict[str, int], out: Path, rows: i
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    torch.save(collate(worded(tokenizer, word_split("heldout", rows)), tokenizer.pad_token_id), out / "batch.pt")
+    torch.save(collate(worded(tokenizer, word_split("test", rows)), tokenizer.pad_token_id), out / "batch.pt")
     grouped_file = out / "grouped.pt" if shared else "-"
     if shared:
-        torch.save(collate(grouped(tokenizer, word_split("heldout", 2)), tokenizer.pad_token_id), grouped_file)
+        torch.save(collate(grouped(tokenizer, word_split("test", 2)), tokenizer.pad_token_id), grouped_file)
     worker = Path(__file__).parent / "megatron_real_worker.py"
     for layout, ranks in layouts.items():
         with alone(f"megatron {layout} on {model.name}"):  # 8.6-12.8 GB above idle
@@ -512,7 +512,7 @@ def served_rollouts(assets, model: Path, words, server, tmp_path, greedy_rows, s
 @pytest.mark.sglang
 def test_sglang_server_stops_at_end_of_turn_and_scores_like_the_trainer(assets, smollm2, words, real_server,
                                                                           tmp_path):
-    rows = word_split("heldout", 7)[5:]  # two the local engine, greedy, answers in under 56 tokens
+    rows = word_split("test", 7)[5:]  # two the local engine, greedy, answers in under 56 tokens
     gap = served_rollouts(assets, smollm2, words, real_server, tmp_path, rows, rows, 64, 48)
     assert gap.max() < 1e-3 and gap.mean() < 1e-4, (gap.max(), gap.mean())  # measured 5.1e-5 and 1.7e-5
 

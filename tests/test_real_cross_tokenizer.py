@@ -51,9 +51,9 @@ def test_smollm2_and_qwen_align_on_real_text(smollm2, qwen05):
     student, teacher = AutoTokenizer.from_pretrained(smollm2), AutoTokenizer.from_pretrained(qwen05)
     cross = CrossTokenizer(student, teacher, 151_936)
     exact, total = 0, 0
-    for text in TEXTS + [row.extra_info["solution"] for row in word_split("heldout", 16)]:
+    for text in TEXTS + [row.extra_info["solution"] for row in word_split("test", 16)]:
         ids = student.encode(text, add_special_tokens=False)
-        row = word_split("heldout", 1)[0]
+        row = word_split("test", 1)[0]
         converted, alignment = cross.teacher_sample(Sample(row, 0, [1], ids, [0.0] * len(ids), "length", 0))
         assert ByteVocabulary(student).text(ids) == text.encode()
         markers = -torch.arange(1, len(converted.response_ids) + 1, dtype=torch.float64) / 100
@@ -88,7 +88,7 @@ def test_cross_tokenizer_opd_with_a_qwen_teacher_server(assets, smollm2, qwen05,
     from test_sglang import server_config
 
     student = HFPolicy(ModelConfig(path=str(smollm2)))
-    samples = worded(student.tokenizer, word_split("heldout", 3))
+    samples = worded(student.tokenizer, word_split("test", 3))
     batch = collate(samples, student.pad_id)
     local = TeacherRouter({"*": str(qwen05)}, local_teachers(ModelConfig()), student.tokenizer,
                           teacher_tokenizers={"*": str(qwen05)})

@@ -95,7 +95,7 @@ def test_chat_prompt_padding_and_the_end_of_turn_stop_on_real_text(qwen05):
     engine, end = LocalEngine(policy), policy.tokenizer.convert_tokens_to_ids(END)
 
     def greedy(max_new_tokens):
-        row = dataclasses.replace(word_split("heldout", 1)[0], prompt=QUESTION, ground_truth="12")
+        row = dataclasses.replace(word_split("test", 1)[0], prompt=QUESTION, ground_truth="12")
         [sample] = engine.generate([row], 1, temperature=0.0, max_new_tokens=max_new_tokens,
                                    generator=torch.Generator().manual_seed(0))
         return sample, tokenizer.decode(sample.response_ids)
@@ -149,7 +149,7 @@ def strong_to_weak(assets, qwen05, qwen15, words, tmp_path, mode: str, form: str
     from conftest import tiny_overrides
 
     overrides = tiny_overrides(assets, tmp_path / "run", "opd", **{
-        "model.path": qwen05, "data.train": f"[{words / 'train.jsonl'}]", "data.eval": f"[{words / 'heldout.jsonl'}]",
+        "model.path": qwen05, "data.train": f"[{words / 'train.jsonl'}]", "data.eval": f"[{words / 'test.jsonl'}]",
         "train.steps": 1, "train.prompts_per_step": 1, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 8,
         "train.micro_batch_size": 2, "optim.lr": 1e-5, "opd.teachers.*": qwen15, "opd.teacher_dtype": "bfloat16",
         "opd.form": form, "opd.topk": 16, "plan.memory_gib": BUDGET_GIB,
@@ -253,8 +253,8 @@ def qwen_server(qwen05, tmp_path_factory):
 @pytest.mark.sglang
 def test_sglang_rollouts_stop_at_end_of_turn_and_score_like_the_trainer(assets, qwen05, words, qwen_server,
                                                                         tmp_path):
-    row = dataclasses.replace(word_split("heldout", 1)[0], prompt=QUESTION, ground_truth="12")
-    gap = served_rollouts(assets, qwen05, words, qwen_server, tmp_path, [row], word_split("heldout", 2), 24, 32)
+    row = dataclasses.replace(word_split("test", 1)[0], prompt=QUESTION, ground_truth="12")
+    gap = served_rollouts(assets, qwen05, words, qwen_server, tmp_path, [row], word_split("test", 2), 24, 32)
     assert gap.max() < 1e-3 and gap.mean() < 1e-4, (gap.max(), gap.mean())
 
 

@@ -66,12 +66,16 @@ def test_stand_ins_keep_the_layout_and_swap_models_data_and_site(tmp_path):
     models, data = rehearse.stand_ins(study)
     assert models == {"/models/Qwen3-1.7B": "qwen3-tiny", "/models/Qwen3-8B": "qwen3-small"}
     assert data["/data/rl/math/train.jsonl"] == ("math", "arith_add", "train")
-    assert data["/data/rl/code/heldout.jsonl"] == ("code", "prog_trace", "heldout")
+    assert data["/data/rl/code/test.jsonl"] == ("code", "prog_trace", "test")
     rehearse.write_standin_data(study, tmp_path / "out")
     from megaopd.data.rows import load_rows
 
     rows, _ = load_rows(tmp_path / "out" / "standin" / "code" / "train.jsonl")
     assert len(rows) == 200 and {(r.data_source, r.domain) for r in rows} == {("prog_trace", "code")}
+    assert data["/data/rl/code/validation.jsonl"] == ("code", "prog_trace", "validation")
+    held = {split: {r.extra_info["key"] for r in load_rows(tmp_path / "out" / "standin" / "code" / f"{split}.jsonl")[0]}
+            for split in ("validation", "test")}
+    assert len(held["validation"]) == len(held["test"]) == 20 and not held["validation"] & held["test"]
     small = absolute_study(rehearse.rehearsal_study(study, tmp_path / "out", 2, None))
     launch = rehearse.rehearsal_launch(small, load_launch(LAUNCH), 2, "/sglang/bin/python")
     from megaopd.launch.slurm import plan

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slurm
 
 SMALL = ["eval.every=2", "eval.prompts_per_domain=4", "eval.final_prompts_per_domain=8", "checkpoint.every=2",
          "rollout.max_new_tokens=16", "train.prompts_per_step=4"]
-DATA = ["data.train=[{out}/data/arith_add/train.jsonl]", "data.eval=[{out}/data/arith_add/heldout.jsonl]"]
+DATA = ["data.train=[{out}/data/arith_add/train.jsonl]", "data.eval=[{out}/data/arith_add/test.jsonl]"]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def assert_final_eval_is_the_saved_models(final: dict, model: Path, data: Path) 
     """The stage's final metrics are what `megaopd eval` measures on the model directory it saved (the same 8
     held-out prompts, greedy): accuracy and response length, exactly."""
     out = subprocess.run([sys.executable, "-m", "megaopd.cli", "eval", "--model", str(model), "--data",
-                          str(data / "heldout.jsonl"), "--max-new-tokens", "16", "--prompts-per-domain", "8"],
+                          str(data / "test.jsonl"), "--max-new-tokens", "16", "--prompts-per-domain", "8"],
                          capture_output=True, text=True, check=True, timeout=300).stdout
     again = json.loads(out)
     for metric in ("arith_add/accuracy_greedy", "arith_add/response_length", "mean/accuracy_greedy"):

@@ -93,7 +93,7 @@ def test_killed_rollout_server_stops_the_stage_naming_it_and_a_resubmission_resu
         "assets": {"presets": ["qwen3-tiny"], "domains": ["arith_add"], "train_rows": 100, "heldout_rows": 20},
         "stages": [{"name": "grpo", "config": str(ROOT / "configs/embedded/grpo.yaml"), "overrides": [
             "model.path={out}/models/qwen3-tiny", "data.train=[{out}/data/arith_add/train.jsonl]",
-            "data.eval=[{out}/data/arith_add/heldout.jsonl]", f"train.steps={steps}", "checkpoint.every=1",
+            "data.eval=[{out}/data/arith_add/test.jsonl]", f"train.steps={steps}", "checkpoint.every=1",
             f"eval.every={steps}", "eval.prompts_per_domain=2", "eval.final_prompts_per_domain=2",
             "train.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
             "rollout.sglang.max_total_tokens=2048", "rollout.sglang.retries=1"]}]}))

@@ -31,7 +31,7 @@ SMALL = ["eval.every=2", "eval.prompts_per_domain=4", "eval.final_prompts_per_do
          "rollout.max_new_tokens=16", "train.prompts_per_step=4"]
 DATA = {"add": "[{out}/data/arith_add/train.jsonl]", "trace": "[{out}/data/prog_trace/train.jsonl]",
         "both": "[{out}/data/arith_add/train.jsonl, {out}/data/prog_trace/train.jsonl]",
-        "eval": "[{out}/data/arith_add/heldout.jsonl, {out}/data/prog_trace/heldout.jsonl]"}
+        "eval": "[{out}/data/arith_add/test.jsonl, {out}/data/prog_trace/test.jsonl]"}
 LAYOUT = re.compile(r"megaopd: job (\d+) restart (\d+): train on (.+?) \((\d+) workers each, master \S+\), "
                     r"rollout on (.+?), teachers on (.+)$", re.M)
 RANK = re.compile(r"^megaopd: rank (\d+)/(\d+) local (\d+) on (\S+)$", re.M)

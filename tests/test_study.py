@@ -20,7 +20,7 @@ def _write_study(tmp_path: Path, out: Path, workers: int = 1, seeds: tuple[int, 
     study = yaml.safe_load((ROOT / "configs/studies/self_teacher.yaml").read_text())
     study["out"], study["workers"], study["seeds"] = str(out), workers, list(seeds)
     study["stages"][0]["shared"] = True  # with seeds: one cold start for all of them
-    study["assets"].update(train_rows=120, heldout_rows=24)
+    study["assets"].update(train_rows=120, heldout_rows=24, validation_rows=24)
     for stage in study["stages"]:
         stage["config"] = str(ROOT / stage["config"])
         stage["overrides"] += SMALL + (["rollout.samples_per_prompt=4"] if stage["method"] == "grpo" else [])

@@ -7,7 +7,8 @@ import pytest
 
 from megaopd.config import ConfigError, load_config, to_dict
 from megaopd.launch.slurm import submission_order
-from megaopd.study import STAGE_LABELS, StudyConfig, link_shared_stages, seed_studies, stage_config
+from megaopd.study import (STAGE_LABELS, StudyConfig, dependencies, link_shared_stages, seed_studies,
+                           stage_config)
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = sorted((ROOT / "configs" / "studies").rglob("*.yaml"))
@@ -43,12 +44,35 @@ def test_study_resolves(path, monkeypatch):
         cfg = stage_config(study, stage)
         assert not any("{" in v for v in _strings(to_dict(cfg))), f"{stage.name}: unresolved placeholder"
         assert cfg.run_dir == f"/tmp/study/{stage.name}"
+        # what stops or tunes a stage reads the validation split, what the report judges the test split
+        assert cfg.data.validation and not set(cfg.data.validation) & set(cfg.data.eval), stage.name
+        for cover in cfg.train.stop.cover:  # a partner stage of the study, which runs first
+            assert cfg.train.stop.rule == "plateau"
+            assert Path(cover.run).name in dependencies(study)[stage.name], f"{stage.name} covers {cover.run}"
         if stage.method in ("opd_self", "opd_external", "opd_external_grpo", "multi_teacher_opd"):
             assert cfg.train.algorithm == "opd" and cfg.opd.teachers
         if stage.method == "multi_teacher_opd":
             experts = {s.domain for s in study.stages if s.method == "expert"}
             assert set(cfg.opd.teachers) == experts
     assert sorted(submission_order(study)) == sorted(names)
+
+
+def test_compared_stages_cover_their_partners_which_run_first():
+    """The two-domain study's covers, one line per comparison (through vars or inline): each partner's run
+    directory makes it a dependency, so the covering stage starts after it."""
+    study = load_config(ROOT / "configs/studies/two_domain.yaml", ["out=/o", "seeds=[]"], cls=StudyConfig)
+    covers = {stage.name: [(Path(c.run).name, c.domain) for c in stage_config(study, stage).train.stop.cover]
+              for stage in study.stages}
+    assert {name: c for name, c in covers.items() if c} == {
+        "opd_self_add": [("expert_add", "arith_add")], "opd_external_add": [("expert_add", "arith_add")],
+        "opsa_add": [("opd_self_add", "arith_add"), ("opd_external_add", "arith_add")],
+        "opsa_mix": [("multi_teacher", "mean")]}
+    deps = dependencies(study)
+    assert deps["opd_external_add"] == ["base", "teacher_sft", "expert_add"]
+    assert deps["opsa_add"] == ["base", "opd_self_add", "opd_external_add"]
+    assert deps["opsa_mix"] == ["base", "multi_teacher"]
+    order = submission_order(study)
+    assert order.index("opsa_add") > order.index("opd_external_add") > order.index("expert_add")
 
 
 def test_vars_substitute_recursively_and_sweep_from_the_command_line():

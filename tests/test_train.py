@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import file_mtimes, run_config, tiny_overrides
+from conftest import file_mtimes, run_config, tiny_overrides, validation
 from megaopd.config import save_config
 from megaopd.metrics import read_metrics
 from megaopd.trainer import PREEMPTED_EXIT, train
@@ -198,6 +198,19 @@ def _cli(config_path, *extra):
 
 def _deterministic(metrics):
     return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in metrics]
+
+
+def test_measuring_the_validation_split_moves_no_training_number(assets, tmp_path):
+    """The same run with and without data.validation: every metric of the one without equal at every step, the
+    final weights byte-identical; the other has the valid/ and final_valid/ numbers besides."""
+    runs = {}
+    for name, extra in (("test_only", {}), ("both", validation(assets))):
+        train(run_config(assets, tmp_path / name, "grpo", **extra, **{"eval.every": 1, "train.steps": 2}))
+        runs[name] = _deterministic(read_metrics(tmp_path / name))
+    plain = [{k: v for k, v in m.items() if "valid/" not in k} for m in runs["both"]]
+    assert plain == runs["test_only"] and plain != runs["both"]
+    weights = [(tmp_path / name / "final" / "model.safetensors").read_bytes() for name in runs]
+    assert weights[0] == weights[1]
 
 
 def _kill_9_after_checkpoint(config_path, checkpoint, env):

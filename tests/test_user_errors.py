@@ -77,7 +77,7 @@ def test_settings_checked_once_the_model_is_loaded_are_one_line_too(assets, tmp_
     data = assets / "data" / "arith_add"
     result = megaopd(["train", str(ROOT / "configs/embedded/opd.yaml"), f"run_dir={tmp_path / 'run'}",
                       f"model.path={model}", f"opd.teachers.*={model}", f"data.train=[{data / 'train.jsonl'}]",
-                      f"data.eval=[{data / 'heldout.jsonl'}]", "opd.form=topk", "opd.topk=0"], tmp_path)
+                      f"data.eval=[{data / 'test.jsonl'}]", "opd.form=topk", "opd.topk=0"], tmp_path)
     lines = [line for line in result.stderr.splitlines() if line.startswith("megaopd: ")]
     assert "Traceback" not in result.stderr and result.returncode == 2, result.stderr[-2000:]
     assert len(lines) == 1 and LINE.fullmatch(lines[0]) and "opd.form=topk needs opd.topk" in lines[0], lines

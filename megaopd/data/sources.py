@@ -28,6 +28,7 @@ from typing import Any, Callable
 from megaopd.data.answers import answer_letter, boxed_answer, parse_tests
 from megaopd.data.instructions import followed
 from megaopd.data.rows import LoadReport, Row, RowError, iter_records, parse_row
+from megaopd.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +318,22 @@ SOURCES: dict[str, Callable[[dict, int], Row]] = {
     "ifeval": ifeval,
     "rows": common_row,
 }
+
+
+VALIDATION_FILE = "validation.jsonl"  # `megaopd convert --validation N` writes it beside --out
+
+
+def split_validation(rows: list[Row], problems: int, seed: int = 0) -> tuple[list[Row], list[Row]]:
+    """(validation, rest): the rows of `problems` distinct prompts drawn by `seed` (every row of a prompt goes to
+    one side, so the two are disjoint problems), each side in the file's order. For ``megaopd convert
+    --validation``: a held-out file split into what stops and tunes a run and what the report judges."""
+    prompts = list(dict.fromkeys(json.dumps(r.prompt, sort_keys=True) for r in rows))
+    if not 0 < problems < len(prompts):
+        raise DataError(f"--validation {problems}: the file has {len(prompts)} distinct prompts; carve off "
+                         "fewer than that, leaving some for the test file")
+    chosen = set(random.Random(seed).sample(prompts, problems))
+    picked = [json.dumps(r.prompt, sort_keys=True) in chosen for r in rows]
+    return [r for r, v in zip(rows, picked) if v], [r for r, v in zip(rows, picked) if not v]
 
 
 def convert(path: str | Path, source: str, strict: bool = False) -> tuple[list[Row], LoadReport]:

@@ -14,7 +14,9 @@ arith_add also has longer wordings of the same steps (``verbosity`` 1 and 2: abo
 for the response-length sweep: same problems, same answers, only the worked solution grows.
 
 Train and held-out problems are split by a hash of the problem's canonical key, so the two sets are disjoint by
-construction (and a test checks the written files).
+construction. The held-out problems are one stream of distinct problems, fixed by the seed, cut into the test rows
+(first: the rows the single held-out file held before there was a validation split) and the validation rows after
+them, so validation and test are disjoint too (a test checks the written files).
 """
 
 from __future__ import annotations
@@ -146,9 +148,15 @@ def is_heldout(key: str, heldout_percent: int) -> bool:
     return int(hashlib.sha1(key.encode()).hexdigest(), 16) % 100 < heldout_percent
 
 
-def make_split(domain: str, split: str, count: int, difficulty: int | None = None, seed: int = 0,
-               heldout_percent: int = 10, verbosity: int = 0) -> list[Row]:
-    """`count` rows of one split. Held-out rows are distinct problems; train rows may repeat a problem.
+SPLITS = ("train", "validation", "test")
+# The held-out splits in the order they are cut from the stream of distinct held-out problems.
+HELDOUT_SPLITS = ("test", "validation")
+
+
+def make_splits(domain: str, counts: dict[str, int], difficulty: int | None = None, seed: int = 0,
+                heldout_percent: int = 10, verbosity: int = 0) -> dict[str, list[Row]]:
+    """Rows of the splits in `counts` (split -> rows). Held-out rows are distinct problems; train rows may repeat a
+    problem. Validation rows are the held-out problems after the test rows, so `counts` names the test rows too.
 
     `verbosity` changes only the worked solutions' wording (the length sweep): the problems, their split and
     answers are those of verbosity 0."""
@@ -158,34 +166,62 @@ def make_split(domain: str, split: str, count: int, difficulty: int | None = Non
         raise ValueError(f"{domain}: verbosity must be in 0..{spec.max_verbosity}, got {verbosity} "
                          f"(only arith_add has longer worded solutions)")
     extra = {"verbosity": verbosity} if verbosity else {}
-    return split_rows(domain, spec.ability, lambda rng: spec.make(rng, difficulty, **extra), split, count,
-                      f"{domain}/{difficulty}/{split}/{seed}", heldout_percent, difficulty)
+    return split_rows(domain, spec.ability, lambda rng: spec.make(rng, difficulty, **extra), counts, seed,
+                      heldout_percent, difficulty)
 
 
-def split_rows(domain: str, ability: str, make: Callable[[random.Random], Problem], split: str, count: int,
-               rng_seed: str, heldout_percent: int, difficulty: int) -> list[Row]:
-    """`count` rows of one split from a problem maker; the split is decided by each problem key's hash."""
-    rng = random.Random(rng_seed)
-    want_heldout = split != "train"
-    rows, seen, attempts = [], set(), 0
-    while len(rows) < count:
+def make_split(domain: str, split: str, count: int, difficulty: int | None = None, seed: int = 0,
+               heldout_percent: int = 10, verbosity: int = 0) -> list[Row]:
+    """`count` rows of one split, train or test (validation follows the test rows: ``make_splits``)."""
+    return make_splits(domain, {split: count}, difficulty, seed, heldout_percent, verbosity)[split]
+
+
+def split_rows(domain: str, ability: str, make: Callable[[random.Random], Problem], counts: dict[str, int],
+               seed: int, heldout_percent: int, difficulty: int) -> dict[str, list[Row]]:
+    """Rows of the splits in `counts` from a problem maker: train from its own stream, test then validation cut
+    from one stream of distinct held-out problems; which stream a problem belongs to is decided by its key's hash."""
+    if set(counts) - set(SPLITS):
+        raise ValueError(f"unknown split(s) {sorted(set(counts) - set(SPLITS))}; use {', '.join(SPLITS)}")
+    if "validation" in counts and "test" not in counts:
+        raise ValueError("validation rows are the held-out problems after the test rows: give the test count too")
+    out = {}
+    if "train" in counts:
+        out |= _cut(domain, ability, make, "train", [("train", counts["train"])], seed, heldout_percent, difficulty)
+    heldout = [(split, counts[split]) for split in HELDOUT_SPLITS if split in counts]
+    if heldout:
+        out |= _cut(domain, ability, make, "heldout", heldout, seed, heldout_percent, difficulty)
+    return out
+
+
+def _cut(domain: str, ability: str, make: Callable[[random.Random], Problem], stream: str,
+         splits: list[tuple[str, int]], seed: int, heldout_percent: int, difficulty: int) -> dict[str, list[Row]]:
+    """Draw the problems of one stream (train, or the distinct held-out ones) and cut them into `splits` in order."""
+    rng = random.Random(f"{domain}/{difficulty}/{stream}/{seed}")
+    want_heldout = stream == "heldout"
+    count = sum(n for _, n in splits)
+    problems, seen, attempts = [], set(), 0
+    while len(problems) < count:
         attempts += 1
         if attempts > 200 * count:
-            raise ValueError(f"{domain} at difficulty {difficulty} has too few distinct {split} problems for "
+            raise ValueError(f"{domain} at difficulty {difficulty} has too few distinct {stream} problems for "
                              f"{count} rows; lower the count or raise the difficulty")
         problem = make(rng)
         if is_heldout(problem.key, heldout_percent) != want_heldout or (want_heldout and problem.key in seen):
             continue
         seen.add(problem.key)
-        rows.append(Row(
+        problems.append(problem)
+    out, start = {}, 0
+    for split, n in splits:
+        out[split] = [Row(
             data_source=domain,
             prompt=[{"role": "user", "content": problem.prompt}],
             ground_truth=problem.answer,
             ability=ability,
-            extra_info={"split": split, "index": len(rows), "key": problem.key, "difficulty": difficulty,
+            extra_info={"split": split, "index": i, "key": problem.key, "difficulty": difficulty,
                         "solution": problem.solution},
-        ))
-    return rows
+        ) for i, problem in enumerate(problems[start:start + n])]
+        start += n
+    return out
 
 
 def corrupt(solution: str, rng: random.Random) -> str:

@@ -45,14 +45,22 @@ def make_word_problem(rng: random.Random, digits: int) -> Problem:
 
 
 def word_split(split: str, count: int, digits: int = 2, seed: int = 0, heldout_percent: int = 10) -> list[Row]:
-    return split_rows(DOMAIN, "math", lambda rng: make_word_problem(rng, digits), split, count,
-                      f"{DOMAIN}/{digits}/{split}/{seed}", heldout_percent, digits)
+    """`count` rows of one split, train or test."""
+    return word_splits({split: count}, digits, seed, heldout_percent)[split]
+
+
+def word_splits(counts: dict[str, int], digits: int = 2, seed: int = 0,
+                heldout_percent: int = 10) -> dict[str, list[Row]]:
+    return split_rows(DOMAIN, "math", lambda rng: make_word_problem(rng, digits), counts, seed, heldout_percent,
+                      digits)
 
 
 def build_word_problems(out_dir: str | Path, train_rows: int, heldout_rows: int, digits: int = 2, seed: int = 0,
-                        heldout_percent: int = 10) -> Path:
-    """{out_dir}/arith_word/{train,heldout}.jsonl; returns the domain's directory."""
+                        heldout_percent: int = 10, validation_rows: int = 200) -> Path:
+    """{out_dir}/arith_word/{train,validation,test}.jsonl (`heldout_rows`: the test rows); returns the domain's
+    directory."""
     out = Path(out_dir) / DOMAIN
-    for split, count in (("train", train_rows), ("heldout", heldout_rows)):
-        write_rows(out / f"{split}.jsonl", word_split(split, count, digits, seed, heldout_percent))
+    counts = {"train": train_rows, "validation": validation_rows, "test": heldout_rows}
+    for split, rows in word_splits(counts, digits, seed, heldout_percent).items():
+        write_rows(out / f"{split}.jsonl", rows)
     return out

@@ -37,7 +37,7 @@ from pathlib import Path
 from megaopd import environment
 from megaopd.config import ConfigError, load_config, save_config
 from megaopd.data.rows import write_rows
-from megaopd.data.synthetic import DOMAINS, make_split
+from megaopd.data.synthetic import DOMAINS, make_splits
 from megaopd.errors import UserError
 from megaopd.flops import attention_heads
 from megaopd.launch.local_cluster import LocalCluster
@@ -133,7 +133,7 @@ def stand_ins(study: StudyConfig) -> tuple[dict[str, str], dict[str, tuple[str, 
                 family = "llama" if "llama" in path.lower() else "qwen3"
                 used = sum(p.startswith(family) for p in models.values())
                 models[path] = sizes[family][min(used, len(sizes[family]) - 1)]
-        for files, split in ((cfg.data.train, "train"), (cfg.data.eval, "heldout")):
+        for files, split in ((cfg.data.train, "train"), (cfg.data.validation, "validation"), (cfg.data.eval, "test")):
             for file in files:
                 parent = str(Path(file).parent)
                 if parent not in dirs:
@@ -164,26 +164,36 @@ def rehearsal_study(study: StudyConfig, out: Path, steps: int, stages: list[str]
             extra.append(f"model.path={{out}}/models/{models[cfg.model.path]}")
         extra += [f"opd.teachers.{route}={{out}}/models/{models[path]}"
                   for route, path in method(cfg.train.algorithm).teachers(cfg.opd).items() if path in models]
-        for key, files in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        for key, files in (("data.train", cfg.data.train), ("data.validation", cfg.data.validation),
+                           ("data.eval", cfg.data.eval)):
             if files:
                 extra.append(f"{key}=[" + ", ".join(f"{{out}}/standin/{data[f][0]}/{data[f][2]}.jsonl"
                                                     for f in files) + "]")
         rehearsal.append(dataclasses.replace(stage, overrides=[*stage.overrides, *extra, *small(steps)]))
     domains = sorted({domain for _, domain, _ in data.values()})
-    assets = AssetsConfig(presets=sorted(set(models.values())), domains=domains, train_rows=20, heldout_rows=20)
+    assets = AssetsConfig(presets=sorted(set(models.values())), domains=domains, train_rows=20, heldout_rows=20,
+                          validation_rows=20)
     # One seed: the layout and the scripts are the same for every seed.
     return dataclasses.replace(study, out=str(out), assets=assets, stages=rehearsal, seeds=[])
 
 
 def write_standin_data(study: StudyConfig, out: Path, rows: int = 200) -> None:
-    """{out}/standin/<data directory's name>/{train,heldout}.jsonl: synthetic rows whose domain (the key of the
-    verifier's data_source stays) is the directory's name, so that multi-teacher routes named after the data
-    directories (opd.teachers.math, .code) find their rows as they would the real ones."""
-    for name, domain, split in set(stand_ins(study)[1].values()):
-        made = make_split(domain, split, rows if split == "train" else max(rows // 10, 8))
-        for row in made:
-            row.extra_info["domain"] = name
-        write_rows(out / "standin" / name / f"{split}.jsonl", made)
+    """{out}/standin/<data directory's name>/{train,validation,test}.jsonl (those the study reads): synthetic rows
+    whose domain (the key of the verifier's data_source stays) is the directory's name, so that multi-teacher routes
+    named after the data directories (opd.teachers.math, .code) find their rows as they would the real ones."""
+    splits: dict[tuple[str, str], set[str]] = {}
+    for name, domain, split in stand_ins(study)[1].values():
+        splits.setdefault((name, domain), set()).add(split)
+    heldout = max(rows // 10, 8)
+    for (name, domain), wanted in splits.items():
+        # the test rows are drawn whenever validation is: validation is cut after them, disjoint
+        counts = {"train": rows, "test": heldout} | ({"validation": heldout} if "validation" in wanted else {})
+        for split, made in make_splits(domain, counts).items():
+            if split not in wanted:
+                continue
+            for row in made:
+                row.extra_info["domain"] = name
+            write_rows(out / "standin" / name / f"{split}.jsonl", made)
 
 
 def rehearsal_gpus(nodes: int, gpus: int, tp: int, pp: int, cap: int) -> int:
