@@ -40,8 +40,8 @@ def test_a_planted_pickle_is_refused_and_runs_nothing(tmp_path):
     _plant_pickle(state, marker)
     with pytest.raises(UnsafeCheckpoint, match=r"holds code \(io.open would run on load\)"):
         load_state(state)
-    with pytest.raises(UnsafeCheckpoint):
-        Checkpointer(tmp_path, every=2, keep=2).latest()
+    assert Checkpointer(tmp_path, every=2, keep=2).latest() is None  # moved aside: the run starts over
+    assert (tmp_path / "checkpoints" / "damaged" / "step_0000004" / "state.pt").exists()
     assert not marker.exists()
 
 
@@ -52,3 +52,155 @@ def test_a_checkpoint_holds_data_only(assets, tmp_path):
     train(run_config(assets, tmp_path / "run", "grpo", **{"train.steps": 4, "rollout.max_staleness": 1}))
     state = load_state(tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt")
     assert state["step"] == 2 and len(state["rollouts"]) == 1
+
+
+# ---------------------------------------------------------------------------------------------- damaged checkpoints
+
+STEPS = {"train.steps": 4, "checkpoint.every": 2, "checkpoint.keep": 2}
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    """A finished 4-step GRPO run (checkpoints at steps 2 and 4), and the same run carried to 6 steps unbroken: a
+    damaged run resumed to 6 steps must end with this one's metrics and ledger."""
+    from megaopd.trainer import train
+
+    root = tmp_path_factory.mktemp("fault_runs")
+    train(run_config(assets, root / "base" / "run", "grpo", **STEPS))
+    train(run_config(assets, root / "reference" / "run", "grpo", **(STEPS | {"train.steps": 6})))
+    return root
+
+
+def _copy_base(runs, tmp_path) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs / "base" / "run", run)
+    return run
+
+
+def _deterministic(metrics):
+    return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in metrics]
+
+
+def _resumes_to_the_reference(assets, runs, run) -> dict:
+    """Train the damaged run on to 6 steps: its metrics (one row per step, none twice) and ledger are the unbroken
+    run's."""
+    import json
+
+    from megaopd.trainer import train
+
+    summary = train(run_config(assets, run, "grpo", **(STEPS | {"train.steps": 6})))
+    expected = json.loads((runs / "reference" / "run" / "summary.json").read_text())
+    assert summary["ledger"]["own"] == expected["ledger"]["own"]
+    metrics = read_metrics(run)
+    assert _deterministic(metrics) == _deterministic(read_metrics(runs / "reference" / "run"))
+    return summary
+
+
+def _damage_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "checkpoint" in r.getMessage()]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["truncated", "zeroed", "manifest_garbled", "byte_flipped"])
+def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes(fault, assets, runs, tmp_path,
+                                                                                    caplog):
+    run = _copy_base(runs, tmp_path)
+    latest = run / "checkpoints" / "step_0000004"
+    state = latest / "state.pt"
+    data = state.read_bytes()
+    if fault == "truncated":
+        state.write_bytes(data[: len(data) // 2])
+    elif fault == "zeroed":
+        state.write_bytes(bytes(len(data)))
+    elif fault == "manifest_garbled":
+        (latest / "manifest.json").write_text('{"format": 1, "fil')
+    else:  # one byte changed deep in a tensor: still a valid zip, caught only by the checksum
+        state.write_bytes(data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:])
+    caplog.set_level("WARNING")
+    _resumes_to_the_reference(assets, runs, run)
+    [line] = _damage_warnings(caplog)
+    assert "step_0000004 is damaged" in line and "resuming from step 2" in line, line
+    moved = run / "checkpoints" / "damaged" / "step_0000004"
+    assert moved.is_dir() and f"moved to {moved}" in line  # kept for a post-mortem, never deleted
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_without_a_manifest_loads_when_it_reads_as_data(assets, runs, tmp_path, caplog):
+    """A checkpoint written before manifests (issue 55): loaded unverified when it reads completely as data, moved
+    aside like a damaged one when it does not."""
+    run = _copy_base(runs, tmp_path)
+    (run / "checkpoints" / "step_0000004" / "manifest.json").unlink()
+    caplog.set_level("WARNING")
+    _resumes_to_the_reference(assets, runs, run)
+    [line] = _damage_warnings(caplog)
+    assert "step_0000004 has no manifest" in line and "loaded unverified" in line, line
+
+    old = _copy_base(runs, tmp_path / "truncated")
+    state = old / "checkpoints" / "step_0000004" / "state.pt"
+    (state.parent / "manifest.json").unlink()
+    state.write_bytes(state.read_bytes()[:1000])
+    assert Checkpointer(old, every=2, keep=2).latest()["step"] == 2
+    assert (old / "checkpoints" / "damaged" / "step_0000004" / "state.pt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_planted_pickle_in_the_latest_checkpoint_is_moved_aside(assets, runs, tmp_path, caplog):
+    """Its manifest rewritten to match it too (someone who can write the file can write the manifest): loading
+    still refuses it, creates nothing, and the run resumes from the one before."""
+    from megaopd.checkpoint import write_manifest
+
+    run = _copy_base(runs, tmp_path)
+    latest = run / "checkpoints" / "step_0000004"
+    marker = tmp_path / "created_on_load"
+    _plant_pickle(latest / "state.pt", marker)
+    write_manifest(latest)
+    caplog.set_level("WARNING")
+    _resumes_to_the_reference(assets, runs, run)
+    [line] = _damage_warnings(caplog)
+    assert "holds code (io.open would run on load)" in line and "resuming from step 2" in line, line
+    assert not marker.exists()
+
+
+def test_every_checkpoint_damaged_starts_over(tmp_path, caplog):
+    for step in (2, 4):
+        directory = tmp_path / "checkpoints" / f"step_{step:07d}"
+        directory.mkdir(parents=True)
+        (directory / "state.pt").write_bytes(b"\0" * 100)
+    caplog.set_level("WARNING")
+    assert Checkpointer(tmp_path, every=2, keep=2).latest() is None
+    lines = _damage_warnings(caplog)
+    assert len(lines) == 2 and all("resuming from the start" in line for line in lines)
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "damaged").iterdir()) == ["step_0000002",
+                                                                                        "step_0000004"]
+
+
+def test_a_saved_checkpoint_is_flushed_and_verified(tmp_path):
+    from megaopd.checkpoint import verify
+
+    checkpointer = Checkpointer(tmp_path, every=1, keep=2)
+    for step in (1, 2, 3):
+        checkpointer.save(step, {"step": step, "w": torch.arange(10.0) * step})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000002", "step_0000003"]
+    assert verify(tmp_path / "checkpoints" / "step_0000003") is None
+    assert checkpointer.latest()["step"] == 3
+
+
+def test_a_distributed_checkpoint_verifies_with_every_shard(tmp_path):
+    """Megatron's: the trainer's state file points at a directory of every rank's shards; the manifest covers them,
+    so a shard missing or cut short makes the step fall back to the previous one."""
+    def shards(step):
+        directory = tmp_path / "megatron_checkpoints" / f"step_{step:07d}"
+        directory.mkdir(parents=True)
+        for rank in range(4):
+            (directory / f"__{rank}_0.distcp").write_bytes(os.urandom(256))
+        return directory
+
+    checkpointer = Checkpointer(tmp_path, every=1, keep=2)
+    for step in (1, 2):
+        checkpointer.save(step, {"step": step, "policy": {"dist_checkpoint": str(shards(step)), "steps": step}})
+    (tmp_path / "megatron_checkpoints" / "step_0000002" / "__3_0.distcp").unlink()  # one rank's shard lost
+    state = checkpointer.latest()
+    assert state["step"] == 1
+    assert (tmp_path / "checkpoints" / "damaged" / "step_0000002").is_dir()
