@@ -37,7 +37,7 @@ from megaopd.config import RunConfig, save_config
 from megaopd.data.rows import load_rows
 from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
-from megaopd.errors import DataError, require_file
+from megaopd.errors import DataError, UserError, require_file
 from megaopd.evaluate import Evaluator, score_samples
 from megaopd.finished import FINAL_DIR, SUMMARY, finished_summary
 from megaopd.hf_policy import HFPolicy
@@ -225,7 +225,7 @@ class Trainer:
                 part = batch.select(slice(start, start + minibatch))
                 updates.append((policy.train_minibatch(part, self.objective.token_loss, mbs, self.objective.vocab_term),
                                 float(part.response_mask.sum())))
-        metrics |= {f"train/{k}": v for k, v in merge_updates(updates).items()}
+        metrics |= {f"train/{k}": v for k, v in self._applied(step, updates, batch).items()}
         update_seconds = time.perf_counter() - update_start
         self.rollouts.sync_weights(policy)  # once the generation in flight (if any) is done
 
@@ -317,7 +317,26 @@ class Trainer:
         batch = collate(samples, policy.pad_id)
         update = policy.train_minibatch(batch, self.objective.token_loss, cfg.train.micro_batch_size)
         self._book_flops(rows, samples)
-        return {f"train/{k}": v for k, v in update.items()}
+        return {f"train/{k}": v for k, v in self._applied(step, [(update, 1.0)], batch).items()}
+
+    def _applied(self, step: int, updates: list[tuple[dict[str, float], float]], batch: TokenBatch) -> dict:
+        """The step's training metrics, over the updates the policy applied: it applies none whose loss or gradient
+        norm is non-finite. Such an update stops the run here (before the step's checkpoint) in one line naming the
+        step and the quantity, or with train.nonfinite=skip is left out and counted."""
+        def applied(update: dict[str, float]) -> bool:
+            return all(math.isfinite(update.get(k, 0.0)) for k in ("loss", "grad_norm"))
+
+        finite = [u for u in updates if applied(u[0])]
+        if len(finite) == len(updates):
+            return merge_updates(updates) | ({"nonfinite_skipped": 0} if self.cfg.train.nonfinite == "skip" else {})
+        quantity = nonfinite_quantity(next(u for u, _ in updates if not applied(u)), batch)
+        if self.cfg.train.nonfinite == "stop":
+            raise NonFiniteStep(f"step {step}: {quantity}; the update was not applied and the run stopped before "
+                                "the step's checkpoint (the earlier ones are kept); find the cause, or set "
+                                "train.nonfinite=skip to leave such updates out")
+        log.warning("step %d: %s; update left out (train.nonfinite=skip)", step, quantity)
+        merged = merge_updates(finite or updates)
+        return merged | {"nonfinite_skipped": len(updates) - len(finite)}
 
     def _sft_band_reached(self, eval_metrics: dict[str, float]) -> bool:
         """The cold start stops at the first eval where every domain reaches `sft.stop_at_accuracy`.
@@ -425,6 +444,27 @@ class Trainer:
                    "stop": self.ledger.stop, "final": final_metrics, "ledger": self.ledger.state_dict()}
         (self.run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
         return summary
+
+
+class NonFiniteStep(UserError):
+    what = "non-finite step"
+
+
+def nonfinite_quantity(update: dict[str, float], batch: TokenBatch) -> str:
+    """Which quantity of a non-finite update went wrong first: a teacher's logprobs (NaN or +inf on a response
+    token), else the loss, else the gradient norm. Run only when one is non-finite: no cost to a finite step."""
+    mask = batch.response_mask.bool()
+    for name in ("teacher_logprobs", "teacher_topk_logprobs", "teacher_tail"):
+        values = getattr(batch, name)
+        if values is not None:
+            values = values.detach().float().cpu()
+            rows = mask.cpu() if values.dim() == 2 else mask.cpu()[..., None].expand_as(values)
+            bad = (torch.isnan(values) | torch.isposinf(values)) & rows
+            if bad.any():
+                return f"the teacher's logprobs ({name}) are non-finite at {int(bad.sum())} response positions"
+    if not math.isfinite(update.get("loss", 0.0)):
+        return f"the loss is {update['loss']}"
+    return f"the gradient norm is {update['grad_norm']}"
 
 
 def train(cfg: RunConfig, stage_dir: str | None = None) -> dict:

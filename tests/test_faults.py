@@ -204,3 +204,81 @@ def test_a_distributed_checkpoint_verifies_with_every_shard(tmp_path):
     state = checkpointer.latest()
     assert state["step"] == 1
     assert (tmp_path / "checkpoints" / "damaged" / "step_0000002").is_dir()
+
+
+# ---------------------------------------------------------------------------------------------- non-finite steps
+
+def _megaopd_train(config: Path, *overrides) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "megaopd.cli", "train", str(config), *overrides], env=env,
+                          capture_output=True, text=True, timeout=280)
+
+
+def _poison(model: Path) -> None:
+    """Make an HF model directory's final norm weights NaN: every logprob it gives is then NaN."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"][:] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.timeout(300)
+def test_a_teachers_nan_logprobs_stop_the_run_before_the_update(assets, tmp_path):
+    """A teacher's weights go bad mid-run (NaN logprobs): the step stops before the optimizer applies it, in one
+    line naming the step and the quantity, with the last finite checkpoint kept; once the teacher is mended the
+    same command resumes from it and ends as an unbroken run does."""
+    import json
+    import shutil
+
+    from megaopd.trainer import train
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(assets / "models" / "qwen3-tiny-seed1", teacher)
+    opd = {"opd.teachers.*": teacher, "rollout.samples_per_prompt": 1, "opd.form": "sampled"}
+    save_config(run_config(assets, tmp_path / "run", "opd", **(STEPS | opd | {"train.steps": 2})), tmp_path / "a.yaml")
+    assert _megaopd_train(tmp_path / "a.yaml").returncode == 0
+    _poison(teacher)
+    save_config(run_config(assets, tmp_path / "run", "opd", **(STEPS | opd)), tmp_path / "run.yaml")
+    proc = _megaopd_train(tmp_path / "run.yaml")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("megaopd:")]
+    assert line.startswith("megaopd: non-finite step: step 3: the teacher's logprobs (teacher_logprobs) are "
+                           "non-finite at "), line
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_0000002"]
+
+    shutil.copytree(assets / "models" / "qwen3-tiny-seed1", teacher, dirs_exist_ok=True)  # mended
+    assert _megaopd_train(tmp_path / "run.yaml").returncode == 0
+    shutil.copytree(assets / "models" / "qwen3-tiny-seed1", tmp_path / "ref_teacher")
+    reference = train(run_config(assets, tmp_path / "reference" / "run", "opd",
+                                 **(STEPS | opd | {"opd.teachers.*": tmp_path / "ref_teacher"})))
+    resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert resumed["ledger"]["own"] == reference["ledger"]["own"]
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [m["step"] for m in read_metrics(
+        tmp_path / "reference" / "run")]  # no row twice
+
+
+@pytest.mark.timeout(300)
+def test_a_nan_loss_stops_the_run_or_is_skipped_and_counted(assets, tmp_path):
+    """grpo.kl_coef=.inf times the first step's zero KL makes the loss NaN: stop (the default) ends the run in one
+    line before any update; skip leaves every such update out, counted, and the weights stay the initial ones."""
+    from safetensors.torch import load_file
+
+    overrides = STEPS | {"train.steps": 2, "grpo.kl_coef": ".inf"}
+    save_config(run_config(assets, tmp_path / "run", "grpo", **overrides), tmp_path / "run.yaml")
+    proc = _megaopd_train(tmp_path / "run.yaml")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("megaopd:")]
+    assert line.startswith("megaopd: non-finite step: step 1: the loss is nan; the update was not applied"), line
+
+    save_config(run_config(assets, tmp_path / "skip", "grpo", **(overrides | {"train.nonfinite": "skip"})),
+                tmp_path / "skip.yaml")
+    proc = _megaopd_train(tmp_path / "skip.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sum("update left out (train.nonfinite=skip)" in x for x in proc.stderr.splitlines()) == 2
+    steps = [m for m in read_metrics(tmp_path / "skip") if "train/nonfinite_skipped" in m]
+    assert [m["train/nonfinite_skipped"] for m in steps] == [1, 1]
+    initial = load_file(assets / "models" / "qwen3-tiny" / "model.safetensors")
+    final = load_file(tmp_path / "skip" / "final" / "model.safetensors")
+    assert all(torch.equal(final[k], initial[k]) for k in initial)  # nothing non-finite reached the weights
