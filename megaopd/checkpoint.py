@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megaopd.errors import UserError
+from megaopd.errors import UserError, space_for
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,17 @@ def _referenced(state: dict) -> list[Path]:
     return sorted(p for p in Path(where).rglob("*") if p.is_file()) if where else []
 
 
+def state_bytes(state) -> int:
+    """About how many bytes ``torch.save`` writes for `state`: its tensors' storage (the rest is small)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 64
+
+
 def write_manifest(directory: Path, referenced: list[Path] = ()) -> None:
     """Every file of `directory` (and the `referenced` ones, by absolute path) with its size and checksum, read back
     from disk, written last and flushed."""
@@ -140,6 +151,8 @@ class Checkpointer:
 
     def latest(self) -> dict | None:
         """The newest checkpoint that verifies and loads, or None; damaged ones on the way are moved aside."""
+        for partial in self.dir.glob(".tmp_step_*"):  # a save cut short (a kill, a full disk): never complete
+            shutil.rmtree(partial, ignore_errors=True)
         damaged = []
         for directory in reversed(self._complete()):
             problem = verify(directory)
@@ -188,11 +201,14 @@ class Checkpointer:
         final = self.dir / f"step_{step:07d}"
         tmp = self.dir / f".tmp_step_{step:07d}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        torch.save(state, tmp / STATE_FILE)
-        fsync(tmp / STATE_FILE)
-        write_manifest(tmp, _referenced(state))
-        fsync(tmp)
+        with space_for(final, state_bytes(state), partial=[tmp]):  # a full disk: one line, no .tmp_step_* left
+            tmp.mkdir()
+            with open(tmp / STATE_FILE, "wb") as f:  # a Python file: a failed write raises its OSError
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            write_manifest(tmp, _referenced(state))
+            fsync(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         fsync(self.dir)

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from megaopd.config import load_config
-from megaopd.errors import UserError
+from megaopd.errors import UserError, is_no_space, no_space_line, space_for
 
 
 # Subcommands that own their arguments.
@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(e.line(), file=sys.stderr)
+        return 2
+    except Exception as e:
+        if debug or not is_no_space(e):
+            raise
+        print(no_space_line(e), file=sys.stderr)  # a full disk is the cluster's fault: one line, as a user error's
         return 2
 
 
@@ -112,7 +117,8 @@ def _run(args) -> int:
         cfg = load_config(args.config, args.overrides)  # a config error is reported before torch is imported
         from megaopd.trainer import train
 
-        summary = train(cfg)
+        with space_for(cfg.run_dir):  # a write with no file of its own named (config.yaml, TensorBoard) names this
+            summary = train(cfg)
         print(json.dumps(summary["final"], indent=1))
     elif args.command == "eval":
         from megaopd import environment, verifiers
@@ -148,7 +154,8 @@ def _run(args) -> int:
         from megaopd.study import StudyConfig, accuracy_flops_table, run_study, seed_studies
 
         study = load_config(args.config, args.overrides, cls=StudyConfig)
-        run_dirs = run_study(study)
+        with space_for(study.out):
+            run_dirs = run_study(study)
         print(accuracy_flops_table(run_dirs))
         report = write_report([s.out for s in seed_studies(study)], Path(study.out) / "report")
         print(f"\nreport: {Path(study.out) / 'report' / 'report.md'}")

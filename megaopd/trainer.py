@@ -32,12 +32,12 @@ from megaopd import allocator, environment, shared_prompt, verifiers
 from megaopd.align import alignment_tokenizers
 from megaopd.batch import Sample, TeacherScores, TokenBatch, collate
 from megaopd.chat import chat_prompt_ids
-from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state
+from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state, state_bytes
 from megaopd.config import RunConfig, save_config
 from megaopd.data.rows import load_rows
 from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
-from megaopd.errors import DataError, UserError, require_file
+from megaopd.errors import DataError, UserError, require_file, space_for
 from megaopd.evaluate import Evaluator, score_samples
 from megaopd.finished import FINAL_DIR, SUMMARY, finished_summary
 from megaopd.hf_policy import HFPolicy
@@ -396,7 +396,9 @@ class Trainer:
     def _eval(self, step: int, final: bool = False) -> dict[str, float]:
         # Per-prompt results beside the metrics, for the report's bootstrap (a resumed run rewrites its own steps).
         record = self.run_dir / "evals" / ("final.json" if final else f"step_{step:06d}.json")
-        metrics = self.evaluator.run(self.engine, self.policy.tokenizer, step, final, record)
+        earlier = sorted(record.parent.glob("*.json"))  # about the size of the one to write
+        with space_for(record, earlier[-1].stat().st_size if earlier else None, partial=[record]):
+            metrics = self.evaluator.run(self.engine, self.policy.tokenizer, step, final, record)
         if final:
             metrics = {k.replace("eval/", "final/", 1): v for k, v in metrics.items()}
         return metrics
@@ -433,9 +435,11 @@ class Trainer:
         self.metrics.close()
         out = self.run_dir / FINAL_DIR
         tmp = self.run_dir / f".tmp_{FINAL_DIR}"
-        self.policy.save_hf(tmp)
-        self.ledger.stop = self.stop.record(step)
-        self.ledger.save(tmp)
+        model = self.policy.model.state_dict() if isinstance(self.policy, HFPolicy) else None  # no copy
+        with space_for(tmp, state_bytes(model) if model else None, partial=[tmp]):
+            self.policy.save_hf(tmp)
+            self.ledger.stop = self.stop.record(step)
+            self.ledger.save(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -282,3 +282,94 @@ def test_a_nan_loss_stops_the_run_or_is_skipped_and_counted(assets, tmp_path):
     initial = load_file(assets / "models" / "qwen3-tiny" / "model.safetensors")
     final = load_file(tmp_path / "skip" / "final" / "model.safetensors")
     assert all(torch.equal(final[k], initial[k]) for k in initial)  # nothing non-finite reached the weights
+
+
+# ---------------------------------------------------------------------------------------------- a full disk
+
+@pytest.fixture
+def mount_small(request):
+    """Mounts a small tmpfs of its own at a directory (root only, as in CI's containers): a filesystem the test can
+    really fill. Unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+
+    def mount(directory: Path, size: str = "64m") -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                          capture_output=True).returncode:
+            pytest.skip("this machine does not let the test mount a tmpfs")
+        request.addfinalizer(lambda: subprocess.run(["umount", "-l", str(directory)], check=False))
+        return directory
+    return mount
+
+
+@pytest.fixture
+def small_disk(tmp_path, mount_small):
+    return mount_small(tmp_path / "disk")
+
+
+def _fill(disk: Path, leave: int) -> Path:
+    """A ballast file that leaves about `leave` bytes free on `disk`."""
+    import shutil
+
+    ballast = disk / "ballast"
+    with open(ballast, "wb") as f:
+        chunk = bytes(1 << 20)
+        while shutil.disk_usage(disk).free > leave + len(chunk):
+            f.write(chunk)
+        rest = shutil.disk_usage(disk).free - leave
+        if rest > 0:
+            f.write(bytes(rest))
+    return ballast
+
+
+def _no_space_line(proc) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("megaopd:")]
+    assert line.endswith("free); free space, lower checkpoint.keep or move run_dir"), line
+    return line
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_at_a_checkpoint_ends_in_one_line_and_the_rerun_resumes(assets, runs, small_disk, tmp_path):
+    import json
+    import re
+    import shutil
+
+    run = small_disk / "run"
+    shutil.copytree(runs / "base" / "run", run)
+    save_config(run_config(assets, run, "grpo", **(STEPS | {"train.steps": 6})), tmp_path / "run.yaml")
+    ballast = _fill(small_disk, 300_000)  # room for the evals and metrics of two steps, not for a checkpoint
+    line = _no_space_line(_megaopd_train(tmp_path / "run.yaml"))
+    assert re.fullmatch(rf"megaopd: {run}/checkpoints/step_0000006: no space left \(1\.\d MiB needed, \d+\.\d KiB "
+                        r"free\); free space, lower checkpoint.keep or move run_dir", line), line
+    checkpoints = run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_0000002", "step_0000004"]  # no .tmp_step_*
+    assert Checkpointer(run, every=2, keep=2).latest()["step"] == 4  # the earlier ones intact
+
+    ballast.unlink()  # space freed: the same command resumes
+    assert _megaopd_train(tmp_path / "run.yaml").returncode == 0
+    resumed = json.loads((run / "summary.json").read_text())
+    expected = json.loads((runs / "reference" / "run" / "summary.json").read_text())
+    assert resumed["ledger"]["own"] == expected["ledger"]["own"]
+    assert _deterministic(read_metrics(run)) == _deterministic(read_metrics(runs / "reference" / "run"))
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_at_the_export_or_an_eval_file_ends_in_one_line(assets, small_disk, mount_small, tmp_path):
+    overrides = {"train.steps": 1, "checkpoint.every": 1000}
+    save_config(run_config(assets, small_disk / "export", "grpo", **overrides), tmp_path / "export.yaml")
+    (small_disk / "export").mkdir()
+    _fill(small_disk, 200_000)  # the model (about 0.5 MiB) does not fit
+    line = _no_space_line(_megaopd_train(tmp_path / "export.yaml"))
+    assert line.startswith(f"megaopd: {small_disk}/export/.tmp_final: no space left ("), line
+    assert not (small_disk / "export" / ".tmp_final").exists()
+
+    # the eval files' directory on a filesystem of its own, full: the run's first eval record cannot be written
+    evals = mount_small(tmp_path / "eval" / "run" / "evals", "1m")
+    _fill(evals, 0)
+    save_config(run_config(assets, tmp_path / "eval" / "run", "grpo", **overrides), tmp_path / "eval.yaml")
+    line = _no_space_line(_megaopd_train(tmp_path / "eval.yaml"))
+    assert line.startswith(f"megaopd: {evals}/step_000000.json: no space left ("), line
+    assert not (evals / "step_000000.json").exists()
