@@ -373,3 +373,63 @@ def test_a_full_disk_at_the_export_or_an_eval_file_ends_in_one_line(assets, smal
     line = _no_space_line(_megaopd_train(tmp_path / "eval.yaml"))
     assert line.startswith(f"megaopd: {evals}/step_000000.json: no space left ("), line
     assert not (evals / "step_000000.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- kill -9 mid-save
+
+_SAVER = """
+import sys, torch
+from megaopd.checkpoint import Checkpointer
+checkpointer = Checkpointer(sys.argv[1], every=1, keep=2)
+for step in range(1, 1000):
+    checkpointer.save(step, {"step": step, "w": torch.full((24 << 20,), float(step))})  # 96 MiB: a long write
+"""
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_no_partial_one(tmp_path):
+    """kill -9 while a checkpoint is being written, flushed or renamed (its .tmp_step_* directory exists): the
+    checkpoints that were complete stay so, the partial one is never taken for one, and the next resume removes it."""
+    import time
+
+    from megaopd.checkpoint import verify
+
+    proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    checkpoints, deadline = tmp_path / "checkpoints", time.time() + 240
+    while time.time() < deadline and not (checkpoints / "step_0000002").exists():
+        time.sleep(0.01)
+    while time.time() < deadline and not list(checkpoints.glob(".tmp_step_*")):  # the next save under way
+        time.sleep(0.001)
+    proc.kill()
+    proc.wait()
+    [partial] = list(checkpoints.glob(".tmp_step_*"))
+    complete = sorted(p.name for p in checkpoints.glob("step_*"))
+    assert all(verify(checkpoints / name) is None for name in complete)
+    state = Checkpointer(tmp_path, every=1, keep=2).latest()
+    assert f"step_{state['step']:07d}" == complete[-1] and bool((state["w"] == state["step"]).all())
+    assert not partial.exists() and not (checkpoints / "damaged").exists()
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_mid_run_at_its_checkpoint_then_the_same_command_resumes(assets, runs, tmp_path):
+    """The real trainer, killed as soon as its step-4 checkpoint's temporary directory appears (mid-write, flush
+    or rename): the same command finishes the run as the unbroken one (metrics once per step, same ledger)."""
+    import json
+    import time
+
+    save_config(run_config(assets, tmp_path / "run", "grpo", **(STEPS | {"train.steps": 6})), tmp_path / "run.yaml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megaopd.cli", "train", str(tmp_path / "run.yaml")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints, deadline = tmp_path / "run" / "checkpoints", time.time() + 240
+    while time.time() < deadline and proc.poll() is None and not (checkpoints / ".tmp_step_0000004").exists():
+        time.sleep(0.0005)
+    proc.kill()
+    proc.wait()
+    assert not (tmp_path / "run" / "summary.json").exists()
+    assert _megaopd_train(tmp_path / "run.yaml").returncode == 0
+    assert not list(checkpoints.glob(".tmp_step_*"))
+    resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
+    expected = json.loads((runs / "reference" / "run" / "summary.json").read_text())
+    assert resumed["ledger"]["own"] == expected["ledger"]["own"]
+    assert _deterministic(read_metrics(tmp_path / "run")) == _deterministic(read_metrics(runs / "reference" / "run"))
