@@ -225,7 +225,9 @@ class Trainer:
                 part = batch.select(slice(start, start + minibatch))
                 updates.append((policy.train_minibatch(part, self.objective.token_loss, mbs, self.objective.vocab_term),
                                 float(part.response_mask.sum())))
-        metrics |= {f"train/{k}": v for k, v in self._applied(step, updates, batch).items()}
+        applied = self._applied(step, updates, batch)
+        metrics |= {f"train/{k}": v for k, v in merge_updates(applied or updates).items()}
+        metrics |= self._skipped_metric(updates, applied)
         update_seconds = time.perf_counter() - update_start
         self.rollouts.sync_weights(policy)  # once the generation in flight (if any) is done
 
@@ -317,26 +319,30 @@ class Trainer:
         batch = collate(samples, policy.pad_id)
         update = policy.train_minibatch(batch, self.objective.token_loss, cfg.train.micro_batch_size)
         self._book_flops(rows, samples)
-        return {f"train/{k}": v for k, v in self._applied(step, [(update, 1.0)], batch).items()}
+        applied = self._applied(step, [(update, 1.0)], batch)
+        return {f"train/{k}": v for k, v in update.items()} | self._skipped_metric([update], applied)
 
-    def _applied(self, step: int, updates: list[tuple[dict[str, float], float]], batch: TokenBatch) -> dict:
-        """The step's training metrics, over the updates the policy applied: it applies none whose loss or gradient
-        norm is non-finite. Such an update stops the run here (before the step's checkpoint) in one line naming the
-        step and the quantity, or with train.nonfinite=skip is left out and counted."""
-        def applied(update: dict[str, float]) -> bool:
+    def _applied(self, step: int, updates: list[tuple[dict[str, float], float]], batch: TokenBatch) -> list:
+        """The updates the policy applied: it applies none whose loss or gradient norm is non-finite. Such an update
+        stops the run here (before the step's checkpoint) in one line naming the step and the quantity, or with
+        train.nonfinite=skip is left out (and counted: ``_skipped_metric``)."""
+        def finite(update: dict[str, float]) -> bool:
             return all(math.isfinite(update.get(k, 0.0)) for k in ("loss", "grad_norm"))
 
-        finite = [u for u in updates if applied(u[0])]
-        if len(finite) == len(updates):
-            return merge_updates(updates) | ({"nonfinite_skipped": 0} if self.cfg.train.nonfinite == "skip" else {})
-        quantity = nonfinite_quantity(next(u for u, _ in updates if not applied(u)), batch)
+        applied = [u for u in updates if finite(u[0])]
+        if len(applied) == len(updates):
+            return applied
+        quantity = nonfinite_quantity(next(u for u, _ in updates if not finite(u)), batch)
         if self.cfg.train.nonfinite == "stop":
             raise NonFiniteStep(f"step {step}: {quantity}; the update was not applied and the run stopped before "
                                 "the step's checkpoint (the earlier ones are kept); find the cause, or set "
                                 "train.nonfinite=skip to leave such updates out")
         log.warning("step %d: %s; update left out (train.nonfinite=skip)", step, quantity)
-        merged = merge_updates(finite or updates)
-        return merged | {"nonfinite_skipped": len(updates) - len(finite)}
+        return applied
+
+    def _skipped_metric(self, updates: list, applied: list) -> dict[str, float]:
+        """train/nonfinite_skipped: the step's updates left out, logged under train.nonfinite=skip only."""
+        return {"train/nonfinite_skipped": len(updates) - len(applied)} if self.cfg.train.nonfinite == "skip" else {}
 
     def _sft_band_reached(self, eval_metrics: dict[str, float]) -> bool:
         """The cold start stops at the first eval where every domain reaches `sft.stop_at_accuracy`.
