@@ -375,6 +375,18 @@ def test_a_full_disk_at_the_export_or_an_eval_file_ends_in_one_line(assets, smal
     assert not (evals / "step_000000.json").exists()
 
 
+@pytest.mark.timeout(300)
+def test_a_full_disk_while_the_report_is_written_ends_in_one_line(small_disk, tmp_path):
+    from test_report import make_study
+
+    study = make_study(tmp_path / "study")
+    _fill(small_disk, 0)
+    proc = subprocess.run([sys.executable, "-m", "megaopd.cli", "report", str(study), "--out", str(small_disk)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=280)
+    line = _no_space_line(proc)
+    assert line.startswith(f"megaopd: {small_disk}: no space left (more needed, "), line
+
+
 # ---------------------------------------------------------------------------------------------- kill -9 mid-save
 
 _SAVER = """
