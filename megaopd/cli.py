@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from megaopd.config import load_config
-from megaopd.errors import UserError
+from megaopd.errors import UserError, is_no_space, no_space_line, space_for
 
 
 # Subcommands that own their arguments.
@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(e.line(), file=sys.stderr)
         return 2
+    except Exception as e:
+        if debug or not is_no_space(e):
+            raise
+        print(no_space_line(e), file=sys.stderr)  # a full disk is the cluster's fault: one line, as a user error's
+        return 2
 
 
 def _main(argv: list[str]) -> int:
@@ -49,7 +54,8 @@ def _main(argv: list[str]) -> int:
         import importlib
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-        return importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:])
+        with space_for(_report_out(argv[1:]) if argv[0] == "report" else "."):
+            return importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="megaopd", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +114,16 @@ def _main(argv: list[str]) -> int:
     return _run(args)
 
 
+def _report_out(args: list[str]) -> str:
+    """Where ``megaopd report`` writes (its --out, else the first study's report/), for a full disk's line."""
+    for i, arg in enumerate(args):
+        if arg == "--out" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--out="):
+            return arg.split("=", 1)[1]
+    return str(Path(args[0]) / "report") if args and not args[0].startswith("-") else "."
+
+
 def _run(args) -> int:
     if args.command == "make-embedded":
         from megaopd.embedded import make_embedded
@@ -117,7 +133,8 @@ def _run(args) -> int:
         cfg = load_config(args.config, args.overrides)  # a config error is reported before torch is imported
         from megaopd.trainer import train
 
-        summary = train(cfg)
+        with space_for(cfg.run_dir):  # a write with no file of its own named (config.yaml, TensorBoard) names this
+            summary = train(cfg)
         print(json.dumps(summary["final"], indent=1))
     elif args.command == "eval":
         from megaopd import environment, verifiers
@@ -161,9 +178,11 @@ def _run(args) -> int:
         from megaopd.study import StudyConfig, accuracy_flops_table, run_study, seed_studies
 
         study = load_config(args.config, args.overrides, cls=StudyConfig)
-        run_dirs = run_study(study)
+        with space_for(study.out):
+            run_dirs = run_study(study)
         print(accuracy_flops_table(run_dirs))
-        report = write_report([s.out for s in seed_studies(study)], Path(study.out) / "report")
+        with space_for(Path(study.out) / "report"):  # a full disk while the report is written: one line
+            report = write_report([s.out for s in seed_studies(study)], Path(study.out) / "report")
         print(f"\nreport: {Path(study.out) / 'report' / 'report.md'}")
         for finding in report["findings"]:
             print(finding_line(finding))

@@ -261,6 +261,10 @@ class TrainConfig:
     # logprobs and gradients, less work. Off, with the reason logged, with one sample per prompt or an attention the
     # layout cannot express. The ledger bills the same either way (docs/flops.md); perf/hardware_flops shows the work.
     shared_prompt: bool = False
+    # A non-finite loss or gradient norm (a teacher's NaN logprobs among the causes) is never applied to the weights:
+    # stop names the step and the quantity in one line and ends the run (its checkpoints are all finite); skip
+    # leaves that update out and counts it in train/nonfinite_skipped, as large-scale trainers do.
+    nonfinite: Literal["stop", "skip"] = "stop"
     stop: StopConfig = field(default_factory=StopConfig)
 
 

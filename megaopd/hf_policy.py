@@ -325,10 +325,18 @@ class HFPolicy(TokenizerIds):
                 loss.backward()
             for name, value in {"loss": per_token, **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + (value.detach() * mask).sum() / total_tokens
-        grad_norm = self._optimizer_step()
-        # One host sync per step for all the metrics, not one per micro-batch and metric.
+        weights = self.masters or list(self.model.parameters())
+        grad_norm = torch.nn.utils.clip_grad_norm_(weights, self.grad_clip or math.inf)
+        # One host sync per step for all the metrics, not one per micro-batch and metric: before the optimizer step,
+        # so that a non-finite loss or gradient norm never reaches the weights (the trainer names it, then stops or
+        # skips the step: train.nonfinite).
         values = torch.stack([*sums.values(), grad_norm]).tolist() if sums else [float(grad_norm)]
-        return {**dict(zip(sums, values)), "grad_norm": values[-1], "lr": self.scheduler.get_last_lr()[0]}
+        metrics = {**dict(zip(sums, values)), "grad_norm": values[-1]}
+        if all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm") if k in metrics):
+            self._optimizer_step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        return metrics | {"lr": self.scheduler.get_last_lr()[0]}
 
     @staticmethod
     def _accumulate_into(master: torch.Tensor):
@@ -340,17 +348,14 @@ class HFPolicy(TokenizerIds):
             param.grad = None
         return hook
 
-    def _optimizer_step(self) -> torch.Tensor:
-        """Clip, step the optimizer (on the masters when mixed) and round the masters into the compute weights.
-        The clipped gradients stay until the next minibatch (tests and diagnostics read them)."""
-        weights = self.masters or list(self.model.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(weights, self.grad_clip or math.inf)
+    def _optimizer_step(self) -> None:
+        """Step the optimizer on the clipped gradients (on the masters when mixed) and round the masters into the
+        compute weights. The clipped gradients stay until the next minibatch (tests and diagnostics read them)."""
         self.optimizer.step()
         self.scheduler.step()
         if self.masters:
             with torch.no_grad():
                 torch._foreach_copy_(list(self.model.parameters()), self.masters)
-        return grad_norm
 
     def state_dict(self) -> dict:
         state = {"model": self.model.state_dict()}

@@ -21,6 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from megaopd.errors import space_for
+
 if TYPE_CHECKING:
     from megaopd.batch import Sample, TokenBatch
     from megaopd.objectives import ISCorrection
@@ -131,8 +133,9 @@ class MetricsLogger:
             self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        line = json.dumps({"step": step, **metrics}) + "\n"
+        with space_for(self.path, len(line)), self.path.open("a") as f:
+            f.write(line)
         if self.writer is not None:
             for name, value in metrics.items():
                 self.writer.add_scalar(name, value, step)

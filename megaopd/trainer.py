@@ -32,12 +32,12 @@ from megaopd import allocator, environment, shared_prompt, verifiers
 from megaopd.align import alignment_tokenizers
 from megaopd.batch import Sample, TeacherScores, TokenBatch, collate
 from megaopd.chat import chat_prompt_ids
-from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state
+from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state, state_bytes
 from megaopd.config import RunConfig, save_config
 from megaopd.data.rows import load_rows
 from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
-from megaopd.errors import DataError, require_file
+from megaopd.errors import DataError, UserError, require_file, space_for
 from megaopd.evaluate import VALID, Evaluator, score_samples
 from megaopd.finished import FINAL_DIR, SUMMARY, finished_summary
 from megaopd.hf_policy import HFPolicy
@@ -231,7 +231,9 @@ class Trainer:
                 part = batch.select(slice(start, start + minibatch))
                 updates.append((policy.train_minibatch(part, self.objective.token_loss, mbs, self.objective.vocab_term),
                                 float(part.response_mask.sum())))
-        metrics |= {f"train/{k}": v for k, v in merge_updates(updates).items()}
+        applied = self._applied(step, updates, batch)
+        metrics |= {f"train/{k}": v for k, v in merge_updates(applied or updates).items()}
+        metrics |= self._skipped_metric(updates, applied)
         update_seconds = time.perf_counter() - update_start
         self.rollouts.sync_weights(policy)  # once the generation in flight (if any) is done
 
@@ -323,7 +325,30 @@ class Trainer:
         batch = collate(samples, policy.pad_id)
         update = policy.train_minibatch(batch, self.objective.token_loss, cfg.train.micro_batch_size)
         self._book_flops(rows, samples)
-        return {f"train/{k}": v for k, v in update.items()}
+        applied = self._applied(step, [(update, 1.0)], batch)
+        return {f"train/{k}": v for k, v in update.items()} | self._skipped_metric([update], applied)
+
+    def _applied(self, step: int, updates: list[tuple[dict[str, float], float]], batch: TokenBatch) -> list:
+        """The updates the policy applied: it applies none whose loss or gradient norm is non-finite. Such an update
+        stops the run here (before the step's checkpoint) in one line naming the step and the quantity, or with
+        train.nonfinite=skip is left out (and counted: ``_skipped_metric``)."""
+        def finite(update: dict[str, float]) -> bool:
+            return all(math.isfinite(update.get(k, 0.0)) for k in ("loss", "grad_norm"))
+
+        applied = [u for u in updates if finite(u[0])]
+        if len(applied) == len(updates):
+            return applied
+        quantity = nonfinite_quantity(next(u for u, _ in updates if not finite(u)), batch)
+        if self.cfg.train.nonfinite == "stop":
+            raise NonFiniteStep(f"step {step}: {quantity}; the update was not applied and the run stopped before "
+                                "the step's checkpoint (the earlier ones are kept); find the cause, or set "
+                                "train.nonfinite=skip to leave such updates out")
+        log.warning("step %d: %s; update left out (train.nonfinite=skip)", step, quantity)
+        return applied
+
+    def _skipped_metric(self, updates: list, applied: list) -> dict[str, float]:
+        """train/nonfinite_skipped: the step's updates left out, logged under train.nonfinite=skip only."""
+        return {"train/nonfinite_skipped": len(updates) - len(applied)} if self.cfg.train.nonfinite == "skip" else {}
 
     # ---- the loop around every step ----
     def fit(self) -> dict:
@@ -375,7 +400,9 @@ class Trainer:
         # Per-prompt results of the test split beside the metrics, for the report's bootstrap (a resumed run
         # rewrites its own steps).
         record = self.run_dir / "evals" / ("final.json" if final else f"step_{step:06d}.json")
-        metrics = self.evaluator.run(self.engine, self.policy.tokenizer, step, final, record)
+        earlier = sorted(record.parent.glob("*.json"))  # about the size of the one to write
+        with space_for(record, earlier[-1].stat().st_size if earlier else None, partial=[record]):
+            metrics = self.evaluator.run(self.engine, self.policy.tokenizer, step, final, record)
         if self.validator is not None:
             metrics |= self.validator.run(self.engine, self.policy.tokenizer, step, final)
         return metrics
@@ -412,9 +439,11 @@ class Trainer:
         self.metrics.close()
         out = self.run_dir / FINAL_DIR
         tmp = self.run_dir / f".tmp_{FINAL_DIR}"
-        self.policy.save_hf(tmp)
-        self.ledger.stop = self.stop.record(step)
-        self.ledger.save(tmp)
+        model = self.policy.model.state_dict() if isinstance(self.policy, HFPolicy) else None  # no copy
+        with space_for(tmp, state_bytes(model) if model else None, partial=[tmp]):
+            self.policy.save_hf(tmp)
+            self.ledger.stop = self.stop.record(step)
+            self.ledger.save(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -423,6 +452,27 @@ class Trainer:
                    "stop": self.ledger.stop, "final": final_metrics, "ledger": self.ledger.state_dict()}
         (self.run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
         return summary
+
+
+class NonFiniteStep(UserError):
+    what = "non-finite step"
+
+
+def nonfinite_quantity(update: dict[str, float], batch: TokenBatch) -> str:
+    """Which quantity of a non-finite update went wrong first: a teacher's logprobs (NaN or +inf on a response
+    token), else the loss, else the gradient norm. Run only when one is non-finite: no cost to a finite step."""
+    mask = batch.response_mask.bool()
+    for name in ("teacher_logprobs", "teacher_topk_logprobs", "teacher_tail"):
+        values = getattr(batch, name)
+        if values is not None:
+            values = values.detach().float().cpu()
+            rows = mask.cpu() if values.dim() == 2 else mask.cpu()[..., None].expand_as(values)
+            bad = (torch.isnan(values) | torch.isposinf(values)) & rows
+            if bad.any():
+                return f"the teacher's logprobs ({name}) are non-finite at {int(bad.sum())} response positions"
+    if not math.isfinite(update.get("loss", 0.0)):
+        return f"the loss is {update['loss']}"
+    return f"the gradient norm is {update['grad_norm']}"
 
 
 def train(cfg: RunConfig, stage_dir: str | None = None) -> dict:

@@ -2,9 +2,9 @@
 right answers that must be paid and wrong answers that must not be, graded through the row's data source as
 training grades them.
 
-Rows marked ``main`` were graded the other way by the grader before issue 40 (a right answer refused, or a wrong
-one paid); rows marked ``ours`` are where we part from the reference on purpose, each because the reference pays
-a wrong answer or refuses a right one for a reason of form.
+Rows marked ``main`` were graded the other way by the grader before issue 40 (``issue 55``: before issue 55) (a
+right answer refused, or a wrong one paid); rows marked ``ours`` are where we part from the reference on purpose,
+each because the reference pays a wrong answer or refuses a right one for a reason of form.
 """
 
 import pytest
@@ -38,6 +38,13 @@ CASES = [
     ("extraction", "openai/gsm8k", "She has 72 clips left.", "72", 0, {}),  # main paid: strict wants a mark
     ("extraction", "openai/gsm8k", "She has 72 clips left.", "72", 1, {"extraction": "flexible"}),
     ("extraction", "math", "She has 72 clips left.", "72", 0, {"extraction": "strict"}),  # main
+    # --- what boxes mean: read together, and an empty box among them is no answer (the reference's reading)
+    ("boxes", "math", r"\boxed{42} and finally \boxed{}", "42", 0, {}),  # issue 55: main paid
+    ("boxes", "math", r"So \boxed{} and then \boxed{7}", "7", 0, {}),  # issue 55
+    ("boxes", "math", r"\boxed{}", "0", 0, {}),
+    ("boxes", "math", r"It is \boxed{42}. Done.", "42", 1, {}),
+    ("boxes", "math", r"The roots are \boxed{2} and \boxed{3}", "$2, 3$", 1, {}),
+    ("boxes", "math", r"\boxed{}. The final answer is 9. I hope it is correct.", "9", 1, {}),
     # --- numbers: separators, decimal commas, currency
     ("numbers", "math", "1 000", "1000", 1, {}),  # main
     ("numbers", "math", "The total is 7,425,000.", "7425000", 1, {}),
@@ -50,6 +57,11 @@ CASES = [
     ("numbers", "math", r"\boxed{2 3}", "5", 0, {}),  # ours: the reference reads 2 3 as 5
     ("numbers", "math", "The total is 1,001.", "1000", 0, {}),
     ("numbers", "math", r"\boxed{-5}", "5", 0, {}),
+    ("numbers", "math", "1.22", "1,22", 1, {}),  # issue 55: a reference's decimal comma, as the reference reads it
+    ("numbers", "math", "The answer is -0.5", "-0,5", 1, {}),  # issue 55
+    ("numbers", "math", "1.225", "1,225", 0, {}),  # a comma before three digits groups thousands
+    ("numbers", "math", "122", "1,22", 0, {}),
+    ("numbers", "math", r"\boxed{1,22}", "1.22", 0, {}),  # inside a box a comma separates two answers
     # --- percentages
     ("percent", "math", "28 percent", r"$28\%$", 1, {}),
     ("percent", "math", r"$\boxed{28 pct}", r"$28\%$", 1, {}),
@@ -82,6 +94,13 @@ CASES = [
     ("mixed numbers", "math", "The answer is 1 1/2", "3/2", 1, {}),  # main; ours: the reference reads 1
     ("mixed numbers", "math", r"\boxed{\frac{6}{4}}", r"6\frac{1}{4}", 0, {}),
     ("mixed numbers", "math", "The answer is 11 7/6", r"\frac{83}{6}", 0, {}),  # improper: no mixed number
+    ("mixed numbers", "math", "11\n5/6", "71/6", 0, {}),  # issue 55: no mixed number across a line break
+    ("mixed numbers", "math", "The answer is 3\n1/4", "13/4", 0, {}),  # issue 55
+    ("mixed numbers", "math", "The answer is 3 \t1/4", "13/4", 1, {}),  # ours
+    ("mixed numbers", "math", "4 4/9 %", "40/9", 0, {}),  # issue 55: the percent applies to the whole number
+    ("mixed numbers", "math", "The rate is 4 4/9 %", r"\frac{40}{900}", 1, {}),  # issue 55; ours: the reference reads 4
+    ("mixed numbers", "math", "The share is 1 1/2 percent", "3/2", 0, {}),
+    ("mixed numbers", "math", "The share is 1 1/2 percent", "0.015", 1, {}),  # ours
     # --- intervals and sets: open and closed ends
     ("intervals", "math", "$[0,1)$", "[0,1)", 1, {}),  # main: read 1
     ("intervals", "math", "$[0,9)$", "(0,9)", 0, {}),  # main paid
@@ -90,6 +109,11 @@ CASES = [
      1, {}),
     ("intervals", "math", r"$x \in [-2,7]$", r"$-2 \le x \le 7$", 1, {}),  # main
     ("intervals", "math", r"$(-793, 10)$", r"$-793 < a < 10$", 1, {}),  # main
+    ("intervals", "math", r"$-2 \le x \le 7$", r"$x \in [-2,7]$", 1, {}),  # issue 55; ours: the reference refuses
+    ("intervals", "math", r"So $\boxed{-1 < t < 3}$", r"(-1, 3)", 1, {}),  # issue 55; ours: the reference refuses
+    ("intervals", "math", r"$-2 < x \le 7$", r"$x \in [-2,7]$", 0, {}),
+    ("intervals", "math", r"$-2 \le x \le 8$", r"$x \in [-2,7]$", 0, {}),
+    ("intervals", "math", r"$-1 < t < 3$", r"[-1, 3]", 0, {}),
     ("intervals", "math", r"\boxed{\{1,2\}}", r"\{2,1\}", 1, {}),
     ("intervals", "math", r"\boxed{\{1,2\}}", r"\{1,3\}", 0, {}),
     # --- relations and equations

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import file_mtimes, run_config, tiny_overrides, validation
+from megaopd.checkpoint import load_state
 from megaopd.config import save_config
 from megaopd.metrics import read_metrics
 from megaopd.trainer import PREEMPTED_EXIT, train
@@ -241,7 +242,7 @@ def test_kill_9_then_same_command_resumes_with_the_rollouts_generated_ahead(asse
     checkpoint = tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt"
     _kill_9_after_checkpoint(tmp_path / "run.yaml", checkpoint, env)
     assert not (tmp_path / "run" / "summary.json").exists()
-    [ahead] = torch.load(checkpoint, weights_only=False)["rollouts"]  # the work in flight at the kill
+    [ahead] = load_state(checkpoint)["rollouts"]  # the work in flight at the kill
     assert {s["weight_version"] for s in ahead["samples"]} == {1}
 
     subprocess.run(_cli(tmp_path / "run.yaml"), env=env, check=True, stdout=subprocess.DEVNULL,
@@ -281,7 +282,7 @@ def test_several_updates_per_batch(assets, tmp_path):
     import torch
 
     train(run_config(assets, tmp_path / "run", "grpo", **{"train.epochs": 2, "train.minibatches": 2, "train.steps": 2}))
-    state = torch.load(tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt", weights_only=False)
+    state = load_state(tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt")
     assert all(int(p["step"]) == 8 for p in state["policy"]["optimizer"]["state"].values())
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as recomputed
 
 from megaopd.batch import TokenBatch
+from megaopd.checkpoint import load_state
 from megaopd.config import ModelConfig, OptimConfig
 from megaopd.flops import ModelShape, train_flops
 from megaopd.megatron import bridge as hf_bridge
@@ -443,7 +444,7 @@ class MegatronPolicy(TokenizerIds):
         self.module.load_state_dict(state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        self.steps = torch.load(Path(directory) / "megaopd_policy.pt")["steps"]
+        self.steps = load_state(Path(directory) / "megaopd_policy.pt")["steps"]  # data only, never code
         self._version += 1
 
     def state_dict(self) -> dict:

@@ -68,6 +68,7 @@ _VALUE_START = re.compile(rf"(?:^|[\s=])(?:\*\*)?[{re.escape(_CURRENCY)}]?(?=[-.
 _PLAIN_VALUE = re.compile(rf"(?:^|[\s=])(?:\*\*)?[{re.escape(_CURRENCY)}]?" + _NUMBER.pattern, re.VERBOSE)
 # An answer on its own that is one number (commas only between groups of three), or a fraction of whole numbers.
 _PLAIN_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})++|\d++)(?:\.\d++)?(?:\\?%)?|-?\.\d++(?:\\?%)?")
+_DECIMAL_COMMA = re.compile(r"-?\d++,\d++(?:\\?%)?")
 _PLAIN_FRACTION = re.compile(r"(-?)(?:\\[dt]?frac\{(?P<numerator>\d{1,50})\}\{(?P<denominator>\d{1,50})\}"
                              r"|(?P<over>\d{1,50})/(?P<under>\d{1,50}))")
 
@@ -90,6 +91,7 @@ _EXPRESSION_START = re.compile(rf"(?:^|[\s=])(?:\*\*)?(?=-?\(?-?\d{_EXPR_CHARS}{
 _LAST_CLOSER = re.compile(r".*[.)\s]", re.DOTALL)
 _DIGIT = re.compile(r"\d")
 _OPERATOR = re.compile(r"[+\-*×/^()÷]")
+_EXPRESSION_PERCENT = re.compile(r"[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct)")
 
 
 def _expression_at(text: str, start: int) -> tuple[int, Part] | None:
@@ -99,7 +101,7 @@ def _expression_at(text: str, start: int) -> tuple[int, Part] | None:
     if run is None:
         return None
     end = run.end()
-    if end < len(text) and text[end] not in ",:$":  # the run itself is not closed: end at its last closer
+    if end < len(text) and text[end] not in ",:$%":  # the run itself is not closed: end at its last closer
         closer = _LAST_CLOSER.match(text, start, end)
         if closer is None:
             return None
@@ -108,6 +110,9 @@ def _expression_at(text: str, start: int) -> tuple[int, Part] | None:
     first_operator = _OPERATOR.search(text, first_digit + 1, end)
     if first_operator is None or first_operator.start() > end - 2:  # an operator with something after it
         return None
+    percent = _EXPRESSION_PERCENT.match(text, end)
+    if percent:  # "4 4/9 %": the percent applies to the whole value
+        return percent.end(), Part(EXPR, text[start:end].strip(), True)
     return end + (end < len(text)), Part(EXPR, text[start:end].strip())
 
 
@@ -334,12 +339,19 @@ def _sentences(text: str, spans: _Spans) -> list[Hit]:
     return hits
 
 
+_EMPTY_BOX = re.compile(r"(\\(?:boxed|fbox))\s*+\{\s*+\}")
+_EMPTY = "\x00"  # stands for an empty box's content while the boxes are joined
+
+
 def _boxes(text: str, spans: _Spans) -> list[Hit]:
     """The last box (as the reference's bare-box pattern: from the first box to the text's last "}"), and spans
     holding boxes."""
     hits = spans.all_joined(boxed=True) if "\\boxed{" in text else []
     first = BOX.search(text)
-    answer = boxed_answer(text) if first else None
+    answer = None
+    if first:  # an empty box read with the boxes beside it leaves an empty member: "42," is no answer
+        answer = boxed_answer(_EMPTY_BOX.sub(lambda m: m.group(1) + "{" + _EMPTY + "}", text))
+        answer = answer.replace(_EMPTY, "") if answer is not None else None
     if answer is not None:
         hits.append((first.start(), max(text.rfind("}") + 1, first.end()), (bare(answer),)))
     return hits
@@ -448,12 +460,15 @@ def candidates(response: str, extraction: str = FLEXIBLE) -> list[Candidate]:
     return out[:MAX_CANDIDATES]
 
 
-def bare(answer: str, percent: bool = False) -> Part:
+def bare(answer: str, percent: bool = False, decimal_comma: bool = False) -> Part:
     """An answer written on its own (a reference, a box's or a span's inside), ``percent`` when a percent sign
     follows it: a number when it is only one (thousands grouped by commas of exactly three digits; a fraction of
-    whole numbers, ``\\frac{3}{4}`` or ``3/4``, as "3/4"), else LaTeX."""
+    whole numbers, ``\\frac{3}{4}`` or ``3/4``, as "3/4"), else LaTeX. With ``decimal_comma`` (a reference answer
+    without delimiters, as the reference reads one) a comma not grouping thousands is a decimal comma: ``1,22`` is
+    1.22, ``1,225`` is 1225; inside a box or a span ``1,22`` stays a pair, as the reference reads it."""
     text = answer.strip()
-    number = _NUMBER.fullmatch(text) if _PLAIN_NUMBER.fullmatch(text) else None
+    plain = _PLAIN_NUMBER.fullmatch(text) or (decimal_comma and _DECIMAL_COMMA.fullmatch(text))
+    number = _NUMBER.fullmatch(text) if plain else None
     if number:
         part = number_part(number)
         return Part(NUMBER, part.text, part.percent or percent)

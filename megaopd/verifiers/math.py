@@ -11,7 +11,8 @@ number. Each data source has its convention (``extra_info["extraction"]`` overri
 | GSM8K (``openai/gsm8k``, ``gsm8k``) | strict | verl's default for GSM8K: only a marked answer counts |
 
 A reference answer is read the same way when it holds LaTeX delimiters or a box, else as one answer on its own
-(``\\frac{\\sqrt{2}}{2}``, ``1,000``); ``ground_truth`` may be a list of acceptable answers.
+(``\\frac{\\sqrt{2}}{2}``, ``1,000``, ``1,22`` with a decimal comma); ``ground_truth`` may be a list of acceptable
+answers.
 
 Equivalence is the reference's (``math_grade``): two numbers compare here, in the caller's process (exactly, or
 rounded to ``extra_info["precision"]`` decimal places, default 6, when one is a decimal); everything else runs in
@@ -40,7 +41,7 @@ _DELIMITERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
 
 def reference_candidates(gold: str) -> list[Candidate]:
     """A reference answer as candidates: extracted when it holds LaTeX delimiters or a box, else on its own."""
-    return candidates(gold) if any(d in gold for d in _DELIMITERS) else [(bare(gold),)]
+    return candidates(gold) if any(d in gold for d in _DELIMITERS) else [(bare(gold, decimal_comma=True),)]
 
 
 def extract_answer(response: str, extraction: str = FLEXIBLE) -> str | None:

@@ -13,7 +13,10 @@ grammar's two expressions simplify to the same value.
 
 One reading of the LaTeX grammar is refused, because it pays wrong answers: numbers side by side (``2 3`` reads
 as 5, ``1\\,000`` as 0); thousands grouped by threes are joined first. In plain
-text a whole number before a proper fraction is a mixed number (``1 1/2`` is 3/2; ``11 7/6`` is no answer).
+text a whole number before a proper fraction on the same line is a mixed number (``1 1/2`` is 3/2; ``11 7/6`` is
+no answer; ``11`` and ``5/6`` on two lines are two numbers, never 71/6), and a percent after it applies to the
+whole of it (``4 4/9 %`` is 2/45). A chained inequality of one variable (``-2 \\le x \\le 7``) is read as its
+interval, from either side (the reference reads it so only as the reference answer).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 _NORMALIZATION = LatexExtractionConfig().normalization_config
 _THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\,|\\ |~|\{,\}|\s)\d{3})++(?![\d])")
 _SIDE_BY_SIDE = re.compile(r"\d\s+\d")
-_MIXED = re.compile(r"(-?)(\d{1,6})\s+(\d{1,6})/(\d{1,6})")  # "1 1/2"
+_MIXED = re.compile(r"(-?)(\d{1,6})[ \t]+(\d{1,6})/(\d{1,6})")  # "1 1/2" on one line: "11\n5/6" is two numbers
 
 
 def _latex(text: str) -> tuple[sympy.Basic | None, str]:
@@ -69,6 +72,25 @@ def _arithmetic(text: str) -> sympy.Basic | None:
         return None
 
 
+def _interval(value: sympy.Basic) -> sympy.Basic:
+    """A chained inequality of one variable between two numbers (``-2 \\le x \\le 7``) as the interval it states,
+    so it meets ``x \\in [-2,7]`` or ``[-2,7]`` from either side (the reference reads it so only as the reference
+    answer); anything else as it is."""
+    if not isinstance(value, sympy.And) or len(value.args) != 2:
+        return value
+    if not all(isinstance(arg, (sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge)) for arg in value.args):
+        return value
+    if len(value.free_symbols) != 1:
+        return value
+    try:
+        interval = value.as_set()
+    except Exception:  # noqa: BLE001: what sympy cannot solve stays a relation
+        return value
+    if not isinstance(interval, sympy.Interval) or not interval.start.is_number or not interval.end.is_number:
+        return value
+    return interval
+
+
 def _part(kind: str, text: str, percent: bool) -> tuple[sympy.Basic | None, str]:
     """One part as sympy (None when it does not parse) and as text."""
     if len(text) > expr.MAX_LENGTH:
@@ -81,7 +103,7 @@ def _part(kind: str, text: str, percent: bool) -> tuple[sympy.Basic | None, str]
         value, shown = _arithmetic(text), text
     if value is not None and percent:
         value = convert_to_pct(value)
-    return value, shown
+    return (_interval(value) if value is not None else None), shown
 
 
 def _candidate(parts: list) -> tuple[sympy.Basic | None, str]:
