@@ -112,7 +112,9 @@ class RolloutConfig:
     engine: RolloutEngine = "local"  # local (in-process, the trainer's own model) | sglang (HTTP servers)
     samples_per_prompt: int = 8  # the GRPO group size; usually 1 for OPD
     max_new_tokens: int = 64
-    temperature: float = 1.0  # 1 / 1 keeps the behaviour policy equal to the student
+    # The policy trained is softmax(logits / temperature), the one sampled: every logprob of a step is taken at it
+    # (docs/opd.md, "One temperature"; rollout.policy_temperature). 0 samples greedily and trains at 1.
+    temperature: float = 1.0
     top_p: float = 1.0
     # Prompts per local-engine generation chunk: the KV cache holds batch_prompts x samples x (prompt + new tokens)
     # at once. `megaopd plan` prints the largest that fits the device.
@@ -151,8 +153,9 @@ class OPDConfig:
     topk: int = 0  # K of form=topk: the teacher's K most likely tokens per response position, plus a tail bucket
     kl: KLDirection = "reverse"
     coef: float = 1.0  # train.algorithm=grpo_opd: weight of the OPD term added to GRPO's group advantage / loss
-    # The teacher scores under the rollout's sampling settings: its logits divided by rollout.temperature (and, on
-    # the local teacher, its distribution cut to its own top-p nucleus when rollout.top_p < 1). False: temperature 1.
+    # The teacher scores under the rollout's sampling settings: its logits divided by rollout.temperature, as the
+    # student's are (and, on the local teacher, its distribution cut to its own top-p nucleus when rollout.top_p < 1).
+    # False: temperature 1, no cut; refused unless rollout.temperature is 1 (objectives.check_temperature).
     match_sampling: bool = True
     # Routing key -> teacher HF directory. The key is a row's domain (extra_info.domain, else data_source);
     # "*" serves every domain. A domain with no teacher fails loudly at start-up.
@@ -217,8 +220,8 @@ class TrainConfig:
     micro_batch_size: int = 64  # sequences per forward/backward; gradients accumulate over the rest
     epochs: int = 1  # optimisation passes over each step's rollouts
     minibatches: int = 1  # optimizer steps per pass: the step's rollouts split into this many minibatches
-    # Recompute with the trainer instead of trusting rollout logprobs (false needs rollout logprobs at temperature
-    # 1, top-p 1: they become the PPO ratio's old logprobs, which must be the loss's own distribution).
+    # Recompute with the trainer instead of trusting rollout logprobs (false needs rollout logprobs without a top-p
+    # cut: they become the PPO ratio's old logprobs, which must be the loss's own distribution).
     recompute_old_logprobs: bool = True
     # Corrections of the train/rollout mismatch (e.g. SGLang kernels vs the trainer's), on the ratio p_trainer /
     # p_rollout of each sampled token, both under the rollout's sampling distribution (docs/serving.md). Only the

@@ -289,14 +289,15 @@ class HFPolicy(TokenizerIds):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def train_minibatch(self, batch: TokenBatch, loss_fn: TokenLossFn, micro_batch_size: int,
-                        vocab_term=None) -> dict[str, float]:
+                        vocab_term=None, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step on `batch`: token-mean loss over all its response tokens, whatever the micro-batching.
 
         Each micro-batch's summed token loss is divided by the token count of the whole minibatch, so gradient
         accumulation gives the same gradient as one big batch (the recurring TRL / verl aggregation bug).
         ``loss_fn`` gets logprobs [b, S-1] computed at the response positions only and zero elsewhere (the loss is
         masked to the response anyway), and with a ``vocab_term`` (``objectives.VocabTerm``) its value per response
-        position [b, S-1], e.g. the KL to the teacher, computed chunk by chunk on the student's log-softmax.
+        position [b, S-1], e.g. the KL to the teacher, computed chunk by chunk on the student's log-softmax. Both
+        are of softmax(logits / ``temperature``): the rollout's (``rollout.policy_temperature``).
         """
         assert self.optimizer is not None, "this policy was built frozen (no optimizer)"
         total_tokens = batch.response_mask.sum().clamp(min=1.0)
@@ -310,7 +311,7 @@ class HFPolicy(TokenizerIds):
                 row_term = vocab_term.rows(mb) if vocab_term is not None else None
 
                 def per_row(rows, start):
-                    full = self._project(rows).log_softmax(-1)
+                    full = self._project(rows, temperature).log_softmax(-1)
                     index = slice(start, start + rows.shape[0])
                     logp = full.gather(-1, targets[index, None])
                     # One output per chunk: with two, the backward reaches a chunk's log-softmax through each at a

@@ -36,7 +36,7 @@ from megaopd.batch import Sample, TokenBatch
 from megaopd.config import ConfigError, GRPOConfig, OPDConfig, OPSAConfig, OPSAScope, RunConfig, TrainConfig, choices
 from megaopd.distributions import TAIL_FLOOR, VocabView, WholeVocab
 from megaopd.methods import Method, method
-from megaopd.rollout import reported_sampling
+from megaopd.rollout import policy_temperature, reported_sampling
 
 # (the student's distribution at rows ``index`` of the micro-batch's rows, [c, V]; ``index``) -> one KL per row [c]
 RowTerm = Callable[[VocabView, slice], torch.Tensor]
@@ -152,15 +152,34 @@ def check_is_correction(cfg: RunConfig, spec: Method) -> None:
         return
     rollout = cfg.rollout
     reported = reported_sampling(rollout.engine, rollout.temperature, rollout.top_p)
-    if not train.recompute_old_logprobs and reported != (1.0, 1.0):
+    loss = policy_temperature(rollout.temperature)
+    if not train.recompute_old_logprobs and reported != (loss, 1.0):
         raise ConfigError(f"train.recompute_old_logprobs=false makes the rollout logprobs the PPO ratio's old "
                           f"logprobs, but at rollout.temperature={rollout.temperature:g} rollout.top_p="
-                          f"{rollout.top_p:g} they are of the sampling distribution, not the loss's (temperature 1); "
-                          "set train.recompute_old_logprobs=true, or roll out at temperature 1, top_p 1")
+                          f"{rollout.top_p:g} they are of the sampling distribution, not the loss's (temperature "
+                          f"{loss:g}, no top-p cut); set train.recompute_old_logprobs=true, or rollout.top_p=1")
     if train.recompute_old_logprobs and cfg.model.backend == "megatron" and reported[1] < 1.0:
         raise ConfigError(f"model.backend=megatron scores at a temperature only, and the local engine's logprobs are "
                           f"cut to rollout.top_p={rollout.top_p:g}'s nucleus, so the trainer cannot take its own "
                           "like-for-like; set rollout.top_p=1, or rollout.engine=sglang (its logprobs skip the cut)")
+
+
+def check_temperature(cfg: RunConfig, spec: Method) -> None:
+    """Refuses, before any model loads, teachers that would score under another distribution than the one the
+    student's logprobs are taken at (``rollout.policy_temperature``, docs/opd.md "One temperature"), so that the
+    sampled-token advantage and the KL compare one temperature; the trainer takes every student logprob at it."""
+    if not spec.teacher_term:
+        return
+    opd, rollout = cfg.opd, cfg.rollout
+    temperature = policy_temperature(rollout.temperature)
+    if temperature != 1.0 and not opd.match_sampling:
+        raise ConfigError(f"opd.match_sampling=false scores the teachers at temperature 1, but the student's logprobs "
+                          f"are taken at rollout.temperature={temperature:g}: set opd.match_sampling=true")
+    top_p = reported_sampling("local", rollout.temperature, rollout.top_p)[1] if opd.match_sampling else 1.0
+    if opd.teacher_engine == "sglang" and (temperature, top_p) != (1.0, 1.0):
+        raise ConfigError(f"opd.teacher_engine=sglang scores at temperature 1 without a top-p cut, but the rollout "
+                          f"samples at rollout.temperature={temperature:g} rollout.top_p={top_p:g}: roll out at 1 / "
+                          "1, or use opd.teacher_engine=local")
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

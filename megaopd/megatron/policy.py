@@ -186,8 +186,9 @@ class MegatronPolicy(TokenizerIds):
         return self._forward_only(batch, micro_batch_size, "logits")
 
     def train_minibatch(self, batch: TokenBatch, loss_fn, micro_batch_size: int,
-                        vocab_term=None) -> dict[str, float]:
-        """One optimizer step on `batch` with the token-mean of `loss_fn` over all its response tokens."""
+                        vocab_term=None, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step on `batch` with the token-mean of `loss_fn` over all its response tokens, its logprobs
+        of softmax(logits / ``temperature``) (``HFPolicy.train_minibatch``)."""
         assert self.optimizer is not None, "this policy was built frozen (no optimizer)"
         t0 = device_clock()
         micro, width = self._local_micro_batches(batch, micro_batch_size)
@@ -198,8 +199,8 @@ class MegatronPolicy(TokenizerIds):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with self._output_layer_input() as taken:
-            store = self._schedule(micro, width, micro[0].size, partial(self._train_loss, loss_fn, vocab_term, taken),
-                                   forward_only=False)
+            loss = partial(self._train_loss, loss_fn, vocab_term, temperature, taken)
+            store = self._schedule(micro, width, micro[0].size, loss, forward_only=False)
         _, grad_norm, _ = self.optimizer.step()
         self.steps += 1
         self._version += 1
@@ -305,7 +306,8 @@ class MegatronPolicy(TokenizerIds):
     def _shard(self, logits: torch.Tensor) -> VocabShard:
         return VocabShard(logits[:, :-1], self.vocab_size, self.layout.tp_group)
 
-    def _train_loss(self, loss_fn, vocab_term, taken: dict, mb: TokenBatch, output: torch.Tensor):
+    def _train_loss(self, loss_fn, vocab_term, temperature: float, taken: dict, mb: TokenBatch,
+                    output: torch.Tensor):
         """``output`` is the model's (empty) logits; the output layer's input is in ``taken``."""
         mb = mb.to(output.device)
         hidden, weight = taken.pop("hidden"), taken.pop("weight")
@@ -317,7 +319,7 @@ class MegatronPolicy(TokenizerIds):
             """Realised-token logprobs (and the objective's vocabulary term) of sequences [start, start + c) from
             their hidden states."""
             logits, _ = layer.forward(h, weight=weight)  # .forward: past the pre-hook that empties its input
-            shard = self._shard(logits.transpose(0, 1))
+            shard = self._shard(logits.transpose(0, 1) / temperature if temperature != 1.0 else logits.transpose(0, 1))
             index = slice(start, start + h.shape[1])
             logp = shard.logprobs_of(mb.input_ids[index, 1:])
             return (logp,) if row_term is None else (logp, row_term(shard, index))
