@@ -41,6 +41,9 @@ class TokenBatch:
     # temperature / top-p: rollout.reported_sampling); the IS ratio and the mismatch metrics compare these with
     # rollout_logprobs. The old logprobs themselves where the engine reports the loss's distribution (no top-p cut).
     sampling_logprobs: torch.Tensor | None = None
+    # [B, S-1] entropy of the policy's distribution at each position before the update, from the old-logprob pass
+    # (at the run's temperature); only where the objective reads it (opsa.scale=entropy), else None
+    old_entropy: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None  # [B, S-1] reference policy, for the KL penalty
     teacher_logprobs: torch.Tensor | None = None  # [B, S-1] teacher logprob of each realised token
     # opd.form=topk: the teacher's K most likely tokens at each response position, their logprobs, and the log of

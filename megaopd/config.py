@@ -32,6 +32,7 @@ CountsAs = Literal["training", "cold_start", "external"]  # docs/flops.md, "Tota
 DType = Literal["float32", "bfloat16", "float16"]
 FP8Recipe = Literal["none", "hybrid", "e4m3"]  # model.megatron.fp8; hybrid: E4M3 forward, E5M2 gradients
 OPSAScope = Literal["response", "batch"]  # opsa.scope: the tokens the lowest fraction is taken among
+OPSAScale = Literal["none", "entropy"]  # opsa.scale: one advantage for every selected token, or by its entropy
 
 
 def choices(literal: Any) -> tuple:
@@ -185,6 +186,12 @@ class OPSAConfig:
     # pooled (the paper's code pools a data-parallel rank's batch; here the step's whole batch, any layout)
     scope: OPSAScope = "response"
     clip: float = 0.2  # clip of the importance ratio in the policy-gradient surrogate
+    # none: `advantage` on every selected token (the paper's fixed-negative control). entropy: the paper's OPSA,
+    # linear in the selected tokens' min-max normalised entropy (the policy's before the step, at the run's
+    # temperature; min and max over the selected tokens of the scope's pool): `advantage` at the lowest entropy,
+    # `entropy_advantage` at the highest (all equal: `entropy_advantage`, as the paper's code)
+    scale: OPSAScale = "none"
+    entropy_advantage: float = -1.0
 
 
 @dataclass

@@ -28,7 +28,7 @@ from megaopd.config import ConfigError, ModelConfig, OptimConfig
 from megaopd.errors import ModelError
 from megaopd.flops import ModelShape
 from megaopd.policy_protocol import TokenizerIds
-from megaopd.distributions import TAIL_FLOOR, WholeVocab, nucleus, topk_view
+from megaopd.distributions import TAIL_FLOOR, WholeVocab, entropy, nucleus, topk_view
 from megaopd.shared_prompt import PromptGroups, group_rows, hf_attention, hf_attention_problem, saved_flops
 
 # (logprobs [b, S-1], the vocab term per position [b, S-1] (e.g. the KL to the teacher) or None, micro-batch)
@@ -213,10 +213,12 @@ class HFPolicy(TokenizerIds):
 
     @torch.no_grad()
     def logprobs_under(self, batch: TokenBatch, micro_batch_size: int, settings: list[tuple[float, float]],
-                       keep: list | None = None) -> list[torch.Tensor]:
+                       keep: list | None = None, with_entropy: bool = False) -> list[torch.Tensor]:
         """``logprobs`` under each (temperature, top_p) of ``settings``, from one forward and one vocabulary
         projection: the settings differ only after the projection (the division by the temperature, the
-        log-softmax, the nucleus), so a second setting costs no matmul."""
+        log-softmax, the nucleus), so a second setting costs no matmul. ``with_entropy``: one more grid, each
+        response position's entropy at the first setting's temperature over the whole vocabulary, from the same
+        logits (elementwise work, no matmul)."""
         parts = []
         for mb in self._micro_batches(batch, micro_batch_size):
             with self._response_rows(mb) as (hidden, where):
@@ -227,8 +229,12 @@ class HFPolicy(TokenizerIds):
                 def realised(rows, start):
                     logits = self._project(rows)
                     picked = targets[start:start + rows.shape[0], None]
-                    return tuple(realised_logprobs(logits, picked, temperature, top_p)
-                                 for temperature, top_p in settings)
+                    out = tuple(realised_logprobs(logits, picked, temperature, top_p)
+                                for temperature, top_p in settings)
+                    if not with_entropy:
+                        return out
+                    first = settings[0][0]
+                    return *out, entropy((logits / first if first != 1.0 else logits).log_softmax(-1))
                 parts.append([self._scatter(values, where, mb.response_mask.shape)
                               for values in self._chunked(hidden, realised, False)])
         # One transfer (a host sync) per setting for the batch, not one per micro-batch.

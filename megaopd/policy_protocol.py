@@ -36,11 +36,11 @@ class Policy(Protocol):
                  top_p: float = 1.0) -> torch.Tensor:
         """log p of each realised token, [B, S-1], under the given sampling settings (no grad)."""
 
-    def logprobs_under(self, batch: TokenBatch, micro_batch_size: int,
-                       settings: list[tuple[float, float]]) -> list[torch.Tensor]:
+    def logprobs_under(self, batch: TokenBatch, micro_batch_size: int, settings: list[tuple[float, float]],
+                       with_entropy: bool = False) -> list[torch.Tensor]:
         """``logprobs`` under each (temperature, top_p) of ``settings`` from one forward (no grad): the trainer's
         old logprobs at the run's temperature and, beside them, its logprobs under the rollout's sampling
-        distribution."""
+        distribution; ``with_entropy``: then each position's entropy at the first setting (no matmul more)."""
 
     def full_logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
         """The log-softmax over the vocabulary at every response position, [B, S-1, V] (small checks only)."""

@@ -147,7 +147,7 @@ class Trainer:
         if spec.teacher_term:
             check_opd(cfg.opd, cfg.model.backend, aligned)
         if spec.self_term:
-            check_opsa(cfg.opsa)
+            check_opsa(cfg.opsa, cfg.train.recompute_old_logprobs)
         for path in cfg.data.train + cfg.data.eval:  # before any model is loaded
             require_file(path, "data file", DataError)
         self.cfg = cfg
@@ -264,19 +264,24 @@ class Trainer:
 
     def score_old_logprobs(self, batch: TokenBatch) -> ISCorrection | None:
         """Sets the batch's old logprobs (the PPO ratio's), its sampling logprobs (the trainer's, under the
-        distribution the engine reports its logprobs at) and its IS weights; returns the correction (None: off)."""
+        distribution the engine reports its logprobs at), the old entropy where the objective reads it, and its IS
+        weights; returns the correction (None: off)."""
         cfg, mbs = self.cfg, self.cfg.train.micro_batch_size
         # The PPO ratio's old logprobs are the loss's own distribution (the run's temperature, no top-p cut); the
         # mismatch with the engine is measured under the distribution its logprobs are reported at: both from one
         # forward.
         loss = (self.temperature, 1.0)
         reported = reported_sampling(cfg.rollout.engine, cfg.rollout.temperature, cfg.rollout.top_p)
+        entropy = self.objective.needs_entropy  # from the same logits (check_opsa: never without this pass)
         if not cfg.train.recompute_old_logprobs:  # refused unless the engine reports the loss's (check_is_correction)
             batch.old_logprobs = batch.sampling_logprobs = batch.rollout_logprobs
-        elif reported == loss:
+        elif reported == loss and not entropy:
             batch.old_logprobs = batch.sampling_logprobs = self.policy.logprobs(batch, mbs, self.temperature)
         else:
-            batch.old_logprobs, batch.sampling_logprobs = self.policy.logprobs_under(batch, mbs, [loss, reported])
+            settings = [loss] + [reported] * (reported != loss)
+            scored = self.policy.logprobs_under(batch, mbs, settings, with_entropy=entropy)
+            batch.old_logprobs, batch.sampling_logprobs = scored[0], scored[len(settings) - 1]
+            batch.old_entropy = scored[-1] if entropy else None
         # The engine sampled from slightly different numbers than the trainer computes.
         correction = is_correction(batch.sampling_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.train)
         batch.is_weights = correction.weights if correction else None

@@ -2,7 +2,7 @@
 teachers' scores are all of softmax(logits / rollout.temperature), on both backends, and a setting that would break
 it is refused in one line before any model loads.
 
-The probe (tests/temperature_probe.py) runs one real step of self-distillation (the teacher is the student's own
+The probe (tests/step_probe.py) runs one real step of self-distillation (the teacher is the student's own
 directory) at rollout.temperature=0.5: every logprob the step hands on is then one number, 0 apart up to float32
 (measured ~1e-6 on HF, ~1e-5 on Megatron against the HF rollout copy). Any one of them taken at temperature 1
 moves its gap to ~0.1-1 (the negative controls in the report of the commit that added this file)."""
@@ -21,10 +21,10 @@ from megaopd.config import ConfigError, save_config
 from megaopd.methods import method
 from megaopd.objectives import check_is_correction, check_temperature
 from tests.conftest import run_config
-from tests.temperature_probe import step_gaps
+from tests.step_probe import step_gaps
 
 TOL = 1e-4
-WORKER = Path(__file__).parent / "temperature_worker.py"
+WORKER = Path(__file__).parent / "step_worker.py"
 
 
 def self_distillation(assets, run_dir, form: str, **overrides):
@@ -59,7 +59,7 @@ def test_one_temperature_on_the_megatron_backend(assets, tmp_path):
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)
     if proc.returncode:
-        pytest.fail("temperature worker failed:\n" + "\n".join(proc.stderr.splitlines()[-60:]))
+        pytest.fail("step worker failed:\n" + "\n".join(proc.stderr.splitlines()[-60:]))
     for form in forms:
         check(json.loads((tmp_path / f"{form}.json").read_text()), form)
 

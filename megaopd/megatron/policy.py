@@ -151,13 +151,15 @@ class MegatronPolicy(TokenizerIds):
         return self.logprobs_under(batch, micro_batch_size, [(temperature, top_p)])[0]
 
     @torch.no_grad()
-    def logprobs_under(self, batch: TokenBatch, micro_batch_size: int,
-                       settings: list[tuple[float, float]]) -> list[torch.Tensor]:
-        """``logprobs`` at each (temperature, top_p = 1) of ``settings`` from one forward and one projection."""
+    def logprobs_under(self, batch: TokenBatch, micro_batch_size: int, settings: list[tuple[float, float]],
+                       with_entropy: bool = False) -> list[torch.Tensor]:
+        """``logprobs`` at each (temperature, top_p = 1) of ``settings`` from one forward and one projection (and,
+        ``with_entropy``, each position's entropy at the first temperature: ``HFPolicy.logprobs_under``)."""
         for _, top_p in settings:
             self._check_top_p(top_p)
-        packed = self._forward_only(batch, micro_batch_size, "token", temperatures=[t for t, _ in settings])
-        return [packed[..., i] * batch.response_mask for i in range(len(settings))]
+        packed = self._forward_only(batch, micro_batch_size, "token", temperatures=[t for t, _ in settings],
+                                    with_entropy=with_entropy)
+        return [packed[..., i] * batch.response_mask for i in range(packed.shape[-1])]
 
     @torch.no_grad()
     def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,
@@ -348,8 +350,9 @@ class MegatronPolicy(TokenizerIds):
         return result[0]
 
     def _forward_only(self, batch: TokenBatch, mbs: int, what: str, temperatures: list[float] = (1.0,),
-                      k: int = 0) -> torch.Tensor:
-        """Per-token logprobs at each of ``temperatures`` ("token", [..., len(temperatures)]), full log-softmax
+                      k: int = 0, with_entropy: bool = False) -> torch.Tensor:
+        """Per-token logprobs at each of ``temperatures`` ("token", [..., len(temperatures)], then the entropy at the
+        first one ``with_entropy``), full log-softmax
         ("full"), logits ("logits"), or the top-k view packed as [realised, K logprobs, K ids, tail] ("topk", at the
         first temperature), on every rank."""
         lay = self.layout
@@ -373,15 +376,18 @@ class MegatronPolicy(TokenizerIds):
                                     lay.tp_group)
             else:
                 targets = mb.input_ids[:, 1:].to(logits.device)
-                out = torch.stack([self._shard(each).logprobs_of(targets) for each in scaled], -1)
+                shards = [self._shard(each) for each in scaled]
+                out = torch.stack([shard.logprobs_of(targets) for shard in shards] +
+                                  ([shards[0].entropy()] if with_entropy else []), -1)
             return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), {"out": out}
 
         store = self._schedule(micro, width, micro[0].size, collect, forward_only=True)
         for chunk in self.model_chunks:
             chunk.train(self.optimizer is not None)
         rows = len(micro) * micro[0].size
-        shape = {"token": (rows, width - 1, len(temperatures)), "full": (rows, width - 1, self.vocab_size),
-                 "logits": (rows, width, self.vocab_size), "topk": (rows, width - 1, 2 * k + 2)}[what]
+        shape = {"token": (rows, width - 1, len(temperatures) + with_entropy),
+                 "full": (rows, width - 1, self.vocab_size), "logits": (rows, width, self.vocab_size),
+                 "topk": (rows, width - 1, 2 * k + 2)}[what]
         # Collectives on the device (NCCL has no CPU tensors), the result to the CPU at the end.
         last = lay.pp_rank == lay.pp - 1
         local = torch.cat([item["out"] for item in store]) if last else torch.empty(shape, device=self.device)
