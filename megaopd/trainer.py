@@ -89,7 +89,7 @@ def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False,
     ``recompute``: the memory plan cannot keep the full form's teacher rows for the step (Plan.teacher_recompute).
     ``aligned``: route -> tokenizer directory of the teachers of another tokenizer (``align.alignment_tokenizers``).
     What each backend and engine can score was checked before (``objectives.check_opd``)."""
-    _, top_p = reported_sampling("local", cfg.rollout.temperature, cfg.rollout.top_p)
+    _, top_p = reported_sampling("local", cfg.rollout.temperature, cfg.rollout.top_p)  # the local sampler's cut
     sampling = dict(temperature=policy_temperature(cfg.rollout.temperature),
                     top_p=top_p if cfg.opd.match_sampling else 1.0)
     teacher_dtype = cfg.opd.teacher_dtype or cfg.model.dtype
