@@ -182,6 +182,9 @@ def check_temperature(cfg: RunConfig, spec: Method) -> None:
         raise ConfigError(f"opd.teacher_engine=sglang scores at temperature 1 without a top-p cut, but the rollout "
                           f"samples at rollout.temperature={temperature:g} rollout.top_p={top_p:g}: roll out at 1 / "
                           "1, or use opd.teacher_engine=local")
+    if opd.teacher_engine == "local" and cfg.model.backend == "megatron" and top_p < 1.0:
+        raise ConfigError(f"model.backend=megatron teachers score at a temperature without a top-p cut, and "
+                          f"opd.match_sampling asks for rollout.top_p={top_p:g}'s: set rollout.top_p=1")
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

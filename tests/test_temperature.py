@@ -73,6 +73,9 @@ def test_one_temperature_on_the_megatron_backend(assets, tmp_path):
      r"rollout\.temperature=0\.5 rollout\.top_p=1: roll out at 1 / 1, or use opd\.teacher_engine=local$"),
     ({"opd.teacher_engine": "sglang", "rollout.temperature": 1.0, "rollout.top_p": 0.9},
      r"^opd\.teacher_engine=sglang .* rollout\.temperature=1 rollout\.top_p=0\.9: "),
+    ({"model.backend": "megatron", "rollout.engine": "sglang", "rollout.top_p": 0.9},
+     r"^model\.backend=megatron teachers score at a temperature without a top-p cut, and opd\.match_sampling asks "
+     r"for rollout\.top_p=0\.9's: set rollout\.top_p=1$"),
 ])
 def test_a_teacher_at_another_temperature_is_refused_in_one_line(assets, tmp_path, overrides, message):
     cfg = self_distillation(assets, tmp_path, "sampled", **overrides)
@@ -85,6 +88,8 @@ def test_a_teacher_at_another_temperature_is_refused_in_one_line(assets, tmp_pat
     {"opd.teacher_engine": "sglang", "rollout.temperature": 1.0},
     {"opd.teacher_engine": "sglang", "rollout.temperature": 0.0},  # greedy rollouts train at 1
     {"opd.match_sampling": False, "rollout.temperature": 1.0, "rollout.top_p": 0.9},  # the teacher uncut, at 1
+    {"opd.match_sampling": False, "rollout.temperature": 1.0, "rollout.top_p": 0.9, "model.backend": "megatron",
+     "rollout.engine": "sglang"},
     # The engine's logprobs at T without a cut are the loss's own: they may stand in for the old logprobs.
     {"train.recompute_old_logprobs": False},
 ])
