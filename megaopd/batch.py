@@ -35,11 +35,15 @@ class TokenBatch:
     response_mask: torch.Tensor  # [B, S-1] float: 1 where the target token belongs to the response
     rollout_logprobs: torch.Tensor  # [B, S-1] float, 0 outside the response
     advantages: torch.Tensor | None = None  # [B, S-1] per-token advantage (GRPO broadcasts per sample)
-    old_logprobs: torch.Tensor | None = None  # [B, S-1] policy logprobs before this step's update (temperature 1)
+    # [B, S-1] policy logprobs before this step's update, at the run's temperature (rollout.policy_temperature)
+    old_logprobs: torch.Tensor | None = None
     # [B, S-1] the same policy's logprobs under the distribution the engine reports its logprobs at (the rollout's
     # temperature / top-p: rollout.reported_sampling); the IS ratio and the mismatch metrics compare these with
-    # rollout_logprobs. The old logprobs themselves at 1 / 1.
+    # rollout_logprobs. The old logprobs themselves where the engine reports the loss's distribution (no top-p cut).
     sampling_logprobs: torch.Tensor | None = None
+    # [B, S-1] entropy of the policy's distribution at each position before the update, from the old-logprob pass
+    # (at the run's temperature); only where the objective reads it (opsa.scale=entropy), else None
+    old_entropy: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None  # [B, S-1] reference policy, for the KL penalty
     teacher_logprobs: torch.Tensor | None = None  # [B, S-1] teacher logprob of each realised token
     # opd.form=topk: the teacher's K most likely tokens at each response position, their logprobs, and the log of

@@ -32,6 +32,7 @@ CountsAs = Literal["training", "cold_start", "external"]  # docs/flops.md, "Tota
 DType = Literal["float32", "bfloat16", "float16"]
 FP8Recipe = Literal["none", "hybrid", "e4m3"]  # model.megatron.fp8; hybrid: E4M3 forward, E5M2 gradients
 OPSAScope = Literal["response", "batch"]  # opsa.scope: the tokens the lowest fraction is taken among
+OPSAScale = Literal["none", "entropy"]  # opsa.scale: one advantage for every selected token, or by its entropy
 
 
 def choices(literal: Any) -> tuple:
@@ -116,7 +117,9 @@ class RolloutConfig:
     engine: RolloutEngine = "local"  # local (in-process, the trainer's own model) | sglang (HTTP servers)
     samples_per_prompt: int = 8  # the GRPO group size; usually 1 for OPD
     max_new_tokens: int = 64
-    temperature: float = 1.0  # 1 / 1 keeps the behaviour policy equal to the student
+    # The policy trained is softmax(logits / temperature), the one sampled: every logprob of a step is taken at it
+    # (docs/opd.md, "One temperature"; rollout.policy_temperature). 0 samples greedily and trains at 1.
+    temperature: float = 1.0
     top_p: float = 1.0
     # Prompts per local-engine generation chunk: the KV cache holds batch_prompts x samples x (prompt + new tokens)
     # at once. `megaopd plan` prints the largest that fits the device.
@@ -155,8 +158,9 @@ class OPDConfig:
     topk: int = 0  # K of form=topk: the teacher's K most likely tokens per response position, plus a tail bucket
     kl: KLDirection = "reverse"
     coef: float = 1.0  # train.algorithm=grpo_opd: weight of the OPD term added to GRPO's group advantage / loss
-    # The teacher scores under the rollout's sampling settings: its logits divided by rollout.temperature (and, on
-    # the local teacher, its distribution cut to its own top-p nucleus when rollout.top_p < 1). False: temperature 1.
+    # The teacher scores under the rollout's sampling settings: its logits divided by rollout.temperature, as the
+    # student's are (and, on the local teacher, its distribution cut to its own top-p nucleus when rollout.top_p < 1).
+    # False: temperature 1, no cut; refused unless rollout.temperature is 1 (objectives.check_temperature).
     match_sampling: bool = True
     # Routing key -> teacher HF directory. The key is a row's domain (extra_info.domain, else data_source);
     # "*" serves every domain. A domain with no teacher fails loudly at start-up.
@@ -186,6 +190,12 @@ class OPSAConfig:
     # pooled (the paper's code pools a data-parallel rank's batch; here the step's whole batch, any layout)
     scope: OPSAScope = "response"
     clip: float = 0.2  # clip of the importance ratio in the policy-gradient surrogate
+    # none: `advantage` on every selected token (the paper's fixed-negative control). entropy: the paper's OPSA,
+    # linear in the selected tokens' min-max normalised entropy (the policy's before the step, at the run's
+    # temperature; min and max over the selected tokens of the scope's pool): `advantage` at the lowest entropy,
+    # `entropy_advantage` at the highest (all equal: `entropy_advantage`, as the paper's code)
+    scale: OPSAScale = "none"
+    entropy_advantage: float = -1.0
 
 
 @dataclass
@@ -236,8 +246,8 @@ class TrainConfig:
     micro_batch_size: int = 64  # sequences per forward/backward; gradients accumulate over the rest
     epochs: int = 1  # optimisation passes over each step's rollouts
     minibatches: int = 1  # optimizer steps per pass: the step's rollouts split into this many minibatches
-    # Recompute with the trainer instead of trusting rollout logprobs (false needs rollout logprobs at temperature
-    # 1, top-p 1: they become the PPO ratio's old logprobs, which must be the loss's own distribution).
+    # Recompute with the trainer instead of trusting rollout logprobs (false needs rollout logprobs without a top-p
+    # cut: they become the PPO ratio's old logprobs, which must be the loss's own distribution).
     recompute_old_logprobs: bool = True
     # Corrections of the train/rollout mismatch (e.g. SGLang kernels vs the trainer's), on the ratio p_trainer /
     # p_rollout of each sampled token, both under the rollout's sampling distribution (docs/serving.md). Only the

@@ -1,6 +1,6 @@
-"""The distribution helpers every backend shares: the top-p nucleus cut, the top-k view of a log-softmax, and the
-top-k tail (the mass outside the K tokens, always by logsumexp) with its floor. The HF policy, the local sampler,
-the Megatron policy, the objectives and the SGLang teacher call these (the Megatron vocabulary shard's tail is the
+"""The distribution helpers every backend shares: the top-p nucleus cut, the entropy, the top-k view of a
+log-softmax, and the top-k tail (the mass outside the K tokens, always by logsumexp) with its floor. The HF policy,
+the local sampler, the Megatron policy, the objectives and the SGLang teacher call these (the Megatron vocabulary shard's tail is the
 same logsumexp over TP slices: ``megaopd.megatron.vocab``).
 
 ``VocabView`` is how a training backend hands the objectives the student's distribution at a chunk of rows: the HF
@@ -23,6 +23,12 @@ def nucleus(logprobs: torch.Tensor, top_p: float, outside: float = -torch.inf) -
     before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass of the strictly more likely tokens
     keep = torch.zeros_like(logprobs, dtype=torch.bool).scatter(-1, order, before < top_p)
     return torch.where(keep, logprobs.masked_fill(~keep, -torch.inf).log_softmax(-1), outside)
+
+
+def entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """-sum_v p log p of a log-softmax [..., V] -> [...]. Additive over the vocabulary: a slice gives its share (a
+    Megatron TP rank's, summed over the group). A token of probability 0 (-inf) adds 0, not nan."""
+    return -(logprobs.exp() * logprobs.clamp(min=torch.finfo(logprobs.dtype).min)).sum(-1)
 
 
 def tail_logprob(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from megaopd.config import ConfigError, ModelConfig, OptimConfig
 from megaopd.errors import ModelError
 from megaopd.flops import ModelShape
 from megaopd.policy_protocol import TokenizerIds
-from megaopd.distributions import TAIL_FLOOR, WholeVocab, nucleus, topk_view
+from megaopd.distributions import TAIL_FLOOR, WholeVocab, entropy, nucleus, topk_view
 from megaopd.shared_prompt import PromptGroups, group_rows, hf_attention, hf_attention_problem, saved_flops
 
 # (logprobs [b, S-1], the vocab term per position [b, S-1] (e.g. the KL to the teacher) or None, micro-batch)
@@ -213,10 +213,12 @@ class HFPolicy(TokenizerIds):
 
     @torch.no_grad()
     def logprobs_under(self, batch: TokenBatch, micro_batch_size: int, settings: list[tuple[float, float]],
-                       keep: list | None = None) -> list[torch.Tensor]:
+                       keep: list | None = None, with_entropy: bool = False) -> list[torch.Tensor]:
         """``logprobs`` under each (temperature, top_p) of ``settings``, from one forward and one vocabulary
         projection: the settings differ only after the projection (the division by the temperature, the
-        log-softmax, the nucleus), so a second setting costs no matmul."""
+        log-softmax, the nucleus), so a second setting costs no matmul. ``with_entropy``: one more grid, each
+        response position's entropy at the first setting's temperature over the whole vocabulary, from the same
+        logits (elementwise work, no matmul)."""
         parts = []
         for mb in self._micro_batches(batch, micro_batch_size):
             with self._response_rows(mb) as (hidden, where):
@@ -227,8 +229,12 @@ class HFPolicy(TokenizerIds):
                 def realised(rows, start):
                     logits = self._project(rows)
                     picked = targets[start:start + rows.shape[0], None]
-                    return tuple(realised_logprobs(logits, picked, temperature, top_p)
-                                 for temperature, top_p in settings)
+                    out = tuple(realised_logprobs(logits, picked, temperature, top_p)
+                                for temperature, top_p in settings)
+                    if not with_entropy:
+                        return out
+                    first = settings[0][0]
+                    return *out, entropy((logits / first if first != 1.0 else logits).log_softmax(-1))
                 parts.append([self._scatter(values, where, mb.response_mask.shape)
                               for values in self._chunked(hidden, realised, False)])
         # One transfer (a host sync) per setting for the batch, not one per micro-batch.
@@ -289,14 +295,15 @@ class HFPolicy(TokenizerIds):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def train_minibatch(self, batch: TokenBatch, loss_fn: TokenLossFn, micro_batch_size: int,
-                        vocab_term=None) -> dict[str, float]:
+                        vocab_term=None, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step on `batch`: token-mean loss over all its response tokens, whatever the micro-batching.
 
         Each micro-batch's summed token loss is divided by the token count of the whole minibatch, so gradient
         accumulation gives the same gradient as one big batch (the recurring TRL / verl aggregation bug).
         ``loss_fn`` gets logprobs [b, S-1] computed at the response positions only and zero elsewhere (the loss is
         masked to the response anyway), and with a ``vocab_term`` (``objectives.VocabTerm``) its value per response
-        position [b, S-1], e.g. the KL to the teacher, computed chunk by chunk on the student's log-softmax.
+        position [b, S-1], e.g. the KL to the teacher, computed chunk by chunk on the student's log-softmax. Both
+        are of softmax(logits / ``temperature``): the rollout's (``rollout.policy_temperature``).
         """
         assert self.optimizer is not None, "this policy was built frozen (no optimizer)"
         total_tokens = batch.response_mask.sum().clamp(min=1.0)
@@ -310,7 +317,7 @@ class HFPolicy(TokenizerIds):
                 row_term = vocab_term.rows(mb) if vocab_term is not None else None
 
                 def per_row(rows, start):
-                    full = self._project(rows).log_softmax(-1)
+                    full = self._project(rows, temperature).log_softmax(-1)
                     index = slice(start, start + rows.shape[0])
                     logp = full.gather(-1, targets[index, None])
                     # One output per chunk: with two, the backward reaches a chunk's log-softmax through each at a

@@ -13,7 +13,8 @@ accumulation.
   advantage, or the KL added to the loss).
 - OPSA, the teacher-free control of OPD: a fixed negative advantage on the lowest-logprob fraction of each
   response's sampled tokens under the policy before the step, 0 elsewhere, in the same clipped surrogate; no teacher,
-  no reward, no reference.
+  no reward, no reference. Its entropy-scaled form (``opsa.scale=entropy``, the paper's OPSA) grades that advantage
+  by each selected token's entropy under the policy before the step.
 - SFT (the cold start): the NLL of the worked solution's tokens.
 
 A KL form hands the policy a ``VocabTerm``: per micro-batch, a function from the student's log-softmax on a chunk of
@@ -33,10 +34,11 @@ from typing import Callable
 import torch
 
 from megaopd.batch import Sample, TokenBatch
-from megaopd.config import ConfigError, GRPOConfig, OPDConfig, OPSAConfig, OPSAScope, RunConfig, TrainConfig, choices
+from megaopd.config import (ConfigError, GRPOConfig, OPDConfig, OPSAConfig, OPSAScope, RunConfig, TrainConfig,
+                            choices)
 from megaopd.distributions import TAIL_FLOOR, VocabView, WholeVocab
 from megaopd.methods import Method, method
-from megaopd.rollout import reported_sampling
+from megaopd.rollout import policy_temperature, reported_sampling
 
 # (the student's distribution at rows ``index`` of the micro-batch's rows, [c, V]; ``index``) -> one KL per row [c]
 RowTerm = Callable[[VocabView, slice], torch.Tensor]
@@ -152,15 +154,37 @@ def check_is_correction(cfg: RunConfig, spec: Method) -> None:
         return
     rollout = cfg.rollout
     reported = reported_sampling(rollout.engine, rollout.temperature, rollout.top_p)
-    if not train.recompute_old_logprobs and reported != (1.0, 1.0):
+    loss = policy_temperature(rollout.temperature)
+    if not train.recompute_old_logprobs and reported != (loss, 1.0):
         raise ConfigError(f"train.recompute_old_logprobs=false makes the rollout logprobs the PPO ratio's old "
                           f"logprobs, but at rollout.temperature={rollout.temperature:g} rollout.top_p="
-                          f"{rollout.top_p:g} they are of the sampling distribution, not the loss's (temperature 1); "
-                          "set train.recompute_old_logprobs=true, or roll out at temperature 1, top_p 1")
+                          f"{rollout.top_p:g} they are of the sampling distribution, not the loss's (temperature "
+                          f"{loss:g}, no top-p cut); set train.recompute_old_logprobs=true, or rollout.top_p=1")
     if train.recompute_old_logprobs and cfg.model.backend == "megatron" and reported[1] < 1.0:
         raise ConfigError(f"model.backend=megatron scores at a temperature only, and the local engine's logprobs are "
                           f"cut to rollout.top_p={rollout.top_p:g}'s nucleus, so the trainer cannot take its own "
                           "like-for-like; set rollout.top_p=1, or rollout.engine=sglang (its logprobs skip the cut)")
+
+
+def check_temperature(cfg: RunConfig, spec: Method) -> None:
+    """Refuses, before any model loads, teachers that would score under another distribution than the one the
+    student's logprobs are taken at (``rollout.policy_temperature``, docs/opd.md "One temperature"), so that the
+    sampled-token advantage and the KL compare one temperature; the trainer takes every student logprob at it."""
+    if not spec.teacher_term:
+        return
+    opd, rollout = cfg.opd, cfg.rollout
+    temperature = policy_temperature(rollout.temperature)
+    if temperature != 1.0 and not opd.match_sampling:
+        raise ConfigError(f"opd.match_sampling=false scores the teachers at temperature 1, but the student's logprobs "
+                          f"are taken at rollout.temperature={temperature:g}: set opd.match_sampling=true")
+    top_p = reported_sampling("local", rollout.temperature, rollout.top_p)[1] if opd.match_sampling else 1.0
+    if opd.teacher_engine == "sglang" and (temperature, top_p) != (1.0, 1.0):
+        raise ConfigError(f"opd.teacher_engine=sglang scores at temperature 1 without a top-p cut, but the rollout "
+                          f"samples at rollout.temperature={temperature:g} rollout.top_p={top_p:g}: roll out at 1 / "
+                          "1, or use opd.teacher_engine=local")
+    if opd.teacher_engine == "local" and cfg.model.backend == "megatron" and top_p < 1.0:
+        raise ConfigError(f"model.backend=megatron teachers score at a temperature without a top-p cut, and "
+                          f"opd.match_sampling asks for rollout.top_p={top_p:g}'s: set rollout.top_p=1")
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -275,6 +299,7 @@ class GRPO:
     """Group-relative policy optimisation; advantages from rewards, one per sample, broadcast to its tokens."""
 
     vocab_term = None
+    needs_entropy = False  # whether prepare reads batch.old_entropy (the trainer's old-logprob pass gives it)
 
     def __init__(self, cfg: GRPOConfig, group_size: int):
         self.cfg, self.group_size = cfg, group_size
@@ -303,6 +328,8 @@ class GRPO:
 
 class OPD:
     """Vanilla on-policy distillation from a frozen teacher (one per domain with routing), in one of three forms."""
+
+    needs_entropy = False
 
     def __init__(self, cfg: OPDConfig, teachers=None):
         self.cfg, self.form = cfg, cfg.form
@@ -334,6 +361,8 @@ class GRPOWithOPD:
     sampled form (one clipped surrogate of the combined advantage, as unweighted; a token masked to w = 0 keeps its
     OPD part); w_t * surrogate(A_group) + coef * KL in the KL forms. w = 1 is the unweighted loss bit for bit.
     """
+
+    needs_entropy = False
 
     def __init__(self, grpo: GRPOConfig, opd: OPDConfig, group_size: int, teachers=None):
         self.grpo, self.opd = GRPO(grpo, group_size), OPD(opd, teachers)
@@ -378,8 +407,24 @@ def lowest_logprob_tokens(logprobs: torch.Tensor, mask: torch.Tensor, fraction: 
     return (response & (rank < k)).to(mask.dtype).reshape(shape)
 
 
-def check_opsa(cfg: OPSAConfig) -> None:
-    """Refuses, before any model loads, settings of the teacher-free control that would train nothing."""
+def entropy_scaled_advantages(entropy: torch.Tensor, selected: torch.Tensor, at_lowest: float, at_highest: float,
+                              scope: str = "response") -> torch.Tensor:
+    """The paper's OPSA advantage (arXiv 2608.31046; its code, slime's ``compute_opsa``): at each selected token
+    at_lowest + (at_highest - at_lowest) * r, r its entropy min-max normalised over the selected tokens of its pool
+    (a response, or the batch: ``scope``, as ``lowest_logprob_tokens``); r = 1 where they all have one entropy (the
+    paper's code: every token gets at_highest). 0 at the others. ``entropy``, ``selected``: [B, S-1]."""
+    shape, chosen = entropy.shape, selected.bool()
+    if scope == "batch":
+        entropy, chosen = entropy.reshape(1, -1), chosen.reshape(1, -1)
+    low = torch.where(chosen, entropy, math.inf).amin(-1, keepdim=True)
+    span = torch.where(chosen, entropy, -math.inf).amax(-1, keepdim=True) - low
+    rank = torch.where(span > 1e-12, (entropy - low) / span, 1.0)  # the paper's code's threshold
+    return torch.where(chosen, at_lowest + (at_highest - at_lowest) * rank, 0.0).to(selected.dtype).reshape(shape)
+
+
+def check_opsa(cfg: OPSAConfig, recompute_old_logprobs: bool = True) -> None:
+    """Refuses, before any model loads, settings of the teacher-free control that would train nothing or read an
+    entropy nothing computes."""
     if not 0 < cfg.fraction <= 1:
         raise ConfigError(f"opsa.fraction must be in (0, 1] (the share of tokens given the advantage), got "
                           f"{cfg.fraction:g}; set e.g. opsa.fraction=0.2")
@@ -387,25 +432,37 @@ def check_opsa(cfg: OPSAConfig) -> None:
         raise ConfigError("opsa.advantage=0 trains nothing; set the fixed advantage, e.g. opsa.advantage=-0.5")
     if not cfg.clip > 0:
         raise ConfigError(f"opsa.clip must be > 0 (the importance ratio's clip), got {cfg.clip:g}; set e.g. 0.2")
+    if cfg.scale == "entropy" and not recompute_old_logprobs:
+        raise ConfigError("opsa.scale=entropy reads each position's entropy from the trainer's old-logprob pass, "
+                          "which train.recompute_old_logprobs=false skips: set train.recompute_old_logprobs=true")
 
 
 class OPSA:
     """The teacher-free control of OPD (docs/opd.md): ``opsa.advantage`` on the ``opsa.fraction`` of sampled tokens
     with the lowest logprob under the policy before the step (the old logprobs), 0 on the others, in the clipped
-    surrogate. Every selected token is pushed the same way: no teacher, reward or reference decides anything."""
+    surrogate; with ``opsa.scale=entropy`` graded by each selected token's entropy (``entropy_scaled_advantages``).
+    Every selected token is pushed the same way: no teacher, reward or reference decides anything."""
 
     vocab_term = None
 
     def __init__(self, cfg: OPSAConfig):
         check_opsa(cfg)
         self.cfg = cfg
+        self.needs_entropy = cfg.scale == "entropy"
 
     def prepare(self, batch: TokenBatch, samples: list[Sample]) -> dict[str, float]:
-        selected = lowest_logprob_tokens(batch.old_logprobs, batch.response_mask, self.cfg.fraction, self.cfg.scope)
-        batch.advantages = self.cfg.advantage * selected
+        cfg = self.cfg
+        selected = lowest_logprob_tokens(batch.old_logprobs, batch.response_mask, cfg.fraction, cfg.scope)
         chosen = selected.sum().clamp(min=1)
-        return {"opsa_selected_share": float(selected.sum() / batch.response_mask.sum().clamp(min=1)),
-                "opsa_selected_logprob": float((batch.old_logprobs * selected).sum() / chosen)}
+        metrics = {"opsa_selected_share": float(selected.sum() / batch.response_mask.sum().clamp(min=1)),
+                   "opsa_selected_logprob": float((batch.old_logprobs * selected).sum() / chosen)}
+        if not self.needs_entropy:
+            batch.advantages = cfg.advantage * selected
+            return metrics
+        batch.advantages = entropy_scaled_advantages(batch.old_entropy, selected, cfg.advantage,
+                                                     cfg.entropy_advantage, cfg.scope)
+        return metrics | {"opsa_selected_entropy": float((batch.old_entropy * selected).sum() / chosen),
+                          "opsa_selected_advantage": float(batch.advantages.sum() / chosen)}
 
     def token_loss(self, logp, vocab, mb: TokenBatch):
         loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip, self.cfg.clip)
@@ -418,6 +475,7 @@ class SFT:
     """The cold start: the NLL of the worked solution's tokens (teacher-forced, no rollouts)."""
 
     vocab_term = None
+    needs_entropy = False
 
     def token_loss(self, logp, vocab, mb: TokenBatch):
         return -logp, {}

@@ -36,10 +36,11 @@ class Policy(Protocol):
                  top_p: float = 1.0) -> torch.Tensor:
         """log p of each realised token, [B, S-1], under the given sampling settings (no grad)."""
 
-    def logprobs_under(self, batch: TokenBatch, micro_batch_size: int,
-                       settings: list[tuple[float, float]]) -> list[torch.Tensor]:
+    def logprobs_under(self, batch: TokenBatch, micro_batch_size: int, settings: list[tuple[float, float]],
+                       with_entropy: bool = False) -> list[torch.Tensor]:
         """``logprobs`` under each (temperature, top_p) of ``settings`` from one forward (no grad): the trainer's
-        old logprobs at 1 / 1 and, beside them, its logprobs under the rollout's sampling distribution."""
+        old logprobs at the run's temperature and, beside them, its logprobs under the rollout's sampling
+        distribution; ``with_entropy``: then each position's entropy at the first setting (no matmul more)."""
 
     def full_logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
         """The log-softmax over the vocabulary at every response position, [B, S-1, V] (small checks only)."""
@@ -49,9 +50,10 @@ class Policy(Protocol):
         """``realised`` [B, S-1], ``topk`` / ``topk_ids`` [B, S-1, K] and ``tail`` [B, S-1] (log mass outside)."""
 
     def train_minibatch(self, batch: TokenBatch, loss_fn, micro_batch_size: int,
-                        vocab_term=None) -> dict[str, float]:
+                        vocab_term=None, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step on the token-mean of ``loss_fn`` (``policy.TokenLossFn``) over the batch's response
-        tokens, whatever the micro-batching; returns the token-mean ``loss`` and metrics, ``grad_norm`` and ``lr``."""
+        tokens, whatever the micro-batching, its logprobs of softmax(logits / ``temperature``); returns the
+        token-mean ``loss`` and metrics, ``grad_norm`` and ``lr``."""
 
     def take_prompt_saving(self, causal: bool = True) -> int:
         """The FLOPs its shared-prompt passes (``train.shared_prompt``) did not run since the last call: hardware work

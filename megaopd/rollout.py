@@ -57,6 +57,15 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def policy_temperature(temperature: float) -> float:
+    """The run's one temperature T (docs/opd.md, "One temperature"), for a rollout at ``temperature``: the policy
+    the loss trains is softmax(logits / T), the one the rollout samples from, so the student's old logprobs, the
+    loss's logprobs, the reference's and the teachers' scores are all taken at T and every ratio and advantage
+    compares one distribution (verl, TRL, slime and NeMo-RL divide the trainer's logits by the rollout temperature
+    too). A greedy rollout (0) samples from no tempered distribution: 1."""
+    return 1.0 if temperature == 0 else temperature
+
+
 def reported_sampling(engine: str, temperature: float, top_p: float) -> tuple[float, float]:
     """The (temperature, top_p) under which an engine's reported logprobs are taken, for a rollout at these settings:
     what the trainer's logprobs must be taken at to compare like with like (the IS ratio, ``rollout/behaviour_kl``).

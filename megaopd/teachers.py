@@ -12,7 +12,8 @@ the realised logprobs and the response rows' [N, H] hidden states, kept for the 
 projects to the vocabulary chunk by chunk (``full_rows``). Where the memory plan cannot keep them
 (``recompute``), the teacher runs again per micro-batch inside the training step; every re-projection and re-run is
 hardware work (``recompute_flops``), never billed in the ledger (``flops.teacher_passes``).
-All of them are scored under the rollout's temperature (and top-p on local teachers) when ``opd.match_sampling``.
+All of them score at the run's one temperature, the student's (``rollout.policy_temperature``), and local teachers
+cut to the rollout's top-p when ``opd.match_sampling``; ``objectives.check_temperature`` refuses the rest.
 
 A teacher of another tokenizer (or one named in ``opd.teacher_tokenizer``) scores its own tokens of each sample
 through ``megaopd.align``, whichever engine it runs on, in the sampled form only; ``token_counts`` gives the

@@ -44,11 +44,11 @@ from megaopd.hf_policy import HFPolicy
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger, read_metrics, rollout_metrics
 from megaopd.methods import method
-from megaopd.objectives import (ISCorrection, build_objective, check_is_correction, check_opd, check_opsa, form_label,
-                                is_correction, resolve_tis)
+from megaopd.objectives import (ISCorrection, build_objective, check_is_correction, check_opd, check_opsa,
+                                check_temperature, form_label, is_correction, resolve_tis)
 from megaopd.plan import check_run, chunk_rows
 from megaopd.policy_protocol import Policy
-from megaopd.rollout import LocalEngine, reported_sampling, sampling_generator
+from megaopd.rollout import LocalEngine, policy_temperature, reported_sampling, sampling_generator
 from megaopd.rollout_pipeline import RolloutPipeline, StepRollouts
 from megaopd.stopping import StopRule
 from megaopd.teachers import TeacherRouter, local_teachers
@@ -84,11 +84,14 @@ def build_engine(cfg: RunConfig, policy):
 def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False,
                    aligned: dict[str, str] | None = None) -> TeacherRouter:
     """The OPD teachers: in-process models of the student's backend, or SGLang servers (launched per teacher, or
-    attached by route). They score under the rollout's temperature / top-p when ``opd.match_sampling``.
+    attached by route). They score at the run's one temperature (``rollout.policy_temperature``), and cut to the
+    rollout's top-p when ``opd.match_sampling`` (local HF teachers; ``check_temperature`` refused the rest).
     ``recompute``: the memory plan cannot keep the full form's teacher rows for the step (Plan.teacher_recompute).
     ``aligned``: route -> tokenizer directory of the teachers of another tokenizer (``align.alignment_tokenizers``).
     What each backend and engine can score was checked before (``objectives.check_opd``)."""
-    sampling = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p) if cfg.opd.match_sampling else {}
+    _, top_p = reported_sampling("local", cfg.rollout.temperature, cfg.rollout.top_p)  # the local sampler's cut
+    sampling = dict(temperature=policy_temperature(cfg.rollout.temperature),
+                    top_p=top_p if cfg.opd.match_sampling else 1.0)
     teacher_dtype = cfg.opd.teacher_dtype or cfg.model.dtype
     if cfg.opd.teacher_engine == "local":
         if cfg.model.backend == "megatron":  # frozen megatron models at model.megatron.teacher_tp, in model.dtype
@@ -103,7 +106,7 @@ def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False,
     urls = cfg.opd.teacher_urls  # a multi-node job's servers among them (megaopd.environment)
     return TeacherRouter(cfg.opd.teachers, lambda route, path: SGLangTeacher(
         path, urls.get(route, []), cfg.rollout.sglang, teacher_dtype, cfg.run_dir, f"teacher_{route}"),
-        student_tokenizer, servers=True, teacher_tokenizers=aligned)
+        student_tokenizer, **sampling, servers=True, teacher_tokenizers=aligned)
 
 
 def load_split(paths: list[str], strict: bool) -> list:
@@ -139,11 +142,12 @@ class Trainer:
         cfg = resolve_tis(cfg, spec)  # before the config is saved: config.yaml holds what the run does
         cfg = shared_prompt.resolve(cfg)
         check_is_correction(cfg, spec)
+        check_temperature(cfg, spec)
         aligned = alignment_tokenizers(cfg.model.path, cfg.opd) if spec.teacher_term else {}
         if spec.teacher_term:
             check_opd(cfg.opd, cfg.model.backend, aligned)
         if spec.self_term:
-            check_opsa(cfg.opsa)
+            check_opsa(cfg.opsa, cfg.train.recompute_old_logprobs)
         for path in cfg.data.train + cfg.data.validation + cfg.data.eval:  # before any model is loaded
             require_file(path, "data file", DataError)
         # The splits, and the stop rule that reads the validation one (it refuses what it cannot read), before the run
@@ -160,6 +164,9 @@ class Trainer:
         # Refuses, before any model is loaded, a run that cannot fit the device it is planned for; sizes the chunks.
         self.plan = check_run(cfg)
         self.cfg = cfg = replace(cfg, train=replace(cfg.train, logit_chunk_rows=chunk_rows(cfg, self.plan)))
+        # The distribution every logprob of an RL step is taken under: the rollout's, softmax(logits / T)
+        # (docs/opd.md, "One temperature"); SFT trains the model's own (1).
+        self.temperature = policy_temperature(cfg.rollout.temperature)
         seed_everything(cfg.train.seed)
         if cfg.model.device == "cpu":
             allocator.keep_heap()  # a step's activations reused from the heap, not faulted in anew (allocator.py)
@@ -218,7 +225,7 @@ class Trainer:
         mbs = cfg.train.micro_batch_size
         correction = self.score_old_logprobs(batch)
         if self.reference is not None:
-            batch.ref_logprobs = self.reference.logprobs(batch, mbs)
+            batch.ref_logprobs = self.reference.logprobs(batch, mbs, self.temperature)
         # Teacher servers scored the samples as they arrived (rollout_pipeline), if they could; else they score now.
         scores = (rollouts.teacher or self._score_teachers(samples, batch)) if self.teachers else None
         routes = scores.fill(batch) if scores else {}
@@ -229,8 +236,8 @@ class Trainer:
         for _ in range(cfg.train.epochs):
             for start in range(0, batch.size, minibatch):
                 part = batch.select(slice(start, start + minibatch))
-                updates.append((policy.train_minibatch(part, self.objective.token_loss, mbs, self.objective.vocab_term),
-                                float(part.response_mask.sum())))
+                updates.append((policy.train_minibatch(part, self.objective.token_loss, mbs, self.objective.vocab_term,
+                                                       self.temperature), float(part.response_mask.sum())))
         applied = self._applied(step, updates, batch)
         metrics |= {f"train/{k}": v for k, v in merge_updates(applied or updates).items()}
         metrics |= self._skipped_metric(updates, applied)
@@ -265,18 +272,24 @@ class Trainer:
 
     def score_old_logprobs(self, batch: TokenBatch) -> ISCorrection | None:
         """Sets the batch's old logprobs (the PPO ratio's), its sampling logprobs (the trainer's, under the
-        distribution the engine reports its logprobs at) and its IS weights; returns the correction (None: off)."""
+        distribution the engine reports its logprobs at), the old entropy where the objective reads it, and its IS
+        weights; returns the correction (None: off)."""
         cfg, mbs = self.cfg, self.cfg.train.micro_batch_size
-        # The PPO ratio's old logprobs are the loss's own distribution (temperature 1); the mismatch with the engine
-        # is measured under the distribution its logprobs are reported at: both from one forward.
+        # The PPO ratio's old logprobs are the loss's own distribution (the run's temperature, no top-p cut); the
+        # mismatch with the engine is measured under the distribution its logprobs are reported at: both from one
+        # forward.
+        loss = (self.temperature, 1.0)
         reported = reported_sampling(cfg.rollout.engine, cfg.rollout.temperature, cfg.rollout.top_p)
-        if not cfg.train.recompute_old_logprobs:  # refused unless the engine reports at 1 / 1 (check_is_correction)
+        entropy = self.objective.needs_entropy  # from the same logits (check_opsa: never without this pass)
+        if not cfg.train.recompute_old_logprobs:  # refused unless the engine reports the loss's (check_is_correction)
             batch.old_logprobs = batch.sampling_logprobs = batch.rollout_logprobs
-        elif reported == (1.0, 1.0):
-            batch.old_logprobs = batch.sampling_logprobs = self.policy.logprobs(batch, mbs)
+        elif reported == loss and not entropy:
+            batch.old_logprobs = batch.sampling_logprobs = self.policy.logprobs(batch, mbs, self.temperature)
         else:
-            batch.old_logprobs, batch.sampling_logprobs = self.policy.logprobs_under(batch, mbs,
-                                                                                      [(1.0, 1.0), reported])
+            settings = [loss] + [reported] * (reported != loss)
+            scored = self.policy.logprobs_under(batch, mbs, settings, with_entropy=entropy)
+            batch.old_logprobs, batch.sampling_logprobs = scored[0], scored[len(settings) - 1]
+            batch.old_entropy = scored[-1] if entropy else None
         # The engine sampled from slightly different numbers than the trainer computes.
         correction = is_correction(batch.sampling_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.train)
         batch.is_weights = correction.weights if correction else None

@@ -1,16 +1,24 @@
 """The teacher-free control (train.algorithm=opsa, docs/opd.md): which tokens it selects, the sign of its update, and
-that a run of it never builds a teacher or a reference. Its FLOP audit is in tests/test_methods.py (every method)."""
+that a run of it never builds a teacher or a reference. Its FLOP audit is in tests/test_methods.py (every method).
+The entropy-scaled form (opsa.scale=entropy, the paper's OPSA): its advantages by hand, the entropy each backend's
+old-logprob pass gives (HF against the full distribution, Megatron at TP2 against HF on the same step), and its FLOP
+audit, exact, with a second projection for the entropy caught."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megaopd.batch import collate
 from megaopd.config import ConfigError, ModelConfig, OptimConfig, OPSAConfig
-from megaopd.objectives import OPSA, lowest_logprob_tokens
+from megaopd.objectives import OPSA, entropy_scaled_advantages, lowest_logprob_tokens
 from tests.conftest import run_config
 from tests.test_objectives import _samples
 
@@ -87,6 +95,121 @@ def test_a_negative_advantage_pushes_the_selected_tokens_down(assets, advantage,
 def test_settings_that_train_nothing_are_refused(key, value, message):
     with pytest.raises(ConfigError, match=message):
         OPSA(OPSAConfig(**{key: value}))
+
+
+def test_an_entropy_no_pass_computes_is_refused(assets, tmp_path):
+    from megaopd.trainer import Trainer
+
+    cfg = run_config(assets, tmp_path, "opsa", **{"opsa.scale": "entropy", "train.recompute_old_logprobs": False})
+    with pytest.raises(ConfigError, match=r"^opsa\.scale=entropy reads each position's entropy from the trainer's "
+                                          r"old-logprob pass, .*: set train\.recompute_old_logprobs=true$"):
+        Trainer(cfg)
+
+
+def test_entropy_scaled_advantages_by_hand():
+    """-0.5 at the lowest entropy of a pool's selected tokens, -1 at its highest, linear between; one entropy for
+    all of them: -1 (the paper's code); unselected tokens and empty pools 0."""
+    entropy = torch.tensor([[9.0, 1.0, 2.0, 3.0, 0.0], [5.0, 0.5, 0.5, 7.0, 0.0], [0.0, 4.0, 0.0, 0.0, 0.0]])
+    selected = torch.tensor([[0.0, 1, 1, 1, 0], [0.0, 1, 1, 0, 0], [0.0] * 5])
+    by_response = entropy_scaled_advantages(entropy, selected, -0.5, -1.0)
+    assert by_response.tolist() == [[0, -0.5, -0.75, -1.0, 0], [0, -1.0, -1.0, 0, 0], [0] * 5]
+    # one pool: entropies 1, 2, 3, 0.5, 0.5 -> min 0.5, max 3
+    pooled = entropy_scaled_advantages(entropy, selected, -0.5, -1.0, "batch")
+    assert torch.allclose(pooled, torch.tensor([[0, -0.6, -0.8, -1.0, 0], [0, -0.5, -0.5, 0, 0], [0] * 5]))
+
+
+def test_the_entropy_form_uses_the_old_entropy_and_the_fixed_form_ignores_it():
+    batch = collate(_samples(torch.Generator().manual_seed(1), 8), pad_id=0)
+    batch.old_logprobs = -torch.rand(batch.response_mask.shape, generator=torch.Generator().manual_seed(2)) * \
+        batch.response_mask
+    batch.old_entropy = torch.rand(batch.response_mask.shape, generator=torch.Generator().manual_seed(4)) * 3
+    selected = lowest_logprob_tokens(batch.old_logprobs, batch.response_mask, 0.2, "batch")
+    metrics = OPSA(OPSAConfig(scale="entropy", scope="batch")).prepare(batch, [])
+    assert torch.equal(batch.advantages, entropy_scaled_advantages(batch.old_entropy, selected, -0.5, -1.0, "batch"))
+    picked, others = batch.advantages[selected.bool()], batch.advantages[~selected.bool()]
+    assert float(picked.max()) == -0.5 and float(picked.min()) == -1.0 and (others == 0).all()
+    assert metrics["opsa_selected_advantage"] == pytest.approx(float(picked.mean()))
+    assert OPSA(OPSAConfig()).needs_entropy is False and OPSA(OPSAConfig(scale="entropy")).needs_entropy is True
+    OPSA(OPSAConfig(scope="batch")).prepare(batch, [])
+    assert torch.equal(batch.advantages, -0.5 * selected)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_hf_old_logprob_pass_gives_the_entropy_of_the_full_distribution(assets, temperature):
+    """The entropy grid of ``logprobs_under(..., with_entropy=True)`` is -sum p log p of softmax(logits / T) at
+    each response position (the model's own logits, unchunked), and the logprobs beside it are unchanged."""
+    from megaopd.hf_policy import HFPolicy
+
+    policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")), logit_chunk_rows=7)  # several chunks
+    batch = collate(_samples(torch.Generator().manual_seed(3), 8), policy.pad_id)
+    logp, grid = policy.logprobs_under(batch, 3, [(temperature, 1.0)], with_entropy=True)
+    with torch.no_grad():
+        full = (policy.model(input_ids=batch.input_ids).logits[:, :-1].float() / temperature).log_softmax(-1)
+    expected = -(full.exp() * full).sum(-1) * batch.response_mask
+    assert float((grid - expected).abs().max()) < 1e-5 and float(expected.max()) > 1.0
+    assert torch.equal(logp, policy.logprobs(batch, 3, temperature))
+
+
+def entropy_run(assets, run_dir, **overrides):
+    return run_config(assets, run_dir, "opsa", **{
+        "opsa.scale": "entropy", "opsa.scope": "batch", "rollout.temperature": 0.7, "rollout.samples_per_prompt": 2,
+        "train.prompts_per_step": 2, "train.micro_batch_size": 2, "rollout.max_new_tokens": 8, **overrides})
+
+
+@pytest.mark.slow
+def test_the_entropy_form_on_megatron_equals_the_hf_backend(assets, tmp_path):
+    """One step of the entropy form on each backend (Megatron at TP2 under torchrun, its entropy an all-reduced sum
+    of the vocabulary slices' shares): the same rollouts, the same old entropy and the same advantages."""
+    from megaopd.config import save_config
+    from megaopd.trainer import Trainer
+    from tests.step_probe import step_gaps
+
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install -e '.[megatron]')")
+    pytest.importorskip("mbridge", reason="mbridge not installed (pip install -e '.[megatron]')")
+    save_config(entropy_run(assets, tmp_path / "megatron"), tmp_path / "opsa.yaml")
+    worker = Path(__file__).parent / "step_worker.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(worker), str(tmp_path), "opsa"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        pytest.fail("step worker failed:\n" + "\n".join(proc.stderr.splitlines()[-60:]))
+    megatron = json.loads((tmp_path / "opsa.json").read_text())
+    hf = step_gaps(Trainer(entropy_run(assets, tmp_path / "hf")))
+    entropy_m, entropy_h = torch.tensor(megatron["old_entropy"]), torch.tensor(hf["old_entropy"])
+    assert entropy_m.shape == entropy_h.shape and float(entropy_h.min()) > 0.1
+    assert float((entropy_m - entropy_h).abs().max()) < 1e-5
+    # The same tokens selected; their advantages as close as the min-max normalisation allows (it divides the
+    # entropies' float32 differences by their range over the selected tokens, ~0.1 on the near-uniform tiny model).
+    advantages, expected = torch.tensor(megatron["advantages"]), torch.tensor(hf["advantages"])
+    assert torch.equal(advantages != 0, expected != 0)
+    assert float((advantages - expected).abs().max()) < 1e-4
+    assert float(advantages.min()) == pytest.approx(-1.0) and float(advantages[advantages != 0].max()) == \
+        pytest.approx(-0.5)
+
+
+def test_the_flop_audit_is_exact_for_the_entropy_form(assets, tmp_path, monkeypatch):
+    """The entropy comes from the old-logprob pass's logits (elementwise, 0 model FLOPs): the audit measures the same
+    passes as the ledger books, at T = 0.7. A second projection for it (the negative control: an extra LM-head run
+    over the response rows) shows in the measured old-logprob phase."""
+    from megaopd.flop_audit import audit_step
+    from megaopd.hf_policy import HFPolicy
+
+    cfg = entropy_run(assets, tmp_path / "audit", **{"train.prompts_per_step": 1})
+    audit = audit_step(cfg)
+    for component, row in audit.items():
+        assert row.booked == row.ledger_form and row.measured == row.executed_form, component
+    assert audit["old_logprob"].booked > 0
+
+    under = HFPolicy.logprobs_under
+
+    def projected_again(self, batch, mbs, settings, keep=None, with_entropy=False):
+        if with_entropy:
+            with self._response_rows(batch) as (hidden, _):
+                self._project(hidden)
+        return under(self, batch, mbs, settings, keep, with_entropy)
+    monkeypatch.setattr(HFPolicy, "logprobs_under", projected_again)
+    old = audit_step(entropy_run(assets, tmp_path / "control", **{"train.prompts_per_step": 1}))["old_logprob"]
+    assert old.measured > old.executed_form == audit["old_logprob"].executed_form
 
 
 def test_a_run_builds_no_teacher_and_no_reference(assets, tmp_path, monkeypatch):

@@ -521,6 +521,17 @@ def test_teacher_servers_refuse_the_full_vocabulary_form_at_render(tmp_path):
         plan(study, launch)
 
 
+def test_teacher_servers_refuse_a_rollout_at_another_temperature_at_render(tmp_path):
+    """An SGLang teacher scores at temperature 1 only; the student's logprobs follow the rollout's (docs/opd.md,
+    "One temperature"): the stage is refused before anything is queued, in one line."""
+    study = demo_study(tmp_path / "demo")
+    launch = load_launch(None, [o for o in GPU_LAUNCH if not o.startswith("overrides=")]
+                         + ["overrides=[model.backend=megatron, opd.form=sampled, rollout.temperature=0.7]"])
+    with pytest.raises(ValueError, match=r"opd_self: opd\.teacher_engine=sglang scores at temperature 1 .* "
+                                         r"rollout\.temperature=0\.7 .* \(or launch teacher_servers=false"):
+        plan(study, launch)
+
+
 def test_megatron_on_one_gpu_still_runs_under_torchrun(tmp_path):
     study = demo_study(tmp_path / "demo")
     launch = load_launch(None, ["nodes=1", "gpus_per_node=1", "overrides=[model.backend=megatron]"])

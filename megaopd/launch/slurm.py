@@ -24,7 +24,7 @@ from pathlib import Path
 from megaopd.config import ConfigError, RunConfig, from_dict, load_config, save_config, to_dict
 from megaopd.launch.server_tp import server_tp
 from megaopd.methods import method
-from megaopd.objectives import check_opd
+from megaopd.objectives import check_opd, check_temperature
 from megaopd.study import (StageConfig, StudyConfig, dependencies, seed_studies, stage_config, stage_finished,
                            stage_overrides, submission_order)
 
@@ -190,8 +190,10 @@ def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -
     if rollout_nodes:
         args.append("rollout.engine=sglang")
     if teachers:  # the trainer finds them by route in MEGAOPD_TEACHER_URLS
+        served = dataclasses.replace(cfg, opd=dataclasses.replace(cfg.opd, teacher_engine="sglang"))
         try:
-            check_opd(dataclasses.replace(cfg.opd, teacher_engine="sglang"), cfg.model.backend)
+            check_opd(served.opd, cfg.model.backend)
+            check_temperature(served, spec)
         except ConfigError as e:
             raise ConfigError(f"stage {stage.name}: {e} (or launch teacher_servers=false: in-process teachers)") \
                 from None

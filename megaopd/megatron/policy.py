@@ -152,13 +152,15 @@ class MegatronPolicy(TokenizerIds):
         return self.logprobs_under(batch, micro_batch_size, [(temperature, top_p)])[0]
 
     @torch.no_grad()
-    def logprobs_under(self, batch: TokenBatch, micro_batch_size: int,
-                       settings: list[tuple[float, float]]) -> list[torch.Tensor]:
-        """``logprobs`` at each (temperature, top_p = 1) of ``settings`` from one forward and one projection."""
+    def logprobs_under(self, batch: TokenBatch, micro_batch_size: int, settings: list[tuple[float, float]],
+                       with_entropy: bool = False) -> list[torch.Tensor]:
+        """``logprobs`` at each (temperature, top_p = 1) of ``settings`` from one forward and one projection (and,
+        ``with_entropy``, each position's entropy at the first temperature: ``HFPolicy.logprobs_under``)."""
         for _, top_p in settings:
             self._check_top_p(top_p)
-        packed = self._forward_only(batch, micro_batch_size, "token", temperatures=[t for t, _ in settings])
-        return [packed[..., i] * batch.response_mask for i in range(len(settings))]
+        packed = self._forward_only(batch, micro_batch_size, "token", temperatures=[t for t, _ in settings],
+                                    with_entropy=with_entropy)
+        return [packed[..., i] * batch.response_mask for i in range(packed.shape[-1])]
 
     @torch.no_grad()
     def topk_logprobs(self, batch: TokenBatch, k: int, micro_batch_size: int = 64, temperature: float = 1.0,
@@ -174,7 +176,7 @@ class MegatronPolicy(TokenizerIds):
     def _check_top_p(self, top_p: float) -> None:
         if top_p < 1.0:
             raise ValueError("megatron teachers score at temperature only, without a top-p cut: set rollout.top_p=1 "
-                             "or opd.match_sampling=false")
+                             "(objectives.check_temperature refuses such a run at start-up)")
 
     @torch.no_grad()
     def full_logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:
@@ -187,8 +189,9 @@ class MegatronPolicy(TokenizerIds):
         return self._forward_only(batch, micro_batch_size, "logits")
 
     def train_minibatch(self, batch: TokenBatch, loss_fn, micro_batch_size: int,
-                        vocab_term=None) -> dict[str, float]:
-        """One optimizer step on `batch` with the token-mean of `loss_fn` over all its response tokens."""
+                        vocab_term=None, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step on `batch` with the token-mean of `loss_fn` over all its response tokens, its logprobs
+        of softmax(logits / ``temperature``) (``HFPolicy.train_minibatch``)."""
         assert self.optimizer is not None, "this policy was built frozen (no optimizer)"
         t0 = device_clock()
         micro, width = self._local_micro_batches(batch, micro_batch_size)
@@ -199,8 +202,8 @@ class MegatronPolicy(TokenizerIds):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with self._output_layer_input() as taken:
-            store = self._schedule(micro, width, micro[0].size, partial(self._train_loss, loss_fn, vocab_term, taken),
-                                   forward_only=False)
+            loss = partial(self._train_loss, loss_fn, vocab_term, temperature, taken)
+            store = self._schedule(micro, width, micro[0].size, loss, forward_only=False)
         _, grad_norm, _ = self.optimizer.step()
         self.steps += 1
         self._version += 1
@@ -306,7 +309,8 @@ class MegatronPolicy(TokenizerIds):
     def _shard(self, logits: torch.Tensor) -> VocabShard:
         return VocabShard(logits[:, :-1], self.vocab_size, self.layout.tp_group)
 
-    def _train_loss(self, loss_fn, vocab_term, taken: dict, mb: TokenBatch, output: torch.Tensor):
+    def _train_loss(self, loss_fn, vocab_term, temperature: float, taken: dict, mb: TokenBatch,
+                    output: torch.Tensor):
         """``output`` is the model's (empty) logits; the output layer's input is in ``taken``."""
         mb = mb.to(output.device)
         hidden, weight = taken.pop("hidden"), taken.pop("weight")
@@ -318,7 +322,7 @@ class MegatronPolicy(TokenizerIds):
             """Realised-token logprobs (and the objective's vocabulary term) of sequences [start, start + c) from
             their hidden states."""
             logits, _ = layer.forward(h, weight=weight)  # .forward: past the pre-hook that empties its input
-            shard = self._shard(logits.transpose(0, 1))
+            shard = self._shard(logits.transpose(0, 1) / temperature if temperature != 1.0 else logits.transpose(0, 1))
             index = slice(start, start + h.shape[1])
             logp = shard.logprobs_of(mb.input_ids[index, 1:])
             return (logp,) if row_term is None else (logp, row_term(shard, index))
@@ -347,8 +351,9 @@ class MegatronPolicy(TokenizerIds):
         return result[0]
 
     def _forward_only(self, batch: TokenBatch, mbs: int, what: str, temperatures: list[float] = (1.0,),
-                      k: int = 0) -> torch.Tensor:
-        """Per-token logprobs at each of ``temperatures`` ("token", [..., len(temperatures)]), full log-softmax
+                      k: int = 0, with_entropy: bool = False) -> torch.Tensor:
+        """Per-token logprobs at each of ``temperatures`` ("token", [..., len(temperatures)], then the entropy at the
+        first one ``with_entropy``), full log-softmax
         ("full"), logits ("logits"), or the top-k view packed as [realised, K logprobs, K ids, tail] ("topk", at the
         first temperature), on every rank."""
         lay = self.layout
@@ -372,15 +377,18 @@ class MegatronPolicy(TokenizerIds):
                                     lay.tp_group)
             else:
                 targets = mb.input_ids[:, 1:].to(logits.device)
-                out = torch.stack([self._shard(each).logprobs_of(targets) for each in scaled], -1)
+                shards = [self._shard(each) for each in scaled]
+                out = torch.stack([shard.logprobs_of(targets) for shard in shards] +
+                                  ([shards[0].entropy()] if with_entropy else []), -1)
             return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), {"out": out}
 
         store = self._schedule(micro, width, micro[0].size, collect, forward_only=True)
         for chunk in self.model_chunks:
             chunk.train(self.optimizer is not None)
         rows = len(micro) * micro[0].size
-        shape = {"token": (rows, width - 1, len(temperatures)), "full": (rows, width - 1, self.vocab_size),
-                 "logits": (rows, width, self.vocab_size), "topk": (rows, width - 1, 2 * k + 2)}[what]
+        shape = {"token": (rows, width - 1, len(temperatures) + with_entropy),
+                 "full": (rows, width - 1, self.vocab_size), "logits": (rows, width, self.vocab_size),
+                 "topk": (rows, width - 1, 2 * k + 2)}[what]
         # Collectives on the device (NCCL has no CPU tensors), the result to the CPU at the end.
         last = lay.pp_rank == lay.pp - 1
         local = torch.cat([item["out"] for item in store]) if last else torch.empty(shape, device=self.device)

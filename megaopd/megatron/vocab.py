@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megaopd.distributions import entropy
+
 
 class _AllReduceSum(torch.autograd.Function):
     """Sum over the group; the gradient of each rank's input is the sum of the gradients of all ranks' outputs."""
@@ -65,6 +67,10 @@ class VocabShard:
         local = logits[..., : max(self.end - self.start, 0)].float()
         self.logsumexp = _logsumexp(local, group)
         self.log_softmax = local - self.logsumexp.unsqueeze(-1)
+
+    def entropy(self) -> torch.Tensor:
+        """The entropy at each position [b, s] on every rank: each slice's share, summed over the TP group."""
+        return _sum(entropy(self.log_softmax), self.group)
 
     def logprobs_of(self, targets: torch.Tensor) -> torch.Tensor:
         """log p(target) on every rank: the owner reads it off its slice, the others add zero. ``targets`` is
