@@ -279,3 +279,35 @@ def test_trainer_with_the_megatron_backend_matches_the_hf_backend(assets, tmp_pa
     lr = run_config(assets, tmp_path / "unused", "opd", **overrides).optim.lr
     assert diff < lr / 10 and moved > lr
     assert len(list((tmp_path / "megatron" / "megatron_checkpoints").glob("step_*"))) == 2  # checkpoint.keep
+
+
+@pytest.mark.slow
+def test_a_teachers_nan_logprobs_under_megatron_never_reach_the_weights(assets, tmp_path):
+    """OPD on the Megatron backend (TP=2 on two CPU ranks) whose teacher goes bad after step 2 (NaN weights, so NaN
+    logprobs, loss and gradients): with train.nonfinite=skip step 3 is held back before megatron-core's optimizer
+    step and counted, and the exported weights are step 2's, bit for bit (before, the step ran and they were NaN)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from conftest import run_config, torchrun_trainer
+    from megaopd.config import save_config
+    from megaopd.metrics import read_metrics
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(assets / "models" / "qwen3-tiny-seed1", teacher)
+    overrides = {"opd.teachers.*": teacher, "opd.form": "topk", "opd.topk": 16, "rollout.samples_per_prompt": 1,
+                 "train.steps": 2, "checkpoint.every": 2, "eval.every": 2, "train.nonfinite": "skip"}
+    config = tmp_path / "opd.yaml"
+    save_config(run_config(assets, tmp_path / "run", "opd", **overrides), config)
+    megatron = ["model.backend=megatron", "model.megatron.tp=2"]
+    torchrun_trainer(config, megatron)
+    step_2 = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    weights = load_file(teacher / "model.safetensors")
+    weights["model.norm.weight"][:] = float("nan")
+    save_file(weights, teacher / "model.safetensors", metadata={"format": "pt"})
+    torchrun_trainer(config, megatron + ["train.steps=3"])  # trains on from step 2's checkpoint
+    assert [(m["step"], m["train/nonfinite_skipped"]) for m in read_metrics(tmp_path / "run")
+            if "train/nonfinite_skipped" in m] == [(1, 0), (2, 0), (3, 1)]
+    step_3 = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert step_2.keys() == step_3.keys() and all(torch.equal(step_3[k], step_2[k]) for k in step_2)

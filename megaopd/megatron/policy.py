@@ -204,18 +204,31 @@ class MegatronPolicy(TokenizerIds):
         with self._output_layer_input() as taken:
             loss = partial(self._train_loss, loss_fn, vocab_term, temperature, taken)
             store = self._schedule(micro, width, micro[0].size, loss, forward_only=False)
-        _, grad_norm, _ = self.optimizer.step()
-        self.steps += 1
-        self._version += 1
+        grad_norm = self._optimizer_step()
         sums = self._reduce_metrics(store)
         total = float(batch.response_mask.sum().clamp(min=1.0))
-        metrics = {**{k: v / total for k, v in sums.items()}, "grad_norm": float(grad_norm), "lr": self._lr(self.steps)}
+        metrics = {**{k: v / total for k, v in sums.items()}, "grad_norm": grad_norm, "lr": self._lr(self.steps)}
         if torch.cuda.is_available():  # MFU of this update in the ledger's convention (docs/flops.md): real tokens,
             # the LM head at the response positions (the prompt rows' head output is hardware work, like padding)
             model_flops = sum(train_flops(self.shape, int(n), head_positions=int(r))
                               for n, r in zip(batch.attention_mask.sum(1), batch.response_mask.sum(1)))
             metrics |= step_perf(model_flops, device_clock() - t0, dist.get_world_size())
         return metrics
+
+    def _optimizer_step(self) -> float:
+        """megatron-core's optimizer step, held back where the gradient norm it would clip by is not finite, so that
+        a non-finite update never reaches the weights (the trainer names it, then stops or skips: train.nonfinite).
+        The norm is read first (one more reduction of it); the step then prepares the same gradients again, which
+        copies them again unchanged in fp32 and bf16. A step held back moves neither the learning-rate schedule nor
+        the weight version, as on the HF backend. Returns the gradient norm."""
+        opt = self.optimizer
+        grad_norm = math.inf if opt.prepare_grads() else float(opt.get_grad_norm())
+        if not math.isfinite(grad_norm):
+            return grad_norm
+        _, grad_norm, _ = opt.step()
+        self.steps += 1
+        self._version += 1
+        return float(grad_norm)
 
     def _lr(self, step: int) -> float:
         warmup = max(self.optim.warmup_steps, 0)  # the HF backend's linear warmup, step for step
