@@ -9,6 +9,7 @@ import yaml
 
 from conftest import file_mtimes, tiny_overrides
 from megaopd.cli import main
+from megaopd.analysis.stats import CENSORED, INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED
 from megaopd.study import StageConfig, StudyConfig, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,8 +17,17 @@ SMALL = ["train.steps=3", "train.prompts_per_step=4", "train.micro_batch_size=16
          "eval.every=1", "eval.prompts_per_domain=6", "eval.final_prompts_per_domain=12", "checkpoint.every=2"]
 
 
-def _write_study(tmp_path: Path, out: Path, workers: int = 1, seeds: tuple[int, ...] = ()) -> Path:
-    study = yaml.safe_load((ROOT / "configs/studies/self_teacher.yaml").read_text())
+VERDICTS = {REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, CENSORED, NOT_MEASURED}
+# The shipped studies of the embedded models (the real-model and cluster ones import published checkpoints or run on
+# Slurm: `megaopd rehearse`).
+EMBEDDED_STUDIES = ["two_domain", "self_teacher", "external_teacher", "four_domain", "async_expert", "opd_forms",
+                    "length_sweep"]
+
+
+def _write_study(tmp_path: Path, out: Path, workers: int = 1, seeds: tuple[int, ...] = (),
+                 name: str = "self_teacher") -> Path:
+    """A shipped study, reduced: a few rows, steps and eval prompts per stage, the seeds given (none: one run)."""
+    study = yaml.safe_load((ROOT / f"configs/studies/{name}.yaml").read_text())
     study["out"], study["workers"], study["seeds"] = str(out), workers, list(seeds)
     study["stages"][0]["shared"] = True  # with seeds: one cold start for all of them
     study["assets"].update(train_rows=120, heldout_rows=24, validation_rows=24)
@@ -59,8 +69,7 @@ def test_same_seed_same_report(tmp_path, capsys):
     assert (tmp_path / "c" / "seed_1" / "base").resolve() == (tmp_path / "c" / "seed_0" / "base").resolve()
     assert seeds[1]["seed"] == 1 and seeds[1]["stages"] != seeds[0]["stages"]
     assert {f["id"] for f in report["findings"]} >= {"a", "b", "c", "d", "e", "f"}
-    assert {f["verdict"] for f in report["findings"]} <= {"reproduced", "not reproduced", "inconclusive",
-                                                          "not measured in this study"}
+    assert {f["verdict"] for f in report["findings"]} <= VERDICTS
     # Each eval's per-prompt rewards (what the report resamples) average to the logged accuracy.
     record = json.loads((tmp_path / "a" / "grpo" / "evals" / "final.json").read_text())
     final = json.loads((tmp_path / "a" / "grpo" / "summary.json").read_text())["final"]
@@ -75,6 +84,22 @@ def test_same_seed_same_report(tmp_path, capsys):
     before = summary.stat().st_mtime_ns
     assert main(["study", str(tmp_path / "a.yaml")]) == 0
     assert summary.stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", EMBEDDED_STUDIES)
+def test_every_shipped_embedded_study_runs_to_its_report(tmp_path, name):
+    """Each shipped study of the embedded models, reduced, runs every stage to its report: whatever number its
+    short stages leave missing (targets never reached, no multi-teacher stage), the report is written, with a
+    verdict of the rules for every finding and no 0 / inf standing for a never."""
+    assert main(["study", str(_write_study(tmp_path, tmp_path / name, name=name))]) == 0
+    text = (tmp_path / name / "report" / "report.json").read_text()
+    report = json.loads(text)
+    assert {f["verdict"] for f in report["findings"]} <= VERDICTS
+    assert '"inf"' not in text and '"-inf"' not in text and "Infinity" not in text and "NaN" not in text
+    md = (tmp_path / name / "report" / "report.md").read_text()
+    assert all(f"- ({f['id']}) {f['claim']}: **{f['verdict']}**" in md for f in report["findings"])
 
 
 def test_a_stage_whose_cap_was_raised_trains_on(assets, tmp_path):
