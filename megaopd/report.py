@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import matplotlib
@@ -281,7 +280,8 @@ def _control_markdown(r: dict, fraction: float) -> list[str]:
         for name, t in c["targets"].items():
             label = "OPD final" if name == "teacher" else f"base + {fraction} x OPD gain (base {c['base']:.3f})"
             md.append(f"| {c['opd']} | {c['control']} | {c['domain']} | {label} "
-                      + _target_cells(r, ("teacher_free", i, "targets", name), t, ("opd", "control"), ("control", "opd")))
+                      + _target_cells(r, ("teacher_free", i, "targets", name), t, ("opd", "control"),
+                                      ("control", "opd")))
     md += [f"\n{_matched(r, c, ('teacher_free', i, 'matched'), ('opd', 'control'))} ({c['domain']})."
            for i, c in enumerate(r["teacher_free"]) if "matched" in c]
     return md

@@ -5,7 +5,6 @@ agree; and provisional verdicts under three seeds."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 

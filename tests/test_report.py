@@ -626,8 +626,8 @@ def test_a_report_from_runs_whose_every_optional_number_is_missing(tmp_path):
     write_stage(root, "opd_ext", "opd", mean_curve([0, 50], [0.1, 0.15]), {"mean": 0.15}, config=on_data("a.jsonl"))
     write_stage(root, "expert_add", "grpo", mean_curve([0, 100], [0.3, 0.35]), {"mean": 0.35})
     write_stage(root, "control", "opsa", mean_curve([0, 10], [0.1, 0.1]), {"mean": 0.1}, config=on_data("a.jsonl"))
-    stages = [("grpo", "grpo", "", ""), ("opd_ext", "opd_external", "grpo", ""), ("expert_add", "expert", "", "arith_add"),
-              ("control", "teacher_free", "", "")]
+    stages = [("grpo", "grpo", "", ""), ("opd_ext", "opd_external", "grpo", ""),
+              ("expert_add", "expert", "", "arith_add"), ("control", "teacher_free", "", "")]
     study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
                                                       "compare_with": c, "domain": d} for n, m, c, d in stages]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))

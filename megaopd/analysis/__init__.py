@@ -14,8 +14,8 @@ and each part has one purpose.
 """
 
 from megaopd.analysis.budget import BUDGET_RULE, CUTS, budget_sensitivity, cut_stage
-from megaopd.analysis.curves import (LENGTH_RULE, LENGTH_WINDOW, SPLIT_RULE, TARGET_RULE, TOTALS, WALL_RULE, accuracy_at, analyse,
-                                     flops_to_target, smooth, split_vs_joint, wall_clock_across)
+from megaopd.analysis.curves import (LENGTH_RULE, LENGTH_WINDOW, SPLIT_RULE, TARGET_RULE, TOTALS, WALL_RULE,
+                                     accuracy_at, analyse, flops_to_target, smooth, split_vs_joint, wall_clock_across)
 from megaopd.analysis.findings import (FINDING_RULES, FINDINGS, MATCH_TOLERANCE, SMALL_SHARE, Finding, findings,
                                        judge, reached)
 from megaopd.analysis.intervals import (BOOTSTRAP_SEED, INTERVAL_RULE, aggregate, analyse_seeds, bootstrap, json_safe,
@@ -23,7 +23,7 @@ from megaopd.analysis.intervals import (BOOTSTRAP_SEED, INTERVAL_RULE, aggregate
 from megaopd.analysis.runs import Stage, load_study, study_dirs
 
 __all__ = ["BOOTSTRAP_SEED", "BUDGET_RULE", "CUTS", "FINDINGS", "FINDING_RULES", "INTERVAL_RULE", "LENGTH_RULE",
-           "LENGTH_WINDOW", "MATCH_TOLERANCE", "SMALL_SHARE", "SPLIT_RULE", "TARGET_RULE", "TOTALS", "WALL_RULE", "Finding", "Stage",
-           "accuracy_at", "aggregate", "analyse", "analyse_seeds", "bootstrap", "budget_sensitivity", "cut_stage",
-           "findings", "flops_to_target", "json_safe", "judge", "load_study", "pointer", "reached", "smooth",
-           "split_vs_joint", "study_dirs", "wall_clock_across"]
+           "LENGTH_WINDOW", "MATCH_TOLERANCE", "SMALL_SHARE", "SPLIT_RULE", "TARGET_RULE", "TOTALS", "WALL_RULE",
+           "Finding", "Stage", "accuracy_at", "aggregate", "analyse", "analyse_seeds", "bootstrap",
+           "budget_sensitivity", "cut_stage", "findings", "flops_to_target", "json_safe", "judge", "load_study",
+           "pointer", "reached", "smooth", "split_vs_joint", "study_dirs", "wall_clock_across"]

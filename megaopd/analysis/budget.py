@@ -16,8 +16,9 @@ CUTS = (0.5, 0.75, 1.0)
 BUDGET_RULE = ("budget sensitivity: every stage's run is cut at the last periodic eval within 50% / 75% of its "
                "steps (that eval, on the fixed subset, stands in for the final one, and the stage's FLOPs end there; "
                "100% is the report's own numbers), each stage alone with its inputs as they were, and every finding "
-               "recomputed; a verdict is from the check's point value (the mean over seeds, bounds where censored), no interval. A finding "
-               "whose verdict differs between cuts is budget-dependent, at the first cut where it changes.")
+               "recomputed; a verdict is from the check's point value (the mean over seeds, bounds where censored), no "
+               "interval. A finding whose verdict differs between cuts is budget-dependent, at the first cut where it "
+               "changes.")
 
 
 def cut_stage(stage: Stage, fraction: float) -> Stage:

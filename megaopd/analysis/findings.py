@@ -29,12 +29,12 @@ FINDING_RULES = ("each finding is checked per pair (per domain for (d)) as a num
                  "FLOPs to GRPO's final accuracy and to base + the gain share < 1, the two targets agreeing; (b) OPD's "
                  "last response length minus GRPO's, over the base model's (both arms' first-step rollouts, the same "
                  "token cap) > 0, each arm's truncated share beside it; (c) as (a) for the self-GRPO teacher, > 1; (d) "
-                 "student - expert final accuracy >= -tolerance; (e) distillation / specialist FLOPs <= the small-share "
-                 "bound; (f) 1 - split/joint FLOPs to joint GRPO's final accuracy > 0; (g1) the teacher-free control's "
-                 "best smoothed accuracy - OPD's final < 0 (it never attains OPD's accuracy); (g2) control/OPD FLOPs to "
-                 "OPD's final accuracy > 1. A check whose arms need no FLOPs to a target (their first eval meets it) "
-                 "is not measured. A finding needs all its checks: one not reproduced decides it, else one "
-                 "inconclusive leaves it inconclusive. " + CENSORING_RULE)
+                 "student - expert final accuracy >= -tolerance; (e) distillation / specialist FLOPs <= the "
+                 "small-share bound; (f) 1 - split/joint FLOPs to joint GRPO's final accuracy > 0; (g1) the "
+                 "teacher-free control's best smoothed accuracy - OPD's final < 0 (it never attains OPD's accuracy); "
+                 "(g2) control/OPD FLOPs to OPD's final accuracy > 1. A check whose arms need no FLOPs to a target "
+                 "(their first eval meets it) is not measured. A finding needs all its checks: one not reproduced "
+                 "decides it, else one inconclusive leaves it inconclusive. " + CENSORING_RULE)
 
 
 @dataclass(frozen=True)

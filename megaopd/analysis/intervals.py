@@ -20,8 +20,9 @@ from megaopd.analysis.stats import (LEVEL, MAX_UNDEFINED, MIN_SEEDS, NOT_MEASURE
 
 BOOTSTRAP_SEED = 17  # the resamples are drawn from a fixed seed: the same runs give the same report
 # FLOPs to a target that a replicate may never reach, and the key of what bounds them then (more than its last eval's)
-CENSORED_BY = {key: f"{key}_more_than" for key in ("grpo_flops", "opd_flops", "reference_flops", "stage_flops",
-                                                   "control_flops")} | {"merge_flops_to_target": "merge_flops_more_than"}
+CENSORED_BY = ({key: f"{key}_more_than" for key in ("grpo_flops", "opd_flops", "reference_flops", "stage_flops",
+                                                    "control_flops")}
+               | {"merge_flops_to_target": "merge_flops_more_than"})
 INTERVAL_RULE = (f"intervals: {int(100 * LEVEL)}% percentile bootstrap, `replicates` resamples (fixed seed). Each "
                  "replicate resamples every domain's test prompts with replacement, once per prompt set, so that "
                  "every eval and every stage on the same prompts sees the same resample (comparisons are paired), "
