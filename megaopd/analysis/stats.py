@@ -20,7 +20,8 @@ REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inco
 # Inconclusive because an arm stopped before the target: its number is only bounded on one side (``Bounds``), and the
 # bound does not settle the claim. A run with more budget could decide it.
 CENSORED = "inconclusive (censored)"
-MIN_SEEDS = 3  # a decisive verdict over fewer seeds is provisional: two seeds' bootstrap is little more than their range
+# A decisive verdict over fewer seeds is provisional: two seeds' bootstrap is little more than their range.
+MIN_SEEDS = 3
 # A number undefined in more of the resamples than this (a ratio whose curve missed the target) gets no verdict from
 # the resamples where it happens to exist: they are not a sample of the number.
 MAX_UNDEFINED = 0.05
