@@ -255,7 +255,7 @@ def _same_method_markdown(r: dict, fraction: float) -> list[str]:
         path = ("stage_comparisons", i)
         final = ", ".join(f"{c[role]} {_f(v, '.3f')}{_ci(r, path + ('final', role), '.3f')}"
                           for role, v in c["final"].items())
-        md.append(f"\n{c['stage']} vs {c['reference']} on {c['domain']}: final accuracy (all held-out prompts) "
+        md.append(f"\n{c['stage']} vs {c['reference']} on {c['domain']}: final accuracy (all test prompts) "
                   f"{final}.")
         if "matched" in c:
             p = path + ("matched",)
@@ -389,9 +389,9 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
           "megaopd/flops.py); E6 shares and E7 totals always use stage FLOPs "
           "(`flops/total_stage`); the ledger table gives all totals. Teacher/student cost: FLOPs per token, 2 x "
           "matmul parameters of each (attention's length terms aside).",
-          f"- accuracy: `accuracy_{metric}`; curves are the periodic evals on a fixed held-out subset (error bars: "
-          "1.96 standard errors over its prompts), targets and per-domain comparisons use the final eval on all "
-          "held-out prompts. Points at 0 FLOPs are off the log axis.",
+          f"- accuracy: `accuracy_{metric}` on the test split; curves are the periodic evals on a fixed subset of it "
+          "(error bars: 1.96 standard errors over its prompts), targets and per-domain comparisons use the final eval "
+          "on all test prompts. Points at 0 FLOPs are off the log axis.",
           f"- {TARGET_RULE} window = {window}.",
           f"- response length first/last: {LENGTH_RULE}, length_window = {length_window}.",
           f"- {WALL_RULE}. Seconds are this machine's under its load at the time, beside FLOPs that are not.",

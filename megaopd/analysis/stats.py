@@ -57,10 +57,10 @@ def interval_wording(n_seeds: int) -> str:
     """What a report's bracketed interval is, for a study of ``n_seeds`` seeds."""
     level = f"{100 * LEVEL:.0f}%"
     if n_seeds <= 1:
-        return (f"{level} percentile bootstrap over the held-out prompts of one seed (training noise is not in it)")
+        return (f"{level} percentile bootstrap over the test prompts of one seed (training noise is not in it)")
     draws = math.comb(2 * n_seeds - 1, n_seeds)
     text = (f"{level} two-level percentile bootstrap over {n_seeds} seeds: each replicate draws the {n_seeds} seeds "
-            f"with replacement ({draws} distinct draws), then one held-out-prompt replicate of each, and averages them")
+            f"with replacement ({draws} distinct draws), then one test-prompt replicate of each, and averages them")
     if n_seeds == 2:
         text += ("; with 2 seeds a draw is both seeds or one of them twice, so the interval is little more than the "
                  "range of the two seeds plus prompt noise, not a 95% interval of seed-to-seed variation")
