@@ -152,6 +152,9 @@ class GRPOConfig:
     kl_coef: float = 0.0  # k3 KL to the initial policy; off in most RLVR recipes
 
 
+ANY_DOMAIN = "*"  # the opd.teachers route that serves every domain
+
+
 @dataclass
 class OPDConfig:
     form: OPDForm = "full_vocab"
@@ -163,7 +166,7 @@ class OPDConfig:
     # False: temperature 1, no cut; refused unless rollout.temperature is 1 (objectives.check_temperature).
     match_sampling: bool = True
     # Routing key -> teacher HF directory. The key is a row's domain (extra_info.domain, else data_source);
-    # "*" serves every domain. A domain with no teacher fails loudly at start-up.
+    # ANY_DOMAIN ("*") serves every domain. A domain with no teacher fails loudly at start-up.
     teachers: dict[str, str] = field(default_factory=dict)
     # Route -> the tokenizer directory a teacher of another tokenizer than the student's is read with (default: its
     # own directory's). A teacher of another vocabulary, or one named here, scores its own tokens of the response
@@ -177,6 +180,10 @@ class OPDConfig:
     # The teachers' dtype (HF in-process and SGLang teachers); "" = model.dtype. A frozen teacher needs no fp32
     # master: bfloat16 halves a 1.5B teacher beside a float32 student (the memory plan counts it so).
     teacher_dtype: Literal["", DType] = ""
+    # Before the first step, measure the teachers and the student on the validation split and refuse a teacher not
+    # above its student (megaopd/teacher_check.py); a study sets it on every external-teacher OPD stage.
+    check_teacher: bool = False
+    allow_weaker_teacher: bool = False  # run a teacher not above its student on purpose (the report marks it)
 
 
 @dataclass

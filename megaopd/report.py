@@ -31,8 +31,9 @@ from megaopd.analysis import (BUDGET_RULE, FINDING_RULES, INTERVAL_RULE, LENGTH_
                               wall_clock_across)
 from megaopd.analysis.findings import needed, ratio  # noqa: E402
 from megaopd.analysis.runs import stop_text  # noqa: E402
-from megaopd.analysis.stats import MIN_SEEDS, NOT_MEASURED, REPLICATES, interval_wording  # noqa: E402
+from megaopd.analysis.stats import MIN_SEEDS, REPLICATES, UNMEASURED, interval_wording  # noqa: E402
 from megaopd.flops import COMPONENTS  # noqa: E402
+from megaopd.teacher_check import weaker  # noqa: E402
 
 TARGET_STYLES = (":", "-.", "--")
 
@@ -180,7 +181,7 @@ def _check_line(label: str, c: dict) -> str:
 def verdict_words(finding: dict) -> str:
     """A finding's verdict with how many seeds reproduce it, provisional under MIN_SEEDS seeds."""
     words = finding["verdict"]
-    if finding["n_seeds"] > 1 and finding["verdict"] != NOT_MEASURED:
+    if finding["n_seeds"] > 1 and finding["verdict"] not in UNMEASURED:
         words += f" (reproduced in {finding['seeds_reproduced']} seeds)"
     if finding.get("provisional"):
         words += f" (provisional: {finding['n_seeds']} seed(s), a decisive verdict needs {MIN_SEEDS})"
@@ -287,12 +288,38 @@ def _control_markdown(r: dict, fraction: float) -> list[str]:
     return md
 
 
+def _teacher_markdown(r: dict) -> list[str]:
+    """Each external teacher's check (megaopd/teacher_check.py): the teachers and the student they start from on
+    the stage's validation prompts, at its token cap and sampling settings."""
+    md = ["#### Teachers checked before OPD: validation accuracy, greedy and sampled, at the stage's token cap "
+          "(megaopd/teacher_check.py)", "",
+          "| OPD stage | model | role | domains | prompts | greedy | sampled | mean length | truncated |",
+          "|---" * 9 + "|"]
+    for stage, check in r.get("teacher_checks", {}).items():
+        below = weaker(check)
+        trained = ", ".join(d for d in check["student"]["greedy"]["accuracy"] if d != "mean")
+        models = [("student", check["student"], trained)] + [
+            (f"teacher {route}" + (" (below student)" if route in below else ""), t, ", ".join(t["domains"]))
+            for route, t in check["teachers"].items()]
+        for role, m, domains in models:
+            g, s = m["greedy"], m["sampled"]
+            md.append(f"| {stage} | `{'/'.join(Path(m['path']).parts[-2:])}` | {role} | {domains} | {m['prompts']} | "
+                      f"{g['accuracy']['mean']:.3f} | {s['accuracy']['mean']:.3f} | {g['length']:.1f} / "
+                      f"{s['length']:.1f} | {_pct(g['truncated'])} / {_pct(s['truncated'])} |")
+    if len(md) == 4:
+        return []
+    return md + ["", "Token cap, temperature, top-p: " + "; ".join(
+        f"{stage} {c['max_new_tokens']}, {c['temperature']:g}, {c['top_p']:g}"
+        for stage, c in r["teacher_checks"].items()) + ". Length and truncated share: greedy / sampled.", ""]
+
+
 def _seed_markdown(r: dict, fraction: float) -> list[str]:
-    md = ["#### OPD vs GRPO (E1-E3): FLOPs to reach a target, on the GRPO stage's domain (the mean when it has none)", "",
-          "| OPD stage | GRPO stage | teacher/student FLOPs per token | target | accuracy | GRPO FLOPs | OPD FLOPs "
+    md = ["#### OPD vs GRPO (E1-E3): FLOPs to reach a target, on the GRPO stage's domain (the mean when it has none)",
+          "", "| OPD stage | GRPO stage | teacher/student FLOPs per token | target | accuracy | GRPO FLOPs | OPD FLOPs "
           "| GRPO/OPD |", "|---" * 8 + "|"]
     if not r["comparisons"]:
         md = md[:2] + ["- no opd stage with compare_with in this study"]
+    md = _teacher_markdown(r) + md
     for i, c in enumerate(r["comparisons"]):
         for name, t in c["targets"].items():
             label = "GRPO final" if name == "teacher" else f"base + {fraction} x GRPO gain (base {c['base']:.3f})"

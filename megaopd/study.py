@@ -61,6 +61,9 @@ STAGE_LABELS = ("base", "teacher_sft", "grpo", "expert", "joint_grpo", "opd_exte
                 "opd_self", "multi_teacher_opd", "teacher_free", "other")
 
 
+EXTERNAL_TEACHER = ("opd_external", "opd_external_grpo")  # the stages whose teacher is checked before they train
+
+
 @dataclass
 class StageConfig:
     name: str = ""
@@ -76,6 +79,9 @@ class StageConfig:
     # With seeds: one run for all of them, in the first seed's directory, which the other seeds' {out}/<name> links
     # to. For the study's inputs (the external teacher "trained elsewhere"), not for what the seeds measure.
     shared: bool = False
+    # For opd_external*: the stage refuses a teacher not above its student on validation (megaopd/teacher_check.py)
+    # unless this runs it on purpose; the report then marks its findings "teacher below student".
+    allow_weaker_teacher: bool = False
 
 
 @dataclass
@@ -116,8 +122,11 @@ def seed_studies(study: StudyConfig) -> list[StudyConfig]:
 
 
 def stage_overrides(study: StudyConfig, stage: StageConfig) -> list[str]:
-    """The overrides a stage's config runs with, here and on Slurm: the study's seed, then the stage's own."""
-    return [f"train.seed={study.seed}"] + [study.substitute(o) for o in stage.overrides]
+    """The overrides a stage's config runs with, here and on Slurm: the study's seed, an external teacher's check
+    (``megaopd.teacher_check``), then the stage's own."""
+    check = ["opd.check_teacher=true", f"opd.allow_weaker_teacher={str(stage.allow_weaker_teacher).lower()}"]
+    return ([f"train.seed={study.seed}"] + (check if stage.method in EXTERNAL_TEACHER else [])
+            + [study.substitute(o) for o in stage.overrides])
 
 
 def stage_config(study: StudyConfig, stage: StageConfig, launch_overrides: list[str] = ()) -> RunConfig:

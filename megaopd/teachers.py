@@ -30,13 +30,12 @@ import torch
 
 from megaopd.align import CrossTokenizer
 from megaopd.batch import Sample, TokenBatch
-from megaopd.config import ConfigError, ModelConfig
+from megaopd.config import ANY_DOMAIN, ConfigError, ModelConfig
 from megaopd.errors import ModelError
 from megaopd.flops import ModelShape, recompute_flops
 from megaopd.hf_policy import HFPolicy
 
 log = logging.getLogger(__name__)
-ANY_DOMAIN = "*"
 
 
 @runtime_checkable

@@ -51,6 +51,7 @@ from megaopd.policy_protocol import Policy
 from megaopd.rollout import LocalEngine, policy_temperature, reported_sampling, sampling_generator
 from megaopd.rollout_pipeline import RolloutPipeline, StepRollouts
 from megaopd.stopping import StopRule
+from megaopd.teacher_check import gate as teacher_gate
 from megaopd.teachers import TeacherRouter, local_teachers
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,8 @@ class Trainer:
         # The distribution every logprob of an RL step is taken under: the rollout's, softmax(logits / T)
         # (docs/opd.md, "One temperature"); SFT trains the model's own (1).
         self.temperature = policy_temperature(cfg.rollout.temperature)
+        if spec.teacher_term and cfg.opd.check_teacher:  # before the student loads: one model in memory at a time
+            teacher_gate(cfg, self.run_dir, valid_rows, sorted({r.domain for r in train_rows}))
         seed_everything(cfg.train.seed)
         if cfg.model.device == "cpu":
             allocator.keep_heap()  # a step's activations reused from the heap, not faulted in anew (allocator.py)

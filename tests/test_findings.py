@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from megaopd.analysis import aggregate, findings, judge
-from megaopd.analysis.stats import CENSORED, INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED
+from megaopd.analysis.stats import (CENSORED, INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED,
+                                    TEACHER_BELOW)
 
 
 def pair(method: str, grpo_flops: float, opd_flops: float | None, opd_length=(10.0, 20.0),
@@ -240,3 +241,27 @@ def test_a_finding_needs_all_its_checks():
     assert [c["verdict"] for c in f["checks"].values()] == [REPRODUCED, INCONCLUSIVE] and f["verdict"] == INCONCLUSIVE
     judge(f, {"multi arith_add": [-0.3, -0.1], "multi prog_trace": [-0.08, -0.02]})
     assert f["verdict"] == NOT_REPRODUCED
+
+
+def with_teacher(comparison: dict, accuracy: float, below_student: bool = False) -> dict:
+    """The pair's OPD stage checked its external teacher (megaopd/teacher_check.py) at `accuracy`."""
+    return {**comparison, "teacher_check": {"accuracy": accuracy, "below_student": below_student}}
+
+
+def test_a_target_above_the_teacher_is_not_measured_never_reproduced():
+    """(a) with OPD 4x cheaper to GRPO's 0.5 would be 'not reproduced' from its number; with the teacher at 0.3 the
+    target lies above anything OPD could reach from it: not measured (teacher below target), alone, over seeds and
+    beside a measured target (which then decides alone). A teacher above the target leaves the number to decide."""
+    weak = seed([with_teacher(pair("opd_external", 400.0, 100.0), 0.3, below_student=True)])
+    f = judged("a", weak, [3.5, 4.5])
+    assert f["verdict"] == TEACHER_BELOW and only(f)["verdict"] == TEACHER_BELOW and only(f)["value"] is None
+    assert "teacher below student" in only(f)["detail"]
+    _, overall = aggregate(seeds_of(weak, seed([pair("opd_external", 400.0, 100.0)])), [{}, {}])
+    assert next(f for f in overall if f["id"] == "a")["verdict"] == TEACHER_BELOW
+    # GRPO final (0.5) above a teacher at 0.47, the fraction target (0.45) below it: that one is measured, decides.
+    two = seed([with_teacher(pair("opd_external", 400.0, 100.0, fraction=(400.0, 100.0)), 0.47)])
+    f = judged("a", two)
+    assert sorted(c["verdict"] for c in f["checks"].values()) == sorted([NOT_REPRODUCED, TEACHER_BELOW])
+    assert f["verdict"] == NOT_REPRODUCED
+    strong = seed([with_teacher(pair("opd_external", 400.0, 100.0), 0.9)])
+    assert judged("a", strong)["verdict"] == NOT_REPRODUCED  # negative control: a stronger teacher is measured

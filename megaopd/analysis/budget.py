@@ -46,7 +46,9 @@ def _pooled(per_seed: list[list[dict]], i: int) -> dict:
     for label in dict.fromkeys(label for findings in per_seed for label in findings[i]["checks"]):
         have = [f[i]["checks"][label] for f in per_seed if label in f[i]["checks"]]
         bounds = mean_bounds([tuple(c["bounds"]) for c in have], rule.log)
-        checks[label] = {**judged(bounds, rule.op, rule.threshold, None), "group": have[0]["group"]}
+        unmeasured = next((c["unmeasured"] for c in have if c.get("unmeasured")), "")
+        checks[label] = {**judged(bounds, rule.op, rule.threshold, None, unmeasured=unmeasured),
+                         "group": have[0]["group"]}
     return {"verdict": verdict_of(checks), "values": {label: c["bounds"] for label, c in checks.items()}}
 
 

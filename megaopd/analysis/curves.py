@@ -115,6 +115,9 @@ def compare_stages(stage: Stage, ref: Stage, metric: str, fraction: float, windo
     out = {s: stage.name, r: ref.name, "method": stage.method, "domain": domain, "base": base,
            "teacher": teacher, "teacher_cost_ratio": max(stage.teacher_cost.values(), default=None), "targets": {},
            "stopped": {s: stage.stopped, r: ref.stopped}}
+    if stage.teacher_check:  # an external teacher's (megaopd/teacher_check.py): a target above it is not measured
+        out["teacher_check"] = {"accuracy": stage.teacher_accuracy(domain),
+                                "below_student": bool(stage.teacher_check.get("allowed_weaker"))}
     if not ao or not ag:
         return out
     for name, target in (("teacher", teacher), ("fraction", base + fraction * (teacher - base))):
@@ -225,7 +228,8 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
                       "max_staleness": s.max_staleness, "wall_clock": s.wall_clock()} for s in stages}
     result = {"study_dir": str(study_dir), "seed": study.get("seed"), "stages": table, "comparisons": comparisons,
               "stage_comparisons": same_method, "multi_teacher": mts, "split_vs_joint": splits,
-              "teacher_free": teacher_free}
+              "teacher_free": teacher_free,
+              "teacher_checks": {s.name: s.teacher_check for s in stages if s.teacher_check}}
     result["findings"] = findings(result)
     result["headline"] = headline(result)
     return result

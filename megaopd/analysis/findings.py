@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from megaopd.analysis.stats import Bounds, agree, combine, verdict
+from megaopd.analysis.stats import TEACHER_BELOW, Bounds, agree, combine, verdict
 
 MATCH_TOLERANCE = 0.05  # (d): a student "matches" its expert when at most this much below it (absolute accuracy)
 SMALL_SHARE = 0.10  # (e): distillation is "a small share" of specialist FLOPs at or below this
@@ -33,8 +33,10 @@ FINDING_RULES = ("each finding is checked per pair (per domain for (d)) as a num
                  "small-share bound; (f) 1 - split/joint FLOPs to joint GRPO's final accuracy > 0; (g1) the "
                  "teacher-free control's best smoothed accuracy - OPD's final < 0 (it never attains OPD's accuracy); "
                  "(g2) control/OPD FLOPs to OPD's final accuracy > 1. A check whose arms need no FLOPs to a target "
-                 "(their first eval meets it) is not measured. A finding needs all its checks: one not reproduced "
-                 "decides it, else one inconclusive leaves it inconclusive. " + CENSORING_RULE)
+                 "(their first eval meets it) is not measured; an (a) or (c) check whose target lies above the OPD "
+                 "stage's teacher's greedy validation accuracy (its teacher check) is not measured (teacher below "
+                 "target): OPD could not reach it from that teacher. A finding needs all its checks: one not "
+                 "reproduced decides it, else one inconclusive leaves it inconclusive. " + CENSORING_RULE)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Check:
     detail: str  # how it was measured, for the report
     group: str = ""  # checks that must agree to decide (one pair's two targets); "" for the label alone
     censored: str = ""  # the arm that stopped before the target: where and why
+    unmeasured: str = ""  # a verdict of stats.UNMEASURED that stands instead of the number's (TEACHER_BELOW)
 
 
 @dataclass(frozen=True)
@@ -94,17 +97,33 @@ def _pairs(r: dict, self_teacher: bool) -> list[dict]:
     return [c for c in r["comparisons"] if (c["method"] == "opd_self") == self_teacher and "teacher" in c["targets"]]
 
 
+def teacher_note(c: dict) -> str:
+    """The pair's teacher check in a few words, for a check's detail ("" without one)."""
+    check = c.get("teacher_check")
+    if not check:
+        return ""
+    below = "; teacher below student (run with allow_weaker_teacher)" if check["below_student"] else ""
+    return f"; teacher {check['accuracy']:.3f} greedy on validation{below}"
+
+
 def _grpo_over_opd(r: dict, self_teacher: bool) -> Iterator[Check]:
-    """GRPO/OPD FLOPs to each target, per pair; not where either arm needs no FLOPs to it (nothing to compare)."""
+    """GRPO/OPD FLOPs to each target, per pair; not where either arm needs no FLOPs to it (nothing to compare), nor
+    where the target lies above the OPD stage's teacher (TEACHER_BELOW)."""
     for c in _pairs(r, self_teacher):
         pair = f"{c['opd']} vs {c['grpo']}"
+        teacher = (c.get("teacher_check") or {}).get("accuracy")
         for name, t in c["targets"].items():
             if 0 in (t["grpo_flops"], t["opd_flops"]):
                 continue
+            label = f"{pair} ({TARGETS[name]})"
+            if teacher is not None and t["target"] > teacher:
+                yield Check(label, (None, None), f"target {t['target']:.3f} above the teacher's {teacher:.3f} "
+                            "(greedy, validation)" + teacher_note(c), pair, unmeasured=TEACHER_BELOW)
+                continue
             b = ratio(needed(t, "grpo"), needed(t, "opd"))
-            yield Check(f"{pair} ({TARGETS[name]})", b,
+            yield Check(label, b,
                         f"FLOPs to {t['target']:.3f}: GRPO {reached(t['grpo_flops'], t['grpo_best_smoothed'])}, OPD "
-                        f"{reached(t['opd_flops'], t['opd_best_smoothed'])}; GRPO/OPD", pair,
+                        f"{reached(t['opd_flops'], t['opd_best_smoothed'])}{teacher_note(c)}; GRPO/OPD", pair,
                         censoring(c, t, ("grpo", "opd")))
 
 
@@ -133,7 +152,7 @@ def length_growth_difference(r: dict) -> Iterator[Check]:
         yield Check(f"{c['opd']} vs {c['grpo']}", (go - gg, go - gg),
                     f"base {base:.1f} tokens; OPD x{go:.2f} ({lo['last']:.1f}) vs GRPO x{gg:.2f} ({lg['last']:.1f}); "
                     f"truncated at the end: {truncated}" + (f"; read while {', '.join(pinned)}" if pinned else "")
-                    + "; difference")
+                    + teacher_note(c) + "; difference")
 
 
 def _share(v: float | None) -> str:
@@ -236,7 +255,8 @@ def findings(r: dict) -> list[dict]:
     """Each finding's checks, keyed by pair / domain, from one seed's numbers (`analyse`); verdicts come later."""
     return [{"id": f.id, "claim": f.claim, "paper": f.paper,
              "checks": {c.label: {"bounds": list(c.bounds), "op": f.op, "threshold": f.threshold,
-                                  "detail": c.detail, "group": c.group or c.label, "censored": c.censored}
+                                  "detail": c.detail, "group": c.group or c.label, "censored": c.censored,
+                                  "unmeasured": c.unmeasured}
                         for c in f.measure(r)}} for f in FINDINGS]
 
 
@@ -246,14 +266,14 @@ def point(bounds: Bounds | list | None) -> float | None:
 
 
 def judged(bounds: Bounds | list | None, op: str, threshold: float, interval: Bounds | list | None,
-           defined: float = 1.0) -> dict:
+           defined: float = 1.0, unmeasured: str = "") -> dict:
     """A check's number against its rule, with its interval (its bounds when it has no resamples), the share of
-    resamples where it is defined, and its verdict (stats.verdict)."""
+    resamples where it is defined, and its verdict (stats.verdict; `unmeasured` instead where it is given)."""
     interval = list(interval) if interval is not None else None
     decides = interval if interval is not None else (list(bounds) if bounds is not None else None)
     return {"value": point(bounds), "bounds": list(bounds) if bounds is not None else None, "op": op,
-            "threshold": threshold, "interval": interval, "defined": defined,
-            "verdict": verdict(decides, op, threshold, None, defined)}
+            "threshold": threshold, "interval": interval, "defined": defined, "unmeasured": unmeasured,
+            "verdict": unmeasured or verdict(decides, op, threshold, None, defined)}
 
 
 def verdict_of(checks: Mapping[str, dict]) -> str:
@@ -271,6 +291,6 @@ def judge(finding: dict, intervals: Mapping[str, list]) -> dict:
     for label, check in finding["checks"].items():
         interval = intervals.get(label)
         check.update(judged(check["bounds"], check["op"], check["threshold"], interval and interval[:2],
-                            interval[2] if interval and len(interval) > 2 else 1.0))
+                            interval[2] if interval and len(interval) > 2 else 1.0, check.get("unmeasured", "")))
     finding["verdict"] = verdict_of(finding["checks"])
     return finding

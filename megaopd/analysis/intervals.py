@@ -14,8 +14,8 @@ import numpy as np
 from megaopd.analysis.curves import LENGTH_WINDOW, analyse, curve_points
 from megaopd.analysis.findings import BY_ID, judge, judged, verdict_of
 from megaopd.analysis.runs import Stage, load_study, resample_stage
-from megaopd.analysis.stats import (LEVEL, MAX_UNDEFINED, MIN_SEEDS, NOT_MEASURED, NOT_REPRODUCED, REPLICATES,
-                                    REPRODUCED, bounds_interval, defined_fraction, mean_bounds, percentile_interval,
+from megaopd.analysis.stats import (LEVEL, MAX_UNDEFINED, MIN_SEEDS, NOT_REPRODUCED, REPLICATES, REPRODUCED,
+                                    UNMEASURED, bounds_interval, defined_fraction, mean_bounds, percentile_interval,
                                     resample, seed_bootstrap)
 
 BOOTSTRAP_SEED = 17  # the resamples are drawn from a fixed seed: the same runs give the same report
@@ -175,10 +175,14 @@ def aggregate(seeds: list[dict], reps: list[dict[str, list]]) -> tuple[dict, lis
                 interval, defined = bounds_interval(draws), defined_fraction(draws)
             censored = "; ".join(dict.fromkeys(c for k in have if (c := seeds[k]["findings"][i]["checks"][label]
                                                                    ["censored"])))
-            checks[label] = {**judged(bounds, rule.op, rule.threshold, interval, defined), "group": first["group"],
+            # A seed whose teacher is below the target leaves the pooled check unmeasured: it has no number to pool.
+            unmeasured = next((u for k in have if (u := seeds[k]["findings"][i]["checks"][label].get("unmeasured"))),
+                              "")
+            checks[label] = {**judged(bounds, rule.op, rule.threshold, interval, defined, unmeasured),
+                             "group": first["group"],
                              "detail": first["detail"] if len(seeds) == 1 else "mean over seeds",
                              "censored": censored}
-        measured = [s["findings"][i]["verdict"] for s in seeds if s["findings"][i]["verdict"] != NOT_MEASURED]
+        measured = [s["findings"][i]["verdict"] for s in seeds if s["findings"][i]["verdict"] not in UNMEASURED]
         call = verdict_of(checks)
         overall.append({"id": f["id"], "claim": f["claim"], "paper": rule.paper, "verdict": call, "checks": checks,
                         "seeds_reproduced": f"{measured.count(REPRODUCED)} of {len(measured)}",

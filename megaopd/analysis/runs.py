@@ -19,6 +19,7 @@ import yaml
 from megaopd.errors import StudyError, require_file
 from megaopd.flops import ModelShape
 from megaopd.metrics import read_metrics
+from megaopd.teacher_check import CHECK_FILE
 from megaopd.analysis.stats import mean_and_se, resample
 
 
@@ -40,6 +41,7 @@ class Stage:
     # model.path and data.train of its config.yaml: a teacher-free control controls the OPD stages with both equal
     starts_from: str = ""
     trains_on: tuple[str, ...] = ()
+    teacher_check: dict = field(default_factory=dict)  # an external teacher's check (megaopd/teacher_check.py)
 
     @property
     def final(self) -> dict:
@@ -105,6 +107,15 @@ class Stage:
         shares = [m["rollout/truncated_share"] for m in self.lines if "rollout/truncated_share" in m]
         return float(np.mean(shares[-window:])) if shares else None
 
+    def teacher_accuracy(self, domain: str) -> float | None:
+        """The teacher check's greedy validation accuracy of the teacher serving `domain` (the mean: over the
+        domains its teachers serve); None without a check."""
+        served = {d: t["greedy"]["accuracy"][d] for t in self.teacher_check.get("teachers", {}).values()
+                  for d in t["domains"]}
+        if domain == "mean":
+            return sum(served.values()) / len(served) if served else None
+        return served.get(domain)
+
     @property
     def stopped(self) -> str:
         """Why the stage ended, in words (its `stop` record, megaopd/stopping.py)."""
@@ -152,6 +163,10 @@ def _records(run_dir: Path) -> dict:
     return out
 
 
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _config(run_dir: Path) -> dict:
     """The run's resolved config.yaml ({} when there is none)."""
     path = run_dir / "config.yaml"
@@ -193,13 +208,13 @@ def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
     stages = []
     for s in study.get("stages") or []:
         run_dir = study_dir / s["name"]
-        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        summary = _json(run_dir / "summary.json")
         cfg = _config(run_dir)
         stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
                             summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),
                             _teacher_cost(run_dir, cfg), summary.get("form", ""), summary.get("stop") or {},
                             (cfg.get("rollout") or {}).get("max_staleness"), (cfg.get("model") or {}).get("path", ""),
-                            tuple((cfg.get("data") or {}).get("train") or ())))
+                            tuple((cfg.get("data") or {}).get("train") or ()), _json(run_dir / CHECK_FILE)))
     return study, [s for s in stages if s.lines]
 
 

@@ -26,6 +26,9 @@ MIN_SEEDS = 3
 # the resamples where it happens to exist: they are not a sample of the number.
 MAX_UNDEFINED = 0.05
 NOT_MEASURED = "not measured in this study"
+# A target above the external teacher's own validation accuracy (megaopd/teacher_check.py): OPD could never reach
+# it, so the check would measure the teacher, not the method.
+TEACHER_BELOW = "not measured (teacher below target)"
 
 # A number known to lie in [lo, hi]: lo == hi when measured; None on a side where it is unbounded, as when an arm
 # stopped before a target (its FLOPs to it: more than it spent, no more known). Never 0, inf or -inf for "never".
@@ -169,12 +172,20 @@ def verdict(interval: Bounds | None, op: str, threshold: float, point: float | N
     return CENSORED if None in interval else INCONCLUSIVE
 
 
+UNMEASURED = (NOT_MEASURED, TEACHER_BELOW)
+
+
+def unmeasured(verdicts: Sequence[str]) -> str:
+    """Why none of `verdicts` was measured: the teacher below the target where that was the reason."""
+    return TEACHER_BELOW if TEACHER_BELOW in verdicts else NOT_MEASURED
+
+
 def agree(verdicts: Sequence[str]) -> str:
     """One claim measured several ways (a pair's two targets): decisive only where they all say the same; a
     reproduced beside a not reproduced is inconclusive."""
-    measured = [v for v in verdicts if v != NOT_MEASURED]
+    measured = [v for v in verdicts if v not in UNMEASURED]
     if not measured:
-        return NOT_MEASURED
+        return unmeasured(verdicts)
     if len(set(measured)) == 1:
         return measured[0]
     return CENSORED if CENSORED in measured else INCONCLUSIVE
@@ -183,9 +194,9 @@ def agree(verdicts: Sequence[str]) -> str:
 def combine(verdicts: Sequence[str]) -> str:
     """A finding made of several claims (pairs, domains) holds when all do: one clear failure decides it, else any
     inconclusive claim leaves it inconclusive."""
-    measured = [v for v in verdicts if v != NOT_MEASURED]
+    measured = [v for v in verdicts if v not in UNMEASURED]
     if not measured:
-        return NOT_MEASURED
+        return unmeasured(verdicts)
     if NOT_REPRODUCED in measured:
         return NOT_REPRODUCED
     for undecided in (INCONCLUSIVE, CENSORED):

@@ -169,7 +169,9 @@ def rehearsal_study(study: StudyConfig, out: Path, steps: int, stages: list[str]
             if files:
                 extra.append(f"{key}=[" + ", ".join(f"{{out}}/standin/{data[f][0]}/{data[f][2]}.jsonl"
                                                     for f in files) + "]")
-        rehearsal.append(dataclasses.replace(stage, overrides=[*stage.overrides, *extra, *small(steps)]))
+        # Stand-ins are untrained: an external teacher's check runs (its code path is rehearsed) but cannot refuse.
+        rehearsal.append(dataclasses.replace(stage, overrides=[*stage.overrides, *extra, *small(steps)],
+                                             allow_weaker_teacher=True))
     domains = sorted({domain for _, domain, _ in data.values()})
     assets = AssetsConfig(presets=sorted(set(models.values())), domains=domains, train_rows=20, heldout_rows=20,
                           validation_rows=20)
