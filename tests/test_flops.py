@@ -358,6 +358,7 @@ def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeyp
     if recompute:
         monkeypatch.setattr(trainer_module, "check_run", lambda c: build_plan(c, teacher_recompute=True))
     audit = audit_step(cfg)
+    assert audit.mismatches() == [] and audit.unattributed == 0  # the whole step: every FLOP billed
     idle = {"grpo": "teacher", "opd": "reference"}[algorithm]
     assert audit[idle].measured == audit[idle].booked == 0
     for component, row in audit.items():
@@ -380,4 +381,3 @@ def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeyp
         rerun = teacher.executed_form - head if recompute else 0
         assert teacher.recomputed == (2 * (head + rerun) if form == "full_vocab" else 0)
         assert (teacher.measured > teacher.executed_form) == (form == "full_vocab")  # hardware beyond the bill
-
