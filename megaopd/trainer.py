@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from megaopd import allocator, environment, shared_prompt, verifiers
+from megaopd import environment, shared_prompt, verifiers
 from megaopd.align import alignment_tokenizers
 from megaopd.batch import Sample, TeacherScores, TokenBatch, collate
 from megaopd.chat import chat_prompt_ids
@@ -168,8 +168,6 @@ class Trainer:
         # (docs/opd.md, "One temperature"); SFT trains the model's own (1).
         self.temperature = policy_temperature(cfg.rollout.temperature)
         seed_everything(cfg.train.seed)
-        if cfg.model.device == "cpu":
-            allocator.keep_heap()  # a step's activations reused from the heap, not faulted in anew (allocator.py)
 
         self.policy = build_policy(cfg)
         self.engine = build_engine(cfg, self.policy)
