@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import DEFAULT_ASSETS, REPO, machine, prepare_assets, train_files  # noqa: E402
 
+from megaopd import allocator  # noqa: E402
 from megaopd.config import SGLangConfig, load_config  # noqa: E402
 from megaopd.environment import sglang_python, sglang_servers  # noqa: E402
 from megaopd.methods import METHODS, method  # noqa: E402
@@ -70,6 +71,7 @@ def run_stage(server: SGLangServer, assets: Path, run_dir: Path, k: int, a) -> d
         "eval.final_prompts_per_domain=1", "checkpoint.every=0", *opd])
     cfg.rollout.sglang = server_config(a.threads)
     cfg.rollout.sglang.urls = [server.url]
+    allocator.keep_heap_for([cfg.model.device])  # as `megaopd train` does where its process starts
     summary = train(cfg)  # with the teacher server a multi-node job hands over (megaopd.environment)
     steps = [m for m in read_metrics(run_dir) if "perf/rollout_wait_seconds" in m][1:]  # step 1 fills the pipeline
     step_seconds = sum(m["perf/step_seconds"] for m in steps)

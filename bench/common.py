@@ -155,6 +155,7 @@ def _megaopd_worker(a) -> dict:
     if method(a.algo).teacher_term:
         overrides += [f"opd.teachers.*={assets / 'models' / a.teacher}", "opd.form=full_vocab"]
     cfg = load_config(None, overrides)
+    allocator.keep_heap_for([cfg.model.device])  # as `megaopd train` does where its process starts
     trainer = Trainer(cfg)
     counts = {"gen": [], "prompt": []}
     generate = trainer.engine.generate
@@ -396,7 +397,7 @@ def run_worker(side: str, algo: str, tmp: Path, tag: str, **kw) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "worker"] + args
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(kw.get("threads", 1)),
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               **allocator.environment())  # megaopd's trainer sets the same itself: both sides keep their heap
+               **allocator.environment())  # the megaopd worker sets the same itself: both sides keep their heap
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {side}/{algo} failed:\n{proc.stderr[-4000:]}")

@@ -14,8 +14,8 @@ Rows:
   fused decode step), vs generation_flops(prefix_cached=True) with the real prompt and response lengths;
 * trainer steps: one real GRPO step (with reference KL; and with train.shared_prompt, the group's prompt forwarded
   once: vs the shared passes' formula, where the ledger bills the unshared ones) and one full-vocabulary OPD step
-  through ``Trainer.rl_step``, each phase counted on its own (``megaopd.flop_audit``), vs the ledger's components
-  for that step.
+  through ``Trainer.rl_step``, each component's calls counted on their own and the whole step under one counter
+  (``megaopd.flop_audit``), vs the ledger's components for that step and their sum.
 """
 
 from __future__ import annotations
@@ -110,11 +110,14 @@ def trainer_rows(preset: str, model_dir: Path, teacher_dir: Path, data: Path, ru
             f"data.train=[{data / 'arith_add' / 'train.jsonl'}]", f"data.eval=[{data / 'arith_add' / 'test.jsonl'}]",
             "train.prompts_per_step=1", f"rollout.samples_per_prompt={group}", f"rollout.max_new_tokens={max_new}",
             "train.recompute_old_logprobs=true", *extra])
-        for component, row in audit_step(cfg).items():
+        audit = audit_step(cfg)
+        for component, row in audit.items():
             if row.executed_form:
                 # the analytic side: the billed passes plus the teacher's recomputation (hardware work)
                 out.append((preset, f"{name} step ({group} x R={max_new}): {component}", row.measured,
                             row.executed_form + row.recomputed))
+        # one counter over the whole step: a pass outside every component's calls shows here
+        out.append((preset, f"{name} step ({group} x R={max_new}): whole step", audit.measured, audit.executed))
     return out
 
 

@@ -111,9 +111,12 @@ def sync_check(method_name: str, out: dict | None, timed: bool) -> dict:
 
 
 def train_run(cfg_args: list[str], work: Path, name: str) -> list[dict]:
+    from megaopd import allocator
     from megaopd.trainer import Trainer
 
-    Trainer(load_config(None, [f"run_dir={work / name}", *cfg_args])).fit()
+    cfg = load_config(None, [f"run_dir={work / name}", *cfg_args])
+    allocator.keep_heap_for([cfg.model.device])  # as `megaopd train` does where its process starts
+    Trainer(cfg).fit()
     return [m for m in read_metrics(work / name) if "train/loss" in m]
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import DEFAULT_ASSETS, REPO, prepare_assets, train_files  # noqa: E402
 
+from megaopd import allocator  # noqa: E402
 from megaopd.batch import collate  # noqa: E402
 from megaopd.config import load_config  # noqa: E402
 from megaopd.evaluate import score_samples  # noqa: E402
@@ -84,10 +85,12 @@ def main() -> None:
         p.error("give a stage's config (or --smoke)")
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        train(load_config(config, overrides + [
+        cfg = load_config(config, overrides + [
             f"run_dir={run}", "rollout.max_staleness=1", "train.tis=none", f"train.steps={at[-1] + 1}",
             "checkpoint.every=1", f"checkpoint.keep={at[-1] + 1}", f"eval.every={at[-1] + 2}",
-            "eval.prompts_per_domain=1", "eval.final_prompts_per_domain=1"]))
+            "eval.prompts_per_domain=1", "eval.final_prompts_per_domain=1"])
+        allocator.keep_heap_for([cfg.model.device])  # this process's trainers, the run's and measure's
+        train(cfg)
         print("| step | sampled by | mean abs log w | p < 0.9 | mean abs log w there | grad change | cosine |")
         print("|---|---|---|---|---|---|---|")
         for step in at:

@@ -11,12 +11,17 @@ which holds its high-water mark anyway for the next step. Blocks above 32 MiB (a
 
 Only glibc has ``mallopt``: elsewhere (macOS, musl), and where another allocator is preloaded (it takes no notice),
 nothing changes.
+
+The setting is the process's, not a run's: ``keep_heap_for`` is called where a process that trains on the CPU
+starts (``megaopd train``, a study's runner and its stage workers, the Megatron launcher, the bench drivers), never
+by the trainer, which a library caller or a test builds in a process that is not its own.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Iterable
 
 # mallopt's parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -40,3 +45,8 @@ def keep_heap() -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # Setting either parameter ends the dynamic rule for both, so both are set.
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def keep_heap_for(devices: Iterable[str]) -> bool:
+    """``keep_heap`` where a run of this process trains on the CPU (any of the runs' ``model.device``)."""
+    return "cpu" in set(devices) and keep_heap()

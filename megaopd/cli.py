@@ -131,8 +131,10 @@ def _run(args) -> int:
         make_embedded(args.out, args.presets, args.domains, args.seed)
     elif args.command == "train":
         cfg = load_config(args.config, args.overrides)  # a config error is reported before torch is imported
+        from megaopd import allocator
         from megaopd.trainer import train
 
+        allocator.keep_heap_for([cfg.model.device])  # the process's allocator, set where it starts (allocator.py)
         with space_for(cfg.run_dir):  # a write with no file of its own named (config.yaml, TensorBoard) names this
             summary = train(cfg)
         print(json.dumps(summary["final"], indent=1))

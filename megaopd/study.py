@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megaopd import allocator
 from megaopd.config import ConfigError, RunConfig, load_config, save_config
 from megaopd.embedded import make_embedded
 from megaopd.errors import StudyError
@@ -248,21 +249,29 @@ def run_study(study: StudyConfig) -> list[Path]:
             log.info("stage %s is done; reusing it", run_dir)
         else:
             todo.append(run_dir)
+    devices = [configs[run_dir].model.device for run_dir in todo]
     if study.workers == 1:
+        allocator.keep_heap_for(devices)  # the stages train in this process: its allocator (allocator.py)
         for run_dir in todo:
             train(configs[run_dir])
     else:
-        _run_side_by_side(configs, needs, todo, study.workers, study.threads)
+        _run_side_by_side(configs, needs, todo, study.workers, study.threads, devices)
     return [Path(one.out) / stage.name for one in seeds for stage in one.stages]
 
 
+def _start_worker(threads: int, devices: list[str]) -> None:
+    """A stage worker's process start: its threads, and its allocator where a stage trains on the CPU."""
+    torch.set_num_threads(threads)
+    allocator.keep_heap_for(devices)
+
+
 def _run_side_by_side(configs: dict[Path, RunConfig], needs: dict[Path, set[Path]], todo: list[Path],
-                      workers: int, threads: int) -> None:
+                      workers: int, threads: int, devices: list[str]) -> None:
     """Start each stage once the stages it names are done, at most `workers` at a time (in `todo`'s order)."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared with this one
     running = {}
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=torch.set_num_threads,
-                             initargs=(threads,)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                             initargs=(threads, devices)) as pool:
         while todo or running:
             for run_dir in [d for d in todo if not needs[d] & (set(todo) | set(running.values()))]:
                 if len(running) < workers:

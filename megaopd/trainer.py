@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from megaopd import allocator, environment, shared_prompt, verifiers
+from megaopd import environment, shared_prompt, verifiers
 from megaopd.align import alignment_tokenizers
 from megaopd.batch import Sample, TeacherScores, TokenBatch, collate
 from megaopd.chat import chat_prompt_ids
@@ -171,8 +171,6 @@ class Trainer:
         if spec.teacher_term and cfg.opd.check_teacher:  # before the student loads: one model in memory at a time
             teacher_gate(cfg, self.run_dir, valid_rows, sorted({r.domain for r in train_rows}))
         seed_everything(cfg.train.seed)
-        if cfg.model.device == "cpu":
-            allocator.keep_heap()  # a step's activations reused from the heap, not faulted in anew (allocator.py)
 
         self.policy = build_policy(cfg)
         self.engine = build_engine(cfg, self.policy)

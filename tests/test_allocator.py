@@ -51,3 +51,21 @@ def test_without_it_freed_blocks_go_back_to_the_kernel():
     default = _probe("default")
     assert default["held_kb"] >= 15 * 1024
     assert default["after_free_kb"] <= 0.25 * default["held_kb"], default
+
+
+def test_the_process_start_sets_it_and_the_trainer_never(assets, tmp_path, monkeypatch):
+    """The setting is the process's: `megaopd train` takes it where its process starts, for a CPU run only; a Trainer
+    built in a process that is not its own (a test, a library caller) leaves the process's allocator alone."""
+    from megaopd import allocator, cli, trainer
+    from tests.conftest import run_config, tiny_overrides
+
+    calls = []
+    monkeypatch.setattr(allocator, "keep_heap", lambda: calls.append("keep_heap") or True)
+    trainer.Trainer(run_config(assets, tmp_path / "library")).close()
+    assert calls == []
+    monkeypatch.setattr(trainer, "train", lambda cfg: {"final": {}})  # the placement, not a run
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "embedded" / "grpo.yaml")
+    for device, expected in (("cpu", ["keep_heap"]), ("cuda", [])):
+        calls.clear()
+        assert cli.main(["train", config, *tiny_overrides(assets, tmp_path / device), f"model.device={device}"]) == 0
+        assert calls == expected, device

@@ -380,6 +380,7 @@ def test_the_flop_audit_is_exact_on_a_cross_tokenizer_step(assets, bpe_teacher, 
                                                                       "train.micro_batch_size": 1})
     audit = audit_step(cfg)
     assert audit["teacher"].booked > 0 and audit["reference"].measured == audit["reference"].booked == 0
+    assert audit.mismatches() == []
     for component, row in audit.items():
         assert row.booked == row.ledger_form, component
         assert row.measured == row.executed_form + row.recomputed, (component, row)

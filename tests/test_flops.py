@@ -358,6 +358,7 @@ def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeyp
     if recompute:
         monkeypatch.setattr(trainer_module, "check_run", lambda c: build_plan(c, teacher_recompute=True))
     audit = audit_step(cfg)
+    assert audit.mismatches() == [] and audit.unattributed == 0  # the whole step: every FLOP billed
     idle = {"grpo": "teacher", "opd": "reference"}[algorithm]
     assert audit[idle].measured == audit[idle].booked == 0
     for component, row in audit.items():
@@ -381,3 +382,33 @@ def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeyp
         assert teacher.recomputed == (2 * (head + rerun) if form == "full_vocab" else 0)
         assert (teacher.measured > teacher.executed_form) == (form == "full_vocab")  # hardware beyond the bill
 
+
+
+def test_the_audit_fails_a_forward_the_ledger_does_not_bill(assets, tmp_path, monkeypatch):
+    """Negative control: a policy forward added to the step outside every call the audit attributes (here straight
+    through the model before the old-logprob pass, as a new objective term might) is billed by no formula. The
+    counter over the whole step sees all of it, and the audit fails the step."""
+    import torch
+
+    from megaopd.flop_audit import audit_step
+    from megaopd.trainer import Trainer
+    from tests.conftest import run_config
+
+    score = Trainer.score_old_logprobs
+    seen = []
+
+    def with_an_unbilled_forward(self, batch):
+        with torch.no_grad():
+            self.policy.model(batch.input_ids)  # the LM head at every position, eager attention: no rows padded
+        seen.append(batch.input_ids.shape)
+        return score(self, batch)
+    monkeypatch.setattr(Trainer, "score_old_logprobs", with_an_unbilled_forward)
+    cfg = run_config(assets, tmp_path / "run", "grpo", **{"train.prompts_per_step": 1, "rollout.samples_per_prompt": 2,
+                                                          "train.recompute_old_logprobs": True})
+    audit = audit_step(cfg)
+    (rows, length), = seen
+    shape = ModelShape.from_hf_config(json.loads((assets / "models" / "qwen3-tiny" / "config.json").read_text()))
+    assert audit.unattributed == rows * forward_flops(shape, length, causal=False)
+    assert audit.measured == audit.executed + audit.unattributed
+    assert audit.mismatches() == [f"the step: measured {audit.measured}, the ledger's passes {audit.executed} "
+                                  f"({audit.unattributed} outside every component's calls)"]

@@ -74,6 +74,7 @@ def test_every_method_through_plan_submit_and_the_flop_audit(assets, tmp_path, c
     # the FLOP audit: one real step of the method, counted phase by phase, against the ledger
     audit = audit_step(run_config(assets, tmp_path / "audit", **over, **{
         "train.prompts_per_step": 1, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 6}))
+    assert audit.mismatches() == [], audit.mismatches()  # the whole step under one counter: every FLOP billed
     for component, row in audit.items():
         assert row.booked == row.ledger_form, component
         assert row.measured == row.executed_form + row.recomputed, component  # recomputed: hardware work

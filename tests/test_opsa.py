@@ -198,7 +198,7 @@ def test_the_flop_audit_is_exact_for_the_entropy_form(assets, tmp_path, monkeypa
     audit = audit_step(cfg)
     for component, row in audit.items():
         assert row.booked == row.ledger_form and row.measured == row.executed_form, component
-    assert audit["old_logprob"].booked > 0
+    assert audit["old_logprob"].booked > 0 and audit.mismatches() == []
 
     under = HFPolicy.logprobs_under
 

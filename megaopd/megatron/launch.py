@@ -53,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
+    from megaopd import allocator
     from megaopd.trainer import train
 
-    summary = train(*rank_config(argv[0], argv[1:], rank))
+    cfg, stage_dir = rank_config(argv[0], argv[1:], rank)
+    allocator.keep_heap_for([cfg.model.device])  # a CPU rehearsal's rank (cpu_launch): its allocator (allocator.py)
+    summary = train(cfg, stage_dir)
     if rank == 0:
         print(f"{summary['run_dir']}: {summary['steps']} steps, final {summary['final']}")
     return 0
