@@ -33,6 +33,14 @@ def test_without_root_it_says_what_to_run(monkeypatch, capsys):
     assert "needs root" in err and "sudo" in err and f"megaopd submit {STUDY} --launch {LAUNCH} --dry-run" in err
 
 
+@pytest.mark.parametrize("flag, value", [("--name", "rehearse2"), ("--name", "2nodes"), ("--subnet", "10.300.0")])
+def test_a_bad_cluster_name_or_subnet_is_one_line_before_anything_starts(monkeypatch, capsys, flag, value):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert rehearse.main([str(STUDY), "--launch", str(LAUNCH), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"megaopd: config error: {flag[2:]}={value!r}: ")
+
+
 def test_the_shipped_layout_passes_and_layout_mistakes_are_caught(tmp_path):
     assert rehearse.layout_problems(cluster_study(), load_launch(LAUNCH)) == []
     bad_tp = load_launch(LAUNCH, ["overrides=[model.backend=megatron, model.megatron.tp=3]"])

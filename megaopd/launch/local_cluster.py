@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from megaopd.config import ConfigError
+
 NETNS_DIR = Path("/run/netns")
 HOSTS_DIR = Path("/etc/netns")
 TOOLS = ("slurmctld", "slurmd", "munged", "sinfo", "ip", "nsenter", "unshare")
@@ -44,6 +46,15 @@ IFNAMSIZ = 15  # Linux's limit on interface names
 
 # Why a pending job would never start: ``LocalCluster.wait`` stops waiting for it.
 NEVER_RUNS = ("DependencyNeverSatisfied", "PartitionNodeLimit", "PartitionConfig", "BadConstraints")
+
+
+def check_name_and_subnet(name: str, subnet: str) -> None:
+    """A cluster's name (its namespaces' prefix) and /24, refused in one line before anything is brought up."""
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", name):
+        raise ConfigError(f"name={name!r}: 1-8 lowercase letters or digits, starting with a letter; choose such a "
+                          "name")
+    if not re.fullmatch(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})", subnet) or max(map(int, subnet.split("."))) > 255:
+        raise ConfigError(f"subnet={subnet!r}: the first three octets of a /24, e.g. 10.77.0; give one such")
 
 
 class LocalCluster:
@@ -58,11 +69,8 @@ class LocalCluster:
                  gpus_per_node: int = 2, cpus: int | None = None, aliases: bool = False,
                  loopback_hostname: bool = False):
         if not 1 <= nodes <= 200:
-            raise ValueError(f"nodes={nodes}: between 1 and 200 (addresses <subnet>.11 to .210)")
-        if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", name):
-            raise ValueError(f"name={name!r}: 1-8 lowercase letters or digits, starting with a letter")
-        if not re.fullmatch(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})", subnet) or max(map(int, subnet.split("."))) > 255:
-            raise ValueError(f"subnet={subnet!r}: the first three octets of a /24, e.g. 10.77.0")
+            raise ConfigError(f"nodes={nodes}: between 1 and 200 (addresses <subnet>.11 to .210); use fewer nodes")
+        check_name_and_subnet(name, subnet)
         self.nodes, self.name, self.subnet = nodes, name, subnet
         self.state_dir = Path(state_dir).resolve()
         self.gpus_per_node, self.cpus = gpus_per_node, cpus or os.cpu_count() or 1

@@ -40,7 +40,7 @@ from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_splits
 from megaopd.errors import UserError
 from megaopd.flops import attention_heads
-from megaopd.launch.local_cluster import LocalCluster
+from megaopd.launch.local_cluster import LocalCluster, check_name_and_subnet
 from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_arguments, for_stage, plan,
                                   study_and_launch)
 from megaopd.methods import method
@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
               f"  megaopd submit {args.config} --launch {args.launch or 'L.yaml'} --dry-run", file=sys.stderr)
         return 2
     try:
+        check_name_and_subnet(args.name, args.subnet)
         study, launch = study_and_launch(args)
     except UserError as e:
         print(e.line(), file=sys.stderr)
