@@ -316,7 +316,8 @@ def _set_aside_checks(c: dict) -> list[str]:
         lines += [f"  - ({fid}) {k.detail} {_bounded(k.bounds)} {rule.op} {rule.threshold:g}: "
                   f"{judged(k.bounds, rule.op, rule.threshold, None)['verdict']} if counted"
                   + (f" ({k.censored})" if k.censored else "") for k in measure({"teacher_free": [c]})]
-    return [f"- {c['opd']} vs {c['control']}, not counted ({c['pairing']['set_aside']}):"] + lines
+    return [f"- {c['opd']} vs {c['control']}, not counted ({c['pairing']['set_aside']}):"] + (
+        lines or ["  - no (g) check: OPD has no curve on the domain or gained nothing over its first eval"])
 
 
 def _control_markdown(r: dict, fraction: float) -> list[str]:
