@@ -72,8 +72,10 @@ def test_a_sweep_of_both_arms_is_judged_at_each_arms_best_on_validation_and_show
         ("opd_full", "control_lo"): "other estimator (full_vocab): the control's partner is the sampled-token OPD"}
     at_hi = next(c for c in seed["teacher_free_set_aside"] if c["control"] == "control_hi")
     assert at_hi["targets"]["teacher"]["ratio"] == pytest.approx(250 / 20)
+    assert "teacher_free.png" in report["plots"]  # a panel per control, its shared rate's OPD and the best
     md = (tmp_path / "study" / "report" / "report.md").read_text()
-    assert ("- opd_hi vs control_lo: each arm's best on validation (control lr 3e-05, OPD lr 0.0001)\n"
+    assert ("- opd_hi vs control_lo: each arm's best on validation (control lr 3e-05, OPD lr 0.0001); sampled-token "
+            "OPD, the control's estimator: the pair differs in the teacher\n"
             "  - chosen on validation (mean): control control_lo (lr 3e-05, 0.400) won over control_hi "
             "(lr 0.0001, 0.300); OPD opd_hi (lr 0.0001, 0.550) won over opd_lo (lr 3e-05, 0.450)") in md
     assert ("- opd_hi vs control_hi, not counted (one rate of the sweep (lr 0.0001): the verdict reads each arm's "

@@ -103,7 +103,7 @@ def control_pairs(candidates: list[tuple[Stage, Stage]]) -> list[tuple[Stage, St
         for arm in _group(same_data, lambda p: (p[1].method, p[1].opd_form)):
             form = arm[0][1].opd_form or "unknown"
             if form == SAMPLED:
-                out += _arm(arm, "")
+                out += _arm(arm, "sampled-token OPD, the control's estimator: the pair differs in the teacher")
             elif has_sampled:
                 other = f"other estimator ({form}): the control's partner is the sampled-token OPD"
                 out += [(c, o, _pairing(SAME if c.optim == o.optim else UNFAIR, _differ(c, o), other, other))
