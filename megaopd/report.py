@@ -29,7 +29,9 @@ from megaopd.analysis import (BUDGET_RULE, FINDING_RULES, INTERVAL_RULE, LENGTH_
                               MATCH_TOLERANCE, SMALL_SHARE, SPLIT_RULE, TARGET_RULE, TOTALS, WALL_RULE, Stage,
                               analyse_seeds, budget_sensitivity, json_safe, pointer, reached, study_dirs,
                               wall_clock_across)
-from megaopd.analysis.findings import needed, ratio  # noqa: E402
+from megaopd.analysis.controls import CONTROL_RULE  # noqa: E402
+from megaopd.analysis.findings import (BY_ID, control_attainment, control_flops_ratio, judged,  # noqa: E402
+                                       needed, ratio)
 from megaopd.analysis.runs import stop_text  # noqa: E402
 from megaopd.analysis.stats import MIN_SEEDS, REPLICATES, UNMEASURED, interval_wording  # noqa: E402
 from megaopd.flops import COMPONENTS  # noqa: E402
@@ -71,7 +73,7 @@ def _plot_controls(loaded: list[tuple[dict, list[Stage]]], seeds: list[dict], me
                    path: Path) -> bool:
     """(g): each teacher-free control's curve beside the curves of the OPD stages it controls, on the domain they
     are compared on, with each OPD stage's final accuracy (the first seed's) as the target; False if none."""
-    pairs = seeds[0]["teacher_free"]
+    pairs = seeds[0]["teacher_free"] + seeds[0]["teacher_free_set_aside"]
     panels = list(dict.fromkeys((c["control"], c["domain"]) for c in pairs))
     if not panels:
         return False
@@ -90,7 +92,8 @@ def _plot_controls(loaded: list[tuple[dict, list[Stage]]], seeds: list[dict], me
                 pts = [(fi, ai) for fi, ai in zip(f, a) if fi > 0]  # 0 FLOPs has no place on a log axis
                 if not pts:
                     continue
-                role = "teacher-free" if name == control else "OPD"
+                role = "teacher-free" if name == control else "OPD" + ", not counted" * all(
+                    c["pairing"]["set_aside"] for c in opds if c["opd"] == name)
                 ax.plot(*zip(*pts), styles[k % 4], marker="o", ms=3, color=colors.setdefault(name, f"C{len(colors)}"),
                         label=f"{name} ({role})" if k == 0 else None)
         ax.set_xscale("log")
@@ -270,21 +273,71 @@ def _same_method_markdown(r: dict, fraction: float) -> list[str]:
     return md
 
 
-def _control_markdown(r: dict, fraction: float) -> list[str]:
-    """(g): each OPD stage against its teacher-free control (same base, same training data, no teacher)."""
-    md = ["", "#### OPD vs its teacher-free control (g): FLOPs to reach OPD's accuracy", ""]
-    if not r["teacher_free"]:
-        return md + ["- no teacher_free stage with an OPD stage of its base and training data in this study"]
-    md += ["| OPD stage | control | domain | target | accuracy | OPD FLOPs | control FLOPs | control/OPD |",
-           "|---" * 8 + "|"]
-    for i, c in enumerate(r["teacher_free"]):
+def _control_table(r: dict, key: str, fraction: float) -> list[str]:
+    """(g)'s rows for the pairs of r[key] (each target, then the matched-FLOPs accuracy); the set-aside ones say why
+    the verdict leaves them out."""
+    aside = key == "teacher_free_set_aside"
+    md = ["| OPD stage | control | domain | " + "not counted: why | " * aside + "target | accuracy | OPD FLOPs | "
+          "control FLOPs | control/OPD |", "|---" * (8 + aside) + "|"]
+    for i, c in enumerate(r[key]):
+        why = f"{c['pairing']['set_aside']} | " if aside else ""
         for name, t in c["targets"].items():
             label = "OPD final" if name == "teacher" else f"base + {fraction} x OPD gain (base {c['base']:.3f})"
-            md.append(f"| {c['opd']} | {c['control']} | {c['domain']} | {label} "
-                      + _target_cells(r, ("teacher_free", i, "targets", name), t, ("opd", "control"),
-                                      ("control", "opd")))
-    md += [f"\n{_matched(r, c, ('teacher_free', i, 'matched'), ('opd', 'control'))} ({c['domain']})."
-           for i, c in enumerate(r["teacher_free"]) if "matched" in c]
+            md.append(f"| {c['opd']} | {c['control']} | {c['domain']} | {why}{label} "
+                      + _target_cells(r, (key, i, "targets", name), t, ("opd", "control"), ("control", "opd")))
+    return md + [f"\n{_matched(r, c, (key, i, 'matched'), ('opd', 'control'))} ({c['domain']})."
+                 for i, c in enumerate(r[key]) if "matched" in c]
+
+
+def _chosen(scores: list[dict], chosen: str) -> str:
+    """A sweep arm's validation accuracies: the chosen stage's, then the others'."""
+    def cell(v: dict) -> str:
+        return f"{v['stage']} ({v['setting']}, {v['valid']:.3f})"
+
+    others = ", ".join(cell(v) for v in scores if v["stage"] != chosen)
+    return f"{cell(next(v for v in scores if v['stage'] == chosen))} won" + (f" over {others}" if others else "")
+
+
+def _pairing_lines(c: dict) -> list[str]:
+    """Why a pair is compared (CONTROL_RULE): its basis and setting, its estimator, and which rate won where each
+    arm's best was chosen on validation."""
+    p = c["pairing"]
+    line = f"- {c['opd']} vs {c['control']}: {p['basis']}" + (f" ({p['setting']})" if p["setting"] else "")
+    v = p["validation"]
+    return [line + (f"; {p['estimator']}" if p["estimator"] else "")] + (
+        [f"  - chosen on validation ({v['domain']}): control {_chosen(v['control'], c['control'])}; OPD "
+         f"{_chosen(v['opd'], c['opd'])}"] if v else [])
+
+
+def _set_aside_checks(c: dict) -> list[str]:
+    """(g1) and (g2) of a set-aside pair as the verdict would read them (from its bounds: no interval)."""
+    lines = []
+    for fid, measure in (("g1", control_attainment), ("g2", control_flops_ratio)):
+        rule = BY_ID[fid]
+        lines += [f"  - ({fid}) {k.detail} {_bounded(k.bounds)} {rule.op} {rule.threshold:g}: "
+                  f"{judged(k.bounds, rule.op, rule.threshold, None)['verdict']} if counted"
+                  + (f" ({k.censored})" if k.censored else "") for k in measure({"teacher_free": [c]})]
+    return [f"- {c['opd']} vs {c['control']}, not counted ({c['pairing']['set_aside']}):"] + (
+        lines or ["  - no (g) check: OPD has no curve on the domain or gained nothing over its first eval"])
+
+
+def _control_markdown(r: dict, fraction: float) -> list[str]:
+    """(g): each OPD stage against its teacher-free control (same base, same training data, no teacher): the pairs
+    the verdict reads, why each is compared, then the pairs set aside (CONTROL_RULE) with their (g) numbers."""
+    md = ["", "#### OPD vs its teacher-free control (g): FLOPs to reach OPD's accuracy", ""]
+    aside = r["teacher_free_set_aside"]
+    if not r["teacher_free"] and not aside:
+        return md + ["- no teacher_free stage with an OPD stage of its base and training data in this study"]
+    if r["teacher_free"]:
+        md += _control_table(r, "teacher_free", fraction)
+        md += ["", "Why each pair the verdict reads is compared (the control's pairs: conventions):", ""]
+        md += [line for c in r["teacher_free"] for line in _pairing_lines(c)]
+    else:
+        md.append("- no pair the verdict reads: every pair is set aside (below)")
+    if aside:
+        md += ["", "##### (g) of the pairs set aside: shown, not in the verdict", ""]
+        md += _control_table(r, "teacher_free_set_aside", fraction) + [""]
+        md += [line for c in aside for line in _set_aside_checks(c)]
     return md
 
 
@@ -402,7 +455,8 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
         "length_window": length_window, "replicates": replicates,
         "rules": {"flops_to_target": TARGET_RULE, "length": LENGTH_RULE, "findings": FINDING_RULES,
                   "intervals": INTERVAL_RULE, "interval": interval_wording(len(seeds)), "budget": BUDGET_RULE,
-                  "match_tolerance": MATCH_TOLERANCE, "small_share": SMALL_SHARE, "wall_clock": WALL_RULE},
+                  "match_tolerance": MATCH_TOLERANCE, "small_share": SMALL_SHARE, "wall_clock": WALL_RULE,
+                  "controls": CONTROL_RULE},
         "single_seed": len(seeds) == 1, "findings": overall, "spread": spread, "wall_clock": wall, "seeds": seeds,
         "plots": plots})
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -426,7 +480,7 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
           f"- findings: {FINDING_RULES} Tolerance {MATCH_TOLERANCE}; small share <= {SMALL_SHARE}.",
           f"- {BUDGET_RULE} Why each stage stopped (and which budgets it had to cover): the ledger tables "
           "(docs/budgets.md).",
-          f"- {SPLIT_RULE}", "",
+          f"- {SPLIT_RULE}", f"- {CONTROL_RULE}", "",
           "## Findings of the paper, checked against this study", ""]
     if len(seeds) == 1:
         md += ["One seed: these intervals resample the test prompts only. Training noise (another seed, or another "

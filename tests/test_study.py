@@ -21,7 +21,7 @@ VERDICTS = {REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, CENSORED, NOT_MEASURED, TE
 # The shipped studies of the embedded models (the real-model and cluster ones import published checkpoints or run on
 # Slurm: `megaopd rehearse`).
 EMBEDDED_STUDIES = ["two_domain", "self_teacher", "external_teacher", "four_domain", "async_expert", "opd_forms",
-                    "length_sweep"]
+                    "length_sweep", "fair_control"]
 
 
 def _write_study(tmp_path: Path, out: Path, workers: int = 1, seeds: tuple[int, ...] = (),

@@ -75,6 +75,24 @@ def test_compared_stages_cover_their_partners_which_run_first():
     assert order.index("opsa_add") > order.index("opd_external_add") > order.index("expert_add")
 
 
+@pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.stem)
+def test_every_control_shares_the_optimizer_settings_of_an_opd_stage_of_its_base_and_data(path, monkeypatch):
+    """(g) compares a teacher-free control with the OPD stages of its base and data (docs/opd.md, "The fair
+    control"): it runs at the optimizer settings of one of them, else the report leaves it out; in a sweep
+    (fair_control) each control covers every OPD stage of the grid, whichever rate wins."""
+    monkeypatch.chdir(ROOT)
+    study = load_config(path, ["out=/o", "seeds=[]"], cls=StudyConfig)
+    cfgs = {stage.name: (stage, stage_config(study, stage)) for stage in study.stages}
+    for stage, cfg in cfgs.values():
+        if stage.method != "teacher_free":
+            continue
+        opds = [(s.name, c) for s, c in cfgs.values() if s.method.startswith(("opd", "multi_teacher")) and
+                (c.model.path, c.data.train) == (cfg.model.path, cfg.data.train)]
+        assert cfg.optim in [c.optim for _, c in opds], f"{stage.name}: {cfg.optim} is no OPD stage's"
+        if path.stem == "fair_control":
+            assert sorted(Path(c.run).name for c in cfg.train.stop.cover) == sorted(n for n, _ in opds)
+
+
 def test_vars_substitute_recursively_and_sweep_from_the_command_line():
     study = load_config(ROOT / "configs/studies/self_teacher.yaml",
                         ["out=/o", "vars.student=llama-tiny", "vars.domain=prog_trace"], cls=StudyConfig)

@@ -4,6 +4,7 @@ numbers; ``megaopd/report.py`` renders them (markdown, plots, report.json).
 - ``runs``: a study directory's runs (``Stage``) and their bootstrap resample;
 - ``curves``: FLOPs-to-target on smoothed curves and the E1-E7 numbers of one seed (``analyse``);
 - ``findings``: the paper's findings as a table of rules, and their verdicts;
+- ``controls``: which of a teacher-free control's OPD pairs the verdict of (g) reads (fair, sweeps, estimator);
 - ``intervals``: bootstrap intervals over prompts and seeds (``analyse_seeds``);
 - ``budget``: every finding again with each stage's run cut short (``budget_sensitivity``);
 - ``stats``: the statistics on numbers underneath (percentile intervals, seed bootstrap, verdicts, interval wording);

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megaopd.analysis.controls import control_pairs
 from megaopd.analysis.findings import findings
 from megaopd.analysis.runs import Stage
 from megaopd.flops import COMPONENTS
@@ -162,12 +163,14 @@ def controlled(stages: list[Stage]) -> list[tuple[Stage, Stage]]:
 
 
 def compare_control(control: Stage, opd: Stage, metric: str, fraction: float, window: int, x: str,
-                    length_window: int = LENGTH_WINDOW) -> dict:
+                    length_window: int = LENGTH_WINDOW, pairing: dict | None = None) -> dict:
     """(g): the FLOPs an OPD stage and its teacher-free control need to reach OPD's final accuracy (and base + a
     fraction of OPD's gain), on the control's domain (else the mean), with `compare_stages`' other numbers; here
     each target's ratio is control / OPD (> 1: OPD needs fewer; None where the control never gets there, its FLOPs
-    only bounded, or where OPD's own first eval already meets the target: no gain to compare)."""
+    only bounded, or where OPD's own first eval already meets the target: no gain to compare). `pairing`: why the
+    two are compared, and whether the verdict reads them (`controls.control_pairs`)."""
     out = compare_stages(control, opd, metric, fraction, window, x, length_window, ("control", "opd"), control.domain)
+    out["pairing"] = pairing or {}
     for t in out["targets"].values():
         control_flops, opd_flops = t["control_flops"], t["opd_flops"]
         t["ratio"] = control_flops / opd_flops if control_flops is not None and opd_flops else None
@@ -201,8 +204,9 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
                    for s, ref in pairs if s.method in OPD_VS_GRPO]
     same_method = [compare_same_method(s, ref, metric, target_fraction, window, x, length_window)
                    for s, ref in pairs if s.method not in OPD_VS_GRPO]
-    teacher_free = [compare_control(c, opd, metric, target_fraction, window, x, length_window)
-                    for c, opd in controlled(stages)]
+    controls = [compare_control(c, opd, metric, target_fraction, window, x, length_window, pairing)
+                for c, opd, pairing in control_pairs(controlled(stages))]
+    teacher_free = [c for c in controls if not c["pairing"]["set_aside"]]
     experts = [s for s in stages if s.method == "expert" and s.domain]
     mts = [multi_teacher(s, experts, metric, window) for s in stages if s.method == "multi_teacher_opd"]
     splits = []
@@ -229,6 +233,7 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
     result = {"study_dir": str(study_dir), "seed": study.get("seed"), "stages": table, "comparisons": comparisons,
               "stage_comparisons": same_method, "multi_teacher": mts, "split_vs_joint": splits,
               "teacher_free": teacher_free,
+              "teacher_free_set_aside": [c for c in controls if c["pairing"]["set_aside"]],
               "teacher_checks": {s.name: s.teacher_check for s in stages if s.teacher_check}}
     result["findings"] = findings(result)
     result["headline"] = headline(result)

@@ -41,6 +41,9 @@ class Stage:
     # model.path and data.train of its config.yaml: a teacher-free control controls the OPD stages with both equal
     starts_from: str = ""
     trains_on: tuple[str, ...] = ()
+    # optim and opd.form of its config.yaml: whether a control's comparison is fair (analysis/controls.py)
+    optim: dict = field(default_factory=dict)
+    opd_form: str = ""
     teacher_check: dict = field(default_factory=dict)  # an external teacher's check (megaopd/teacher_check.py)
 
     @property
@@ -55,6 +58,13 @@ class Stage:
 
     def final_acc(self, domain: str, metric: str) -> float | None:
         return self.final.get(f"final/{domain}/accuracy_{metric}")
+
+    def valid_acc(self, domain: str) -> float | None:
+        """Validation accuracy (greedy: the split is evaluated greedy only), what a sweep chooses by: the final
+        eval's (all validation prompts), else the last periodic one's; None without a validation split."""
+        final = self.final.get(f"final_valid/{domain}/accuracy_greedy")
+        periodic = [m[key] for m in self.lines if (key := f"valid/{domain}/accuracy_greedy") in m]
+        return final if final is not None else (periodic[-1] if periodic else None)
 
     def total(self, kind: str = "stage") -> float | None:
         return self.lines[-1].get(f"flops/total_{kind}")
@@ -214,7 +224,8 @@ def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
                             summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),
                             _teacher_cost(run_dir, cfg), summary.get("form", ""), summary.get("stop") or {},
                             (cfg.get("rollout") or {}).get("max_staleness"), (cfg.get("model") or {}).get("path", ""),
-                            tuple((cfg.get("data") or {}).get("train") or ()), _json(run_dir / CHECK_FILE)))
+                            tuple((cfg.get("data") or {}).get("train") or ()), optim=cfg.get("optim") or {},
+                            opd_form=(cfg.get("opd") or {}).get("form", ""), teacher_check=_json(run_dir / CHECK_FILE)))
     return study, [s for s in stages if s.lines]
 
 
