@@ -60,7 +60,13 @@ def test_smollm2_and_qwen_align_on_real_text(smollm2, qwen05):
         assert float(alignment.credit(markers).sum()) == pytest.approx(float(markers.sum()), abs=1e-9)
         exact, total = exact + int(alignment.exact.sum()), total + len(ids)
     print(f"exact credit on {exact} of {total} SmolLM2 tokens ({exact / total:.3f})")
-    assert exact / total > 0.5  # most (measured 0.843): both are GPT-2-style BPEs that split text at the same places
+    # Fixed counts: the texts are fixed and both tokenizers pinned (the GGUFs' sha256). Both are GPT-2-style BPEs
+    # that split text at the same places; the 64 inexact tokens are each where the two cut one piece differently
+    # (read token by token): 'box' + 'ed' against Qwen's 'boxed' (2 in each of the 17 texts with \boxed), '.' '\n'
+    # '\n' against '.\n\n' (3), pairs of 'xxxx' against 'xxxxxxxx' (10), the NFD text that Qwen composes to NFC
+    # (all 9) and 8 in the code line (its indentation, CJK and emoji bytes). A count off by one token is a changed
+    # alignment (or tokenizer), not noise.
+    assert (exact, total) == (344, 408), (exact, total)
 
 
 def test_cross_tokenizer_opd_step_with_the_qwen_teacher_in_process(assets, smollm2, qwen05, words, tmp_path):
