@@ -1,11 +1,12 @@
-# Two entry points, both from a fresh clone: `make demo` (the embedded study) and `make test` (the test suite).
+# Two entry points, both from a fresh clone: `make demo` (the embedded study) and `make test` (the test suite);
+# `make test-fast` is the loop between them.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,verifiers,cluster,nemo,bench,megatron,real
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup setup-sglang slurm-up demo test test-pair lock
+.PHONY: setup setup-sglang slurm-up demo test test-fast test-pair lock
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -55,6 +56,14 @@ test-pair: setup setup-sglang
 
 slurm-up:
 	bash .ci/slurm_up.sh || [ -z "$$CI" ]
+
+# The fast loop: the pure-Python and embedded-model units, on 2 workers. No root, SGLang, Slurm, Docker or published
+# checkpoint: the tests that need one carry a marker (pyproject.toml) that FAST deselects, and so do the slow ones;
+# the extras without real's 1.7 GB of checkpoints. A new test that needs more carries its marker.
+FAST = not (slow or shapes or slurm or multinode or nemo or sglang or real or pair or registry or podman)
+test-fast: EXTRAS = dev,verifiers,cluster,bench,megatron
+test-fast: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q -rs --durations=10 -m "$(FAST)" tests
 
 # The images' locked requirement sets (docker/requirements-*.lock) and the versions table in docs/docker.md, from
 # pip's resolver on this Python (3.11, the images' own); minutes: see docs/docker.md.

@@ -47,7 +47,6 @@ from megaopd.trainer import train  # noqa: E402
 
 MAX_TOTAL_TOKENS = 16384  # each server's KV cache
 TEACHER = "qwen3-small"  # OPD's teacher: a larger model of the student's family
-CLUSTER_STATE = Path(os.environ.get("MEGAOPD_MULTINODE_STATE", "/tmp/megaopd-multinode"))
 
 
 def server_config(threads: int) -> SGLangConfig:
@@ -122,11 +121,11 @@ def on_cluster(a, argv: list[str]) -> dict:
     """Submits job_script to the local multi-node cluster, waits for it and returns its results and node layout."""
     from megaopd.launch.local_cluster import LocalCluster
 
-    cluster = LocalCluster(4, CLUSTER_STATE, name="mns", subnet="10.77.0")
+    cluster = LocalCluster(4, Path(a.cluster_state), name="mns", subnet="10.77.0")
     needed = 3 if method(a.algorithm).teacher_term else 2
     idle = [node for node, state in cluster.node_states().items() if state.startswith("idle")]
     if len(idle) < needed:
-        sys.exit(f"--cluster needs {needed} idle nodes of the local cluster at {CLUSTER_STATE}, found {len(idle)}: "
+        sys.exit(f"--cluster needs {needed} idle nodes of the local cluster at {a.cluster_state}, found {len(idle)}: "
                  "start it as root with `PY=.venv/bin/python .ci/slurm_multinode_up.sh`")
     sglang = sglang_python()
     if not sglang:
@@ -182,6 +181,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                              "default: the first of $MEGAOPD_ROLLOUT_URLS (a multi-node job's)")
     p.add_argument("--cluster", action="store_true",
                    help="run the trainer and the servers on separate nodes of the local multi-node Slurm cluster")
+    p.add_argument("--cluster-state", default="/tmp/megaopd-multinode",
+                   help="--cluster: its state directory (.ci/slurm_multinode_up.sh's $MEGAOPD_MULTINODE_STATE)")
     p.add_argument("--algorithm", choices=[name for name, spec in METHODS.items() if spec.rollouts], default="grpo")
     p.add_argument("--ks", default="0,1,2", help="the rollout.max_staleness values, comma-separated")
     p.add_argument("--steps", type=int, default=6)

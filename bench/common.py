@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 from megaopd import allocator  # noqa: E402
 from megaopd.methods import method  # noqa: E402
 
-DEFAULT_ASSETS = Path(os.environ.get("MEGAOPD_BENCH_ASSETS", "/tmp/megaopd_bench_assets"))
+DEFAULT_ASSETS = Path("/tmp/megaopd_bench_assets")  # each script's --assets moves them
 DOMAINS = ["arith_add", "prog_trace"]
 NEVER_EOS = "<|bench_never|>"
 

@@ -22,7 +22,6 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -36,6 +35,7 @@ from megaopd.config import load_config  # noqa: E402
 from megaopd.data.rows import load_rows, write_rows  # noqa: E402
 from megaopd.data.word_problems import build_word_problems  # noqa: E402
 from megaopd.embedded import build_data, build_model  # noqa: E402
+from megaopd.environment import sglang_python  # noqa: E402
 from megaopd.methods import method  # noqa: E402
 from megaopd.metrics import read_metrics  # noqa: E402
 
@@ -134,7 +134,7 @@ def serve_on_cpu(sglang) -> None:
     """The dry mode's SGLang settings: a CPU server from $MEGAOPD_SGLANG_PYTHON with a capped KV cache."""
     from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
 
-    sglang.python = os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
+    sglang.python = sglang_python()
     sglang.max_total_tokens, sglang.server_args, sglang.env = 8192, cpu_server_args(0.5), cpu_server_env()
 
 
@@ -142,7 +142,7 @@ def sglang_available(dry: bool) -> str | None:
     """None, or why the serving checks cannot run here (dry mode without an SGLang environment)."""
     if not dry:
         return None
-    python = os.environ.get("MEGAOPD_SGLANG_PYTHON", "")
+    python = sglang_python()
     if not python or not Path(python).exists():
         return "no SGLang environment (set MEGAOPD_SGLANG_PYTHON; make test builds .venv-sglang)"
     return None

@@ -7,12 +7,13 @@ import gc
 import os
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
 
-from machine_memory import alone, sharing
+from machine_memory import NoTurn, alone, sharing
 from megaopd.embedded import build_data, build_model
 
 # make test runs the suite on two pytest-xdist workers, one per core: one intra-op thread each (run alone: two).
@@ -61,6 +62,9 @@ def pytest_configure(config):
         config.pluginmanager.register(SharedResourceHandOut())
 
 
+NO_TURN = pytest.StashKey[str]()  # why a test had no turn at the machine (machine_memory.NoTurn)
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's clock: a wait is not the test's time
 def pytest_runtest_protocol(item, nextitem):
     """Under xdist, a test outside the memory unit waits while that unit runs a job alone (tests/machine_memory.py);
@@ -68,8 +72,19 @@ def pytest_runtest_protocol(item, nextitem):
     if not os.environ.get("PYTEST_XDIST_WORKER") or shared_resource(item.path) == "memory":
         yield
         return
-    with sharing(item.nodeid):
+    with ExitStack() as turn:
+        try:
+            turn.enter_context(sharing(item.nodeid))
+        except NoTurn as error:  # the test fails at its setup (no_turn below); raised here, it would end the worker
+            item.stash[NO_TURN] = str(error)
         yield
+
+
+@pytest.fixture(autouse=True)
+def no_turn(request):
+    """A test that waited past machine_memory.WAIT_S for its turn fails, naming who held it, and does not run."""
+    if NO_TURN in request.node.stash:
+        pytest.fail(request.node.stash[NO_TURN], pytrace=False)
 
 
 @pytest.fixture(autouse=True)

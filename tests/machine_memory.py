@@ -7,14 +7,14 @@ worker starts no test until the job is done. Every test outside the memory unit 
 
 Two flock(2) files, so the job cannot starve behind a stream of tests: the job takes the gate and then the memory,
 both exclusive; a test takes the gate shared only long enough to take the memory shared. Each wait is bounded: past
-WAIT_S the caller goes on without its turn and says so on stderr (a slow machine, never a hang).
+WAIT_S the caller raises NoTurn naming who holds the turn (running without it is how CI's workers were OOM-killed).
+Each holder records its name beside the lock file, so the message can say whom it waited for.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -28,25 +28,49 @@ def _lock_file(name: str) -> Path:
     return Path(tempfile.gettempdir()) / f"megaopd-tests-{run}.{name}"
 
 
-def _take(path: Path, mode: int, who: str):
+class NoTurn(RuntimeError):
+    """A wait for a turn ran past WAIT_S."""
+
+
+def _holders(path: Path) -> Path:
+    """The directory of the lock's holders: one file per process, named by its pid, holding what it runs."""
+    return path.with_name(path.name + ".holders")
+
+
+def _holding(path: Path) -> list[str]:
+    names = []
+    for record in sorted(_holders(path).glob("*")):
+        try:
+            os.kill(int(record.name), 0)  # a holder killed mid-turn left its record; the kernel dropped its lock
+            names.append(f"{record.read_text()} (pid {record.name})")
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+    return names
+
+
+def _take(path: Path, mode: int, who: str) -> tuple[int, Path]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + WAIT_S
     while True:
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
-            return fd
+            break
         except BlockingIOError:
             if time.monotonic() > deadline:
-                print(f"machine_memory: {who} waited {WAIT_S} s for {path.name}; going on without it",
-                      file=sys.stderr)
                 os.close(fd)
-                return None
+                raise NoTurn(f"machine_memory: {who} waited {WAIT_S} s for the {path.suffix[1:]} turn, held by "
+                             f"{'; '.join(_holding(path)) or 'no live process on record'}") from None
             time.sleep(0.2)
+    record = _holders(path) / str(os.getpid())
+    record.parent.mkdir(exist_ok=True)
+    record.write_text(who)
+    return fd, record
 
 
-def _release(fd) -> None:
-    if fd is not None:
-        os.close(fd)  # closing the descriptor drops its lock
+def _release(held: tuple[int, Path]) -> None:
+    fd, record = held
+    record.unlink(missing_ok=True)
+    os.close(fd)  # closing the descriptor drops its lock
 
 
 _alone_depth = 0  # a job alone inside another (a server fixture's module) already has its turn
@@ -68,7 +92,11 @@ def alone(who: str):
             _alone_depth -= 1
         return
     gate = _take(_lock_file("gate"), fcntl.LOCK_EX, who)
-    memory = _take(_lock_file("memory"), fcntl.LOCK_EX, who)
+    try:
+        memory = _take(_lock_file("memory"), fcntl.LOCK_EX, who)
+    except NoTurn:
+        _release(gate)
+        raise
     _alone_depth = 1
     try:
         yield
@@ -83,8 +111,10 @@ def sharing(who: str):
     """Run the body (one test) unless a job is alone, or waiting to be."""
     global _sharing
     gate = _take(_lock_file("gate"), fcntl.LOCK_SH, who)
-    memory = _take(_lock_file("memory"), fcntl.LOCK_SH, who)
-    _release(gate)
+    try:
+        memory = _take(_lock_file("memory"), fcntl.LOCK_SH, who)
+    finally:
+        _release(gate)
     _sharing = True
     try:
         yield

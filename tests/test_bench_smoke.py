@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each a script's run in a subprocess (the TRL ones beside TRL's trainers)
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 HAVE_TRL = importlib.util.find_spec("trl") is not None
 needs_trl = pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed: the megaopd-vs-TRL benchmarks need it "

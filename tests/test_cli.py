@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def megaopd(*args, check=True):
     return subprocess.run([sys.executable, "-m", "megaopd.cli", *map(str, args)], capture_output=True, text=True,
@@ -35,6 +37,7 @@ def answering_model(model_dir, reply: str) -> None:
     model.save_pretrained(model_dir)
 
 
+@pytest.mark.slow
 def test_make_embedded_then_eval(tmp_path):
     megaopd("make-embedded", "--out", tmp_path, "--presets", "llama-tiny", "--domains", "letter_count")
     model = tmp_path / "models" / "llama-tiny"

@@ -396,23 +396,61 @@ def test_the_flop_audit_is_exact_on_a_cross_tokenizer_step(assets, bpe_teacher, 
                                                                                  "train.micro_batch_size": 2}))
 
 
+def reference_gradient(student_dir, batch, samples, teachers: dict, temperature: float) -> torch.Tensor:
+    """The sampled OPD gradient at the student's initial weights, computed another way than the trainer's: each
+    sample scored alone by its domain's teacher (no routing, no batching across routes), and the clipped surrogate's
+    gradient at ratio 1, -sum_t w_t A_t grad log p(y_t) / tokens with A_t = teacher - student logprob, from one plain
+    transformers forward (no micro-batches, no chunked projection)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1] / temperature
+    logp = logits.log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    credit = torch.zeros_like(logp)
+    for i, s in enumerate(samples):
+        alone = collate([s], 0)  # one sample: no padding
+        teachers[s.row.domain].score(alone, [s], "sampled", micro_batch_size=1)
+        credit[i, :alone.teacher_logprobs.shape[1]] = alone.teacher_logprobs[0]
+    mask = batch.response_mask
+    weights = batch.is_weights if batch.is_weights is not None else torch.ones_like(mask)
+    (-(weights * (credit - logp.detach()) * logp * mask).sum() / mask.sum()).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
 def test_teachers_of_different_tokenizers_routed_by_domain(assets, bpe_teacher, tmp_path):
     """arith_add to the BPE teacher (its own tokens), prog_trace to a teacher of the student's tokenizer: one OPD step
-    trains, each route's teacher bills its own tokens, and only the cross-tokenizer route splits credit."""
+    trains with the gradient computed another way (reference_gradient), each route's teacher bills its own tokens,
+    and only the cross-tokenizer route splits credit."""
     from megaopd.flops import scoring_flops
     from megaopd.trainer import Trainer
 
-    trainer = Trainer(cross_run(assets, tmp_path / "run", {"arith_add": bpe_teacher,
-                                                          "prog_trace": assets / "models" / "qwen3-tiny-seed1"}))
+    teachers = {"arith_add": bpe_teacher, "prog_trace": assets / "models" / "qwen3-tiny-seed1"}
+    trainer = Trainer(cross_run(assets, tmp_path / "run", teachers))
     try:
-        router, booked = trainer.teachers, []
+        router, booked, trained = trainer.teachers, [], []
         assert list(router.aligners) == ["arith_add"]
         bill = trainer._book_flops
         trainer._book_flops = lambda rows, samples, *a: booked.append((rows, samples)) or bill(rows, samples, *a)
+        update = trainer.policy.train_minibatch
+
+        def recorded(part, *args):  # the batch and the gradient the optimizer stepped with
+            metrics = update(part, *args)
+            trained.append((part, torch.cat([p.grad.flatten() for p in trainer.policy.model.parameters()])))
+            return metrics
+        trainer.policy.train_minibatch = recorded
         step = trainer.step_fn(1)
     finally:
         trainer.close()
-    assert torch.isfinite(torch.tensor(step["train/loss"])) and step["train/grad_norm"] > 0
+    [(batch, grad)] = trained
+    alone = {domain: TeacherRouter({"*": str(path)}, local_teachers(ModelConfig()), trainer.policy.tokenizer,
+                                   router.temperature, router.top_p,
+                                   teacher_tokenizers={"*": str(path)} if domain in router.aligners else None)
+             for domain, path in teachers.items()}
+    reference = reference_gradient(assets / "models" / "qwen3-tiny", batch, booked[-1][1], alone, trainer.temperature)
+    cosine = float(torch.nn.functional.cosine_similarity(grad.double(), reference.double(), dim=0))
+    print(f"grad norm {step['train/grad_norm']:.6g} against {float(reference.norm()):.6g}, cosine {cosine:.8f}")
+    assert step["train/grad_norm"] == pytest.approx(float(reference.norm()), rel=1e-4)  # measured 2.5e-6 apart
+    assert cosine > 1 - 1e-6  # the direction, whatever train.grad_clip scaled
     assert step["train/teacher/prog_trace/exact_credit_share"] == 1.0
     assert step["train/teacher/arith_add/token_share"] > 0 and step["train/teacher/prog_trace/token_share"] > 0
     rows, samples = booked[-1]  # the rollout billed when generated, the rest in the step: the same samples

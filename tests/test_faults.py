@@ -223,6 +223,7 @@ def _poison(model: Path) -> None:
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_teachers_nan_logprobs_stop_the_run_before_the_update(assets, tmp_path):
     """A teacher's weights go bad mid-run (NaN logprobs): the step stops before the optimizer applies it, in one
@@ -259,6 +260,7 @@ def test_a_teachers_nan_logprobs_stop_the_run_before_the_update(assets, tmp_path
         tmp_path / "reference" / "run")]  # no row twice
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_nan_loss_stops_the_run_or_is_skipped_and_counted(assets, tmp_path):
     """grpo.kl_coef=.inf times the first step's zero KL makes the loss NaN: stop (the default) ends the run in one
@@ -331,6 +333,7 @@ def _no_space_line(proc) -> str:
     return line
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_full_disk_at_a_checkpoint_ends_in_one_line_and_the_rerun_resumes(assets, runs, small_disk, tmp_path):
     import json
@@ -356,6 +359,7 @@ def test_a_full_disk_at_a_checkpoint_ends_in_one_line_and_the_rerun_resumes(asse
     assert _deterministic(read_metrics(run)) == _deterministic(read_metrics(runs / "reference" / "run"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_full_disk_at_the_export_or_an_eval_file_ends_in_one_line(assets, small_disk, mount_small, tmp_path):
     overrides = {"train.steps": 1, "checkpoint.every": 1000}
@@ -422,6 +426,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_no_partial_one(
     assert not partial.exists() and not (checkpoints / "damaged").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kill_9_mid_run_at_its_checkpoint_then_the_same_command_resumes(assets, runs, tmp_path):
     """The real trainer, killed as soon as its step-4 checkpoint's temporary directory appears (mid-write, flush

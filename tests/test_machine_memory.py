@@ -1,8 +1,10 @@
-"""tests/machine_memory.py, as two xdist workers use it: a job alone waits for the test in progress, and no test
-starts while it runs. Each party is a process of its own that logs when it holds its turn."""
+"""tests/machine_memory.py, as two xdist workers use it: a job alone waits for the test in progress, no test
+starts while it runs, and a wait past its limit fails naming who holds the turn. Each party is a process of its own
+that logs when it holds its turn."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -16,8 +18,10 @@ pytestmark = pytest.mark.timeout(120)
 PARTY = """
 import sys, time
 sys.path.insert(0, {tests!r})
+import machine_memory
 from machine_memory import {kind}
 log, hold, label = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+machine_memory.WAIT_S = float(sys.argv[4])
 with {kind}(label):
     start = time.time()
     time.sleep(hold)
@@ -25,14 +29,16 @@ with {kind}(label):
 """
 
 
-def party(kind: str, log: Path, hold: float, label: str, run: str) -> subprocess.Popen:
+def party(kind: str, log: Path, hold: float, label: str, run: str, wait_s: float = 60) -> subprocess.Popen:
     code = PARTY.format(tests=str(Path(__file__).parent), kind=kind)
-    return subprocess.Popen([sys.executable, "-c", code, str(log), str(hold), label],
-                             env={"PYTEST_XDIST_TESTRUNUID": run, "PATH": "/usr/bin:/bin"})
+    return subprocess.Popen([sys.executable, "-c", code, str(log), str(hold), label, str(wait_s)],
+                            env={"PYTEST_XDIST_TESTRUNUID": run, "PATH": "/usr/bin:/bin"}, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def spans(log: Path) -> dict[str, tuple[float, float]]:
-    return {label: (float(a), float(b)) for label, a, b in (line.split() for line in log.read_text().splitlines())}
+    lines = log.read_text().splitlines()
+    return {label: (float(a), float(b)) for label, a, b in (line.rsplit(" ", 2) for line in lines)}
 
 
 def test_a_job_alone_waits_for_the_test_in_progress_and_holds_off_the_next(tmp_path):
@@ -58,3 +64,38 @@ def test_tests_share_the_machine_with_each_other(tmp_path):
         assert p.wait(60) == 0
     (a0, a1), (b0, b1) = spans(log).values()
     assert max(a0, b0) < min(a1, b1)
+
+
+def test_a_wait_past_its_limit_fails_naming_who_holds_the_turn(tmp_path):
+    log, run = tmp_path / "log", uuid.uuid4().hex
+    job = party("alone", log, 3, "the 0.5B's SGLang server", run)
+    time.sleep(0.5)  # the job holds its turn
+    late = party("sharing", log, 0.1, "late_test", run, wait_s=0.5)
+    _, err = late.communicate(timeout=60)
+    assert late.returncode != 0 and job.wait(60) == 0
+    assert f"NoTurn: machine_memory: late_test waited 0.5 s for the gate turn, held by the 0.5B's SGLang server " \
+           f"(pid {job.pid})" in err, err
+    assert list(spans(log)) == ["the 0.5B's SGLang server"]  # the late test never ran its body
+
+
+def test_a_test_without_its_turn_fails_at_setup_and_the_worker_goes_on(tmp_path):
+    """conftest's hook, as an xdist worker runs it: each test that waited too long fails at its setup with the
+    one-line reason, without running, and the worker goes on to its next test (no internal error)."""
+    run = uuid.uuid4().hex
+    (tmp_path / "short_wait.py").write_text("import machine_memory\nmachine_memory.WAIT_S = 0.5\n")
+    (tmp_path / "test_late.py").write_text(
+        "def test_late():\n    raise AssertionError('ran without its turn')\n\ndef test_next():\n    pass\n")
+    job = party("alone", tmp_path / "log", 8, "a Megatron launch", run)  # past pytest's start (conftest: torch)
+    time.sleep(0.5)
+    tests = Path(__file__).parent
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "short_wait",
+                           "-p", "conftest", "-q", "--rootdir", str(tmp_path), "-c", "/dev/null",
+                           str(tmp_path / "test_late.py")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}:{tests}:{tests.parent}",
+                               "PYTEST_XDIST_WORKER": "gw0", "PYTEST_XDIST_TESTRUNUID": run})
+    assert job.wait(60) == 0
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED and "2 errors" in proc.stdout, proc.stdout + proc.stderr
+    for test in ("test_late", "test_next"):
+        assert f"machine_memory: test_late.py::{test} waited 0.5 s for the gate turn, held by a Megatron launch " \
+               f"(pid {job.pid})" in proc.stdout, proc.stdout
+    assert "ran without its turn" not in proc.stdout

@@ -42,6 +42,7 @@ def bad_checkpoints(tmp: Path) -> list[tuple[list[str], str]]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bad_checkpoints_are_one_line_with_exit_status_2(tmp_path):
     table = bad_checkpoints(tmp_path)

@@ -219,6 +219,13 @@ def test_strong_to_weak_topk_step_from_an_sglang_teacher_server(assets, qwen05, 
     assert result["peak_rss"] <= result["plan"]["budget"]
     step = result["step"]
     assert step["train/reverse_kl"] > 0 and "train/teacher/*/reverse_kl_k1" in step, step
+    # The served teacher scores what the local one scores on the same batches (the worker's gap_to_local_teacher).
+    # Both run bfloat16 through different kernels and round the logits to bfloat16 (0.125 apart at |logit| 16-32,
+    # where the top tokens' lie): gaps of a few tenths on one token are rounding; a mis-indexed response (scores one
+    # position off), rows crossed between samples or top-k lists on the wrong positions move them by nats.
+    gap = result["teacher_gap"]
+    assert gap["tokens"] >= 2, gap
+    assert gap["realised_max"] < 1.0 and gap["realised_mean"] < 0.1 and gap["topk_mean"] < 0.15, gap
 
 
 # ------------------------------------------------------------------------------------------- Megatron via mbridge

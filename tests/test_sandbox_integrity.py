@@ -10,6 +10,7 @@ import platform
 import secrets
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from megaopd.verifiers import sandbox, score
 from megaopd.verifiers.code import score_code
 from test_sandbox_adversarial import LIMITS, attack, leftover_processes, mode  # noqa: F401 (mode is a fixture)
 
-REPO = Path(megaopd.__file__).resolve().parents[1]  # the megaopd under test (a non-root user must read it)
+REPO = Path(megaopd.__file__).resolve().parents[1]  # the megaopd under test
 
 
 def secret_rows(secret: str) -> dict[str, dict]:
@@ -285,15 +286,20 @@ print(json.dumps(score_code("```python\\n" + program + "\\n```", {"inputs": [""]
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser"), reason="needs root to become another user")
 def test_a_non_root_trainer_keeps_its_files_or_refuses_to_start(tmp_path):
     """As an unprivileged trainer (here `nobody`), the program cannot read or rewrite that user's files; where the
-    full guarantee is not available the sandbox refuses at start-up, naming what is missing."""
+    full guarantee is not available the sandbox refuses at start-up, naming what is missing. `nobody` runs a copy of
+    the package in a directory it can read: the checkout may lie under one it cannot traverse (a 0700 home)."""
     home = Path(f"/var/cache/megaopd-nonroot-{os.getpid()}")  # outside /tmp: the user's own files
     home.mkdir(mode=0o700)
+    package = Path(tempfile.mkdtemp(prefix="megaopd-nonroot-package-", dir="/tmp"))
     try:
+        shutil.copytree(REPO / "megaopd", package / "megaopd", ignore=shutil.ignore_patterns("__pycache__"))
+        for path in [package, *package.rglob("*")]:  # the checkout's own modes may be 0700/0600 (umask 077)
+            path.chmod(0o755 if path.is_dir() else 0o644)
         secret = "zq-" + secrets.token_hex(12)
         (home / "secret.txt").write_text(secret)
         (home / "victim.py").write_text("original")
         subprocess.run(["chown", "-R", "nobody:nogroup", str(home)], check=True)
-        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(home)}
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(package), "HOME": str(home)}
         python = sandbox.isolation().python  # one an unprivileged user can run
         cmd = [shutil.which("runuser"), "-u", "nobody", "--", python, "-c", NONROOT_SCRIPT, str(home), secret]
         done = subprocess.run(cmd + ["namespaces"], capture_output=True, text=True, timeout=120, env=env,
@@ -310,6 +316,7 @@ def test_a_non_root_trainer_keeps_its_files_or_refuses_to_start(tmp_path):
         assert "cannot sandbox code as a non-root user" in refused.stderr
     finally:
         shutil.rmtree(home)
+        shutil.rmtree(package)
 
 
 # ----------------------------------------------------------------------------------------- verifier crashes
