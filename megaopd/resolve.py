@@ -4,8 +4,9 @@ resolve every stage too, so a config the trainer would refuse is refused before 
 
 A refusal that reads the config only runs everywhere. One that reads the run's inputs (its data files and the splits
 the stop rule reads, a teacher's or a cover partner's finished run, the model directory and the device the memory
-plan checks) runs where they exist (``inputs_exist``: the trainer): a study's later stages start from the models and
-data that its assets job and its earlier stages make, so at submission they are not there yet.
+plan checks, the tokenizers that tell a teacher of another vocabulary) runs where they exist (``inputs_exist``: the
+trainer): a study's later stages start from the models and data that its assets job and its earlier stages make,
+so at submission they are not there yet.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from megaopd import shared_prompt
 from megaopd.align import alignment_tokenizers
 from megaopd.config import DataConfig, RunConfig
 from megaopd.data.rows import Row, load_split
-from megaopd.errors import DataError, require_file
+from megaopd.errors import DataError, UserError, require_file
 from megaopd.methods import Method, method
 from megaopd.objectives import check_is_correction, check_opd, check_opsa, check_temperature, resolve_tis
 from megaopd.plan import Plan, check_chunk_rows, check_run, chunk_rows
@@ -48,7 +49,7 @@ def resolve_run(cfg: RunConfig, *, inputs_exist: bool = True) -> ResolvedRun:
     cfg = shared_prompt.resolve(resolve_tis(cfg, spec))
     check_is_correction(cfg, spec)
     check_temperature(cfg, spec)
-    aligned = alignment_tokenizers(cfg.model.path, cfg.opd) if spec.teacher_term else {}
+    aligned = alignment_tokenizers(cfg.model.path, cfg.opd, inputs_exist) if spec.teacher_term else {}
     if spec.teacher_term:
         check_opd(cfg.opd, cfg.model.backend, aligned)
     if spec.self_term:
@@ -65,6 +66,15 @@ def resolve_run(cfg: RunConfig, *, inputs_exist: bool = True) -> ResolvedRun:
     plan = check_run(cfg)
     cfg = replace(cfg, train=replace(cfg.train, logit_chunk_rows=chunk_rows(cfg, plan)))
     return ResolvedRun(cfg, spec, aligned, splits, stop, plan)
+
+
+def resolve_stage(cfg: RunConfig, stage: str, hint: str = "") -> ResolvedRun:
+    """A study stage's run before its upstream stages have made its inputs; a refusal names the stage (and ends with
+    ``hint``: what the launcher added that could be dropped instead)."""
+    try:
+        return resolve_run(cfg, inputs_exist=False)
+    except UserError as e:
+        raise type(e)(f"stage {stage}: {e}{hint}") from None
 
 
 def read_splits(data: DataConfig) -> Splits:
