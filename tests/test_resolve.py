@@ -102,6 +102,20 @@ def test_an_unknown_algorithm_is_refused_alike(tmp_path, capsys, monkeypatch):
     assert lines == [lines[0]] * 4 and "train.algorithm: 'nope' is not one of" in lines[0]
 
 
+
+def test_config_yaml_holds_the_resolved_run(assets, tmp_path):
+    """The trainer saves what it runs: train.logit_chunk_rows as the memory plan sized it, not 0 (the plan's pick)."""
+    from conftest import run_config
+    from megaopd.config import load_config
+    from megaopd.trainer import Trainer
+
+    trainer = Trainer(run_config(assets, tmp_path / "run"))
+    try:
+        saved = load_config(tmp_path / "run" / "config.yaml")
+        assert saved == trainer.cfg and saved.train.logit_chunk_rows > 0
+    finally:
+        trainer.close()
+
 # What resolve_run derives and refuses: called in the package from megaopd/resolve.py only.
 CHECKS = ("resolve_tis", "shared_prompt.resolve", "check_is_correction", "check_temperature", "alignment_tokenizers",
           "check_opd", "check_opsa", "check_stop", "check_chunk_rows", "StopRule", "check_run", "chunk_rows")
