@@ -249,10 +249,11 @@ class CrossTokenizer:
 
 
 
-def alignment_tokenizers(student_path: str, opd) -> dict[str, str]:
+def alignment_tokenizers(student_path: str, opd, read_models: bool = True) -> dict[str, str]:
     """Route -> tokenizer directory of each teacher that scores through the alignment: one named in
-    ``opd.teacher_tokenizer``, or one whose directory's tokenizer has another vocabulary than the student's. Read
-    before any model loads (tokenizers only); a directory without a model is left to the model's loader to refuse."""
+    ``opd.teacher_tokenizer``, or (``read_models``) one whose directory's tokenizer has another vocabulary than the
+    student's. Read before any model loads (tokenizers only); a directory without a model is left to the model's
+    loader to refuse."""
     from transformers import AutoTokenizer
 
     vocabularies: dict[str, dict] = {}
@@ -263,7 +264,7 @@ def alignment_tokenizers(student_path: str, opd) -> dict[str, str]:
         return vocabularies[path]
 
     out = dict(opd.teacher_tokenizer)
-    if not (Path(student_path) / "config.json").exists():
+    if not read_models or not (Path(student_path) / "config.json").exists():
         return out
     for route, path in opd.teachers.items():
         if route not in out and (Path(path) / "config.json").exists() and vocabulary(path) != vocabulary(student_path):

@@ -141,10 +141,10 @@ def _run(args) -> int:
     elif args.command == "eval":
         from megaopd import environment, verifiers
         from megaopd.config import EvalConfig, ModelConfig, SandboxConfig
+        from megaopd.data.rows import load_split
         from megaopd.evaluate import Evaluator
         from megaopd.hf_policy import HFPolicy
         from megaopd.rollout import LocalEngine
-        from megaopd.trainer import load_split
 
         policy = HFPolicy(ModelConfig(path=args.model))
         rows = load_split(args.data, False)

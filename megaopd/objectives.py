@@ -134,8 +134,8 @@ def resolve_tis(cfg: RunConfig, spec: Method) -> RunConfig:
 
 
 def check_is_correction(cfg: RunConfig, spec: Method) -> None:
-    """Refuses, before any model loads, IS settings that would be dropped, ill-formed, or compare unlike logprobs."""
-    cfg = resolve_tis(cfg, spec)
+    """Refuses, before any model loads, IS settings that would be dropped, ill-formed, or compare unlike logprobs;
+    ``cfg``'s train.tis resolved (``resolve_tis``)."""
     train = cfg.train
     for name in ("tis", "is_mask"):
         level = getattr(train, name)
@@ -269,8 +269,8 @@ def form_label(algorithm: str, opd: OPDConfig) -> str:
 
 def check_opd(opd: OPDConfig, backend: str, aligned: Collection[str] = ()) -> None:
     """Refuses, before any model loads, an OPD setting that the backend or the teacher engine cannot run: the one
-    place these refusals live (the trainer and the Slurm renderer call it). ``aligned``: the routes
-    whose teacher has another tokenizer than the student (``align.alignment_tokenizers``; the trainer knows them)."""
+    place these refusals live (``megaopd.resolve.resolve_run`` calls it). ``aligned``: the routes
+    whose teacher has another tokenizer than the student (``align.alignment_tokenizers``, read by ``resolve_run``)."""
     if unknown := sorted(set(opd.teacher_tokenizer) - set(opd.teachers)):
         raise ConfigError(f"opd.teacher_tokenizer names route(s) {unknown} that opd.teachers does not have "
                           f"({sorted(opd.teachers)}); key it by the teacher's route")
@@ -445,8 +445,7 @@ class OPSA:
 
     vocab_term = None
 
-    def __init__(self, cfg: OPSAConfig):
-        check_opsa(cfg)
+    def __init__(self, cfg: OPSAConfig):  # checked by resolve_run (check_opsa)
         self.cfg = cfg
         self.needs_entropy = cfg.scale == "entropy"
 

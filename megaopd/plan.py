@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megaopd import flops
-from megaopd.config import ConfigError, RunConfig
+from megaopd.config import ConfigError, RunConfig, TrainConfig
 from megaopd.errors import UserError
 from megaopd.methods import method
 from megaopd.shapes import REAL_SHAPES, real_model_config, real_shape
@@ -388,12 +388,15 @@ def device_budget(cfg: RunConfig) -> float | None:
     return gib * GIB * cfg.plan.usable if gib > 0 else None
 
 
-def chunk_rows(cfg: RunConfig, plan: Plan | None = None) -> int:
-    """The run's rows per vocabulary-projection chunk: train.logit_chunk_rows, else the plan's pick (``plan``, or
-    one built for the run's device)."""
-    if cfg.train.logit_chunk_rows < 0:
+def check_chunk_rows(train: TrainConfig) -> None:
+    if train.logit_chunk_rows < 0:
         raise ConfigError(f"train.logit_chunk_rows must be >= 0 (0: the memory plan picks), got "
-                          f"{cfg.train.logit_chunk_rows}; set 0 or a positive number of rows")
+                          f"{train.logit_chunk_rows}; set 0 or a positive number of rows")
+
+
+def chunk_rows(cfg: RunConfig, plan: Plan | None = None) -> int:
+    """The run's rows per vocabulary-projection chunk: train.logit_chunk_rows (``check_chunk_rows``), else the plan's
+    pick (``plan``, or one built for the run's device)."""
     if cfg.train.logit_chunk_rows or plan is not None:
         return cfg.train.logit_chunk_rows or plan.chunk_rows
     try:

@@ -95,6 +95,17 @@ class Cover:
                 "met_at_step": self.met_at_step}
 
 
+def check_stop(stop: StopConfig, teachers: dict[str, str]) -> None:
+    """Refuses what the config alone makes wrong in a stop rule (``StopRule`` refuses what it cannot read);
+    `teachers`: the stage's OPD teachers by route."""
+    if stop.cover and stop.rule != "plateau":
+        raise ConfigError("train.stop.cover holds back the plateau rule: set train.stop.rule=plateau (a steps "
+                          "stage runs to its cap anyway) or drop the cover")
+    if stop.rule == "plateau" and stop.metric == TEACHER_GAP and not teachers:
+        raise ConfigError(f"train.stop.metric={TEACHER_GAP} needs opd.teachers (an OPD run); watch a "
+                          "domain or 'mean' instead")
+
+
 class StopRule:
     """The stage's stop rule, fed every eval's metrics; `record` says why the stage ended, for the summary and
     the ledger. Built before any model loads: what it cannot read is refused then."""
@@ -112,14 +123,8 @@ class StopRule:
             if needed and not valid_domains:
                 raise ConfigError(f"{key} reads the validation split: set data.validation (validation.jsonl "
                                   "files, disjoint from data.eval)")
-        if stop.cover and stop.rule != "plateau":
-            raise ConfigError("train.stop.cover holds back the plateau rule: set train.stop.rule=plateau (a steps "
-                              "stage runs to its cap anyway) or drop the cover")
         if stop.rule == "plateau":
             if stop.metric == TEACHER_GAP:
-                if not teachers:
-                    raise ConfigError(f"train.stop.metric={TEACHER_GAP} needs opd.teachers (an OPD run); watch a "
-                                      "domain or 'mean' instead")
                 if set(domains) - set(valid_domains):
                     raise ConfigError(f"train.stop.metric={TEACHER_GAP} compares on the training domains: add "
                                       f"{', '.join(sorted(set(domains) - set(valid_domains)))} to data.validation")

@@ -29,6 +29,7 @@ from megaopd.errors import StudyError
 from megaopd.finished import finished_summary
 from megaopd.methods import method
 from megaopd.metrics import read_metrics
+from megaopd.resolve import resolve_stage
 from megaopd.trainer import train
 
 log = logging.getLogger(__name__)
@@ -249,6 +250,8 @@ def run_study(study: StudyConfig) -> list[Path]:
             log.info("stage %s is done; reusing it", run_dir)
         else:
             todo.append(run_dir)
+    for run_dir in todo:  # refused now, not once the stages before it have trained
+        resolve_stage(configs[run_dir], run_dir.name)
     devices = [configs[run_dir].model.device for run_dir in todo]
     if study.workers == 1:
         allocator.keep_heap_for(devices)  # the stages train in this process: its allocator (allocator.py)

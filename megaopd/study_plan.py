@@ -17,12 +17,14 @@ from megaopd import plan as run_plan
 from megaopd.config import ConfigError, load_config
 from megaopd.errors import UserError, require_file
 from megaopd.plan import Plan, build_plan, device_budget
+from megaopd.resolve import resolve_run, resolve_stage
 
 
 def plan_study(path: str, overrides: list[str], run_overrides: list[str], stage: str = "") -> list[Plan]:
-    """One plan per stage of a study file (or the named stage). A stage's ``{out}/<name>/final`` model has the
-    shape of that stage's own model."""
-    from megaopd.study import StudyConfig, stage_config  # here: the study imports torch, a run's plan needs none
+    """One plan per stage of a study file (or the named stage), of the run it resolves to (what `megaopd train` would
+    refuse is refused here, naming the stage). A stage's ``{out}/<name>/final`` model has the shape of that stage's
+    own model."""
+    from megaopd.study import StudyConfig, stage_config  # here: the study imports the trainer
 
     study = load_config(path, overrides, cls=StudyConfig)
     names = [s.name for s in study.stages]
@@ -38,6 +40,7 @@ def plan_study(path: str, overrides: list[str], run_overrides: list[str], stage:
     plans = []
     for name, c in configs.items():
         if not stage or name == stage:
+            c = resolve_stage(c, name).cfg
             plans.append(build_plan(c, aliases, device_budget(c), title=f"stage {name}"))
     return plans
 
@@ -62,7 +65,7 @@ def main(argv: list[str]) -> int:
         if isinstance(data, dict) and "stages" in data:
             plans = plan_study(args.config, args.overrides, run_overrides, args.stage)
         else:
-            cfg = load_config(args.config, args.overrides + run_overrides)
+            cfg = resolve_run(load_config(args.config, args.overrides + run_overrides), inputs_exist=False).cfg
             plans = [build_plan(cfg, budget=device_budget(cfg), title=args.config)]
     except UserError as e:
         print(e.line(), file=sys.stderr)

@@ -28,29 +28,24 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from megaopd import environment, shared_prompt, verifiers
-from megaopd.align import alignment_tokenizers
+from megaopd import environment, verifiers
 from megaopd.batch import Sample, TeacherScores, TokenBatch, collate
 from megaopd.chat import chat_prompt_ids
 from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state, state_bytes
 from megaopd.config import RunConfig, save_config
-from megaopd.data.rows import load_rows
 from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
-from megaopd.errors import DataError, UserError, require_file, space_for
+from megaopd.errors import UserError, space_for
 from megaopd.evaluate import VALID, Evaluator, score_samples
 from megaopd.finished import FINAL_DIR, SUMMARY, finished_summary
 from megaopd.hf_policy import HFPolicy
 from megaopd.ledger import Ledger
 from megaopd.metrics import MetricsLogger, read_metrics, rollout_metrics
-from megaopd.methods import method
-from megaopd.objectives import (ISCorrection, build_objective, check_is_correction, check_opd, check_opsa,
-                                check_temperature, form_label, is_correction, resolve_tis)
-from megaopd.plan import check_run, chunk_rows
+from megaopd.objectives import ISCorrection, build_objective, form_label, is_correction
 from megaopd.policy_protocol import Policy
+from megaopd.resolve import resolve_run
 from megaopd.rollout import LocalEngine, policy_temperature, reported_sampling, sampling_generator
 from megaopd.rollout_pipeline import RolloutPipeline, StepRollouts
-from megaopd.stopping import StopRule
 from megaopd.teacher_check import gate as teacher_gate
 from megaopd.teachers import TeacherRouter, local_teachers
 
@@ -110,15 +105,6 @@ def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False,
         student_tokenizer, **sampling, servers=True, teacher_tokenizers=aligned)
 
 
-def load_split(paths: list[str], strict: bool) -> list:
-    rows = []
-    for path in paths:
-        loaded, report = load_rows(path, strict)
-        rows += loaded
-        log.info(report.summary())
-    return rows
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -139,32 +125,16 @@ def merge_updates(updates: list[tuple[dict[str, float], float]]) -> dict[str, fl
 
 class Trainer:
     def __init__(self, cfg: RunConfig):
-        self.method = spec = method(cfg.train.algorithm)
-        cfg = resolve_tis(cfg, spec)  # before the config is saved: config.yaml holds what the run does
-        cfg = shared_prompt.resolve(cfg)
-        check_is_correction(cfg, spec)
-        check_temperature(cfg, spec)
-        aligned = alignment_tokenizers(cfg.model.path, cfg.opd) if spec.teacher_term else {}
-        if spec.teacher_term:
-            check_opd(cfg.opd, cfg.model.backend, aligned)
-        if spec.self_term:
-            check_opsa(cfg.opsa, cfg.train.recompute_old_logprobs)
-        for path in cfg.data.train + cfg.data.validation + cfg.data.eval:  # before any model is loaded
-            require_file(path, "data file", DataError)
-        # The splits, and the stop rule that reads the validation one (it refuses what it cannot read), before the run
-        # directory is made and any model is planned or loaded.
-        train_rows, valid_rows, test_rows = (load_split(files, cfg.data.strict)
-                                             for files in (cfg.data.train, cfg.data.validation, cfg.data.eval))
-        self.stop = StopRule(cfg.train.stop, cfg.train.steps, spec.teachers(cfg.opd),
-                             sorted({r.domain for r in train_rows}), sorted({r.domain for r in valid_rows}),
-                             0.0 if spec.rollouts else cfg.sft.stop_at_accuracy)
-        self.cfg = cfg
+        # Every setting derived and refused (megaopd.resolve), the data read, before the run directory is made and
+        # any model is loaded; config.yaml holds what the run does.
+        run = resolve_run(cfg)
+        self.method = spec = run.method
+        self.cfg = cfg = run.cfg
+        self.stop, self.plan, aligned = run.stop, run.plan, run.aligned
+        train_rows, valid_rows, test_rows = run.splits.train, run.splits.validation, run.splits.eval
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
-        # Refuses, before any model is loaded, a run that cannot fit the device it is planned for; sizes the chunks.
-        self.plan = check_run(cfg)
-        self.cfg = cfg = replace(cfg, train=replace(cfg.train, logit_chunk_rows=chunk_rows(cfg, self.plan)))
         # The distribution every logprob of an RL step is taken under: the rollout's, softmax(logits / T)
         # (docs/opd.md, "One temperature"); SFT trains the model's own (1).
         self.temperature = policy_temperature(cfg.rollout.temperature)

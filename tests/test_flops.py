@@ -343,7 +343,7 @@ def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeyp
     the full form the teacher's rows projected again in the update, and with ``recompute``, as the plan forces it
     when the kept rows do not fit, its forward re-run per micro-batch; with shared prompts, the group's prompt
     forwarded once in the policy's and the reference's passes)."""
-    from megaopd import trainer as trainer_module
+    from megaopd import resolve
     from megaopd.flop_audit import audit_step
     from megaopd.plan import build_plan
     from tests.conftest import run_config
@@ -356,7 +356,7 @@ def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeyp
         "train.prompts_per_step": 1, "rollout.samples_per_prompt": 4, "train.recompute_old_logprobs": True,
         "train.epochs": 2, "train.micro_batch_size": 2, **extra})
     if recompute:
-        monkeypatch.setattr(trainer_module, "check_run", lambda c: build_plan(c, teacher_recompute=True))
+        monkeypatch.setattr(resolve, "check_run", lambda c: build_plan(c, teacher_recompute=True))
     audit = audit_step(cfg)
     assert audit.mismatches() == [] and audit.unattributed == 0  # the whole step: every FLOP billed
     idle = {"grpo": "teacher", "opd": "reference"}[algorithm]

@@ -71,7 +71,7 @@ def test_grpo_opd_sampled_form_weights_the_group_term_only():
 
 def checked(*overrides, algorithm="grpo"):
     cfg = load_config(None, [f"train.algorithm={algorithm}", *overrides])
-    check_is_correction(cfg, method(algorithm))
+    check_is_correction(resolve_tis(cfg, method(algorithm)), method(algorithm))
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -116,8 +116,9 @@ def test_tis_auto_corrects_stale_rollouts_only(algorithm, overrides, tis):
     """train.tis=auto (the default) is token-level truncated IS where rollouts can be stale and a term can take it:
     at K=1 without it the embedded GRPO expert trailed K=0 (docs/serving.md, "Bounded staleness")."""
     cfg = load_config(None, [f"train.algorithm={algorithm}", *overrides])
-    assert resolve_tis(cfg, method(algorithm)).train.tis == tis
-    check_is_correction(cfg, method(algorithm))
+    resolved = resolve_tis(cfg, method(algorithm))
+    assert resolved.train.tis == tis
+    check_is_correction(resolved, method(algorithm))
 
 
 @pytest.mark.timeout(120)

@@ -18,7 +18,7 @@ import torch
 
 from megaopd.batch import collate
 from megaopd.config import ConfigError, ModelConfig, OptimConfig, OPSAConfig
-from megaopd.objectives import OPSA, entropy_scaled_advantages, lowest_logprob_tokens
+from megaopd.objectives import OPSA, check_opsa, entropy_scaled_advantages, lowest_logprob_tokens
 from tests.conftest import run_config
 from tests.test_objectives import _samples
 
@@ -94,7 +94,7 @@ def test_a_negative_advantage_pushes_the_selected_tokens_down(assets, advantage,
     ("advantage", 0.0, r"opsa\.advantage=0 trains nothing"), ("clip", 0.0, r"opsa\.clip must be > 0")])
 def test_settings_that_train_nothing_are_refused(key, value, message):
     with pytest.raises(ConfigError, match=message):
-        OPSA(OPSAConfig(**{key: value}))
+        check_opsa(OPSAConfig(**{key: value}))
 
 
 def test_an_entropy_no_pass_computes_is_refused(assets, tmp_path):

@@ -17,7 +17,8 @@ from conftest import run_config
 from megaopd.config import ConfigError, load_config
 from megaopd.embedded import build_model, build_model_config, build_tokenizer
 from megaopd.hf_policy import HFPolicy
-from megaopd.plan import CPU_CHUNK_BYTES, GIB, Arch, PlanError, build_plan, check_run, chunk_rows
+from megaopd.plan import (CPU_CHUNK_BYTES, GIB, Arch, PlanError, build_plan, check_chunk_rows, check_run,
+                          chunk_rows)
 from megaopd.study_plan import main
 from megaopd.rollout import LocalEngine
 from megaopd.data.rows import load_rows
@@ -198,7 +199,7 @@ def test_the_plan_sizes_the_logit_chunks_unless_the_setting_does(assets, tmp_pat
     assert chunk_rows(big) == 100 and build_plan(big).chunk_rows == 100
     big.train.logit_chunk_rows = -1
     with pytest.raises(ConfigError, match="train.logit_chunk_rows must be >= 0"):
-        chunk_rows(big)
+        check_chunk_rows(big.train)
 
 
 def test_no_device_memory_means_no_check(assets, tmp_path):

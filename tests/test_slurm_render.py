@@ -534,7 +534,8 @@ def test_teacher_servers_refuse_a_rollout_at_another_temperature_at_render(tmp_p
 
 def test_megatron_on_one_gpu_still_runs_under_torchrun(tmp_path):
     study = demo_study(tmp_path / "demo")
-    launch = load_launch(None, ["nodes=1", "gpus_per_node=1", "overrides=[model.backend=megatron]"])
+    # opd.form=sampled: megatron has no full_vocab form, which its OPD stage's job would refuse (so submit does)
+    launch = load_launch(None, ["nodes=1", "gpus_per_node=1", "overrides=[model.backend=megatron, opd.form=sampled]"])
     script = {job.name: job for job in plan(study, launch)}["base"].script
     assert "TRAIN_NODES=1\n" in script and "GPUS_PER_NODE=1\n" in script
     assert "TRAINER_MODULE=megaopd.megatron.launch\n" in script and "-m megaopd.cli train" not in script

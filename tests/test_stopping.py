@@ -11,7 +11,7 @@ from megaopd.analysis.curves import flops_to_target, smooth
 from megaopd.config import ConfigError
 from megaopd.ledger import LEDGER_FILE
 from megaopd.metrics import read_metrics
-from megaopd.stopping import StopRule, plateaued
+from megaopd.stopping import StopRule, check_stop, plateaued
 from megaopd.trainer import train
 
 
@@ -37,6 +37,7 @@ def rule(tmp_path, metric, teachers=None, valid=("arith_add", "prog_trace"), **s
     for route, path in (teachers or {}).items():
         overrides[f"opd.teachers.{route}"] = path
     cfg = run_config(tmp_path, tmp_path / "run", "opd" if teachers else "grpo", **overrides)
+    check_stop(cfg.train.stop, dict(cfg.opd.teachers))  # what the config alone refuses, as resolve_run does first
     return StopRule(cfg.train.stop, cfg.train.steps, dict(cfg.opd.teachers), ["arith_add"], list(valid))
 
 

@@ -154,6 +154,16 @@ def load_rows(path: str | Path, strict: bool = False) -> tuple[list[Row], LoadRe
     return rows, report
 
 
+def load_split(paths: list[str], strict: bool) -> list[Row]:
+    """The rows of one split's files, in order."""
+    rows = []
+    for path in paths:
+        loaded, report = load_rows(path, strict)
+        rows += loaded
+        log.info(report.summary())
+    return rows
+
+
 def write_rows(path: str | Path, rows: list[Row]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

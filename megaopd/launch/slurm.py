@@ -24,7 +24,7 @@ from pathlib import Path
 from megaopd.config import ConfigError, RunConfig, from_dict, load_config, save_config, to_dict
 from megaopd.launch.server_tp import server_tp
 from megaopd.methods import method
-from megaopd.objectives import check_opd, check_temperature
+from megaopd.resolve import resolve_stage
 from megaopd.study import (StageConfig, StudyConfig, dependencies, seed_studies, stage_config, stage_finished,
                            stage_overrides, submission_order)
 
@@ -187,17 +187,12 @@ def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -
     spec = method(cfg.train.algorithm)
     rollout_nodes = launch.rollout_nodes if spec.rollouts else 0
     teachers = sorted(spec.teachers(cfg.opd).items()) if launch.teacher_servers else []
-    if rollout_nodes:
-        args.append("rollout.engine=sglang")
-    if teachers:  # the trainer finds them by route in MEGAOPD_TEACHER_URLS
-        served = dataclasses.replace(cfg, opd=dataclasses.replace(cfg.opd, teacher_engine="sglang"))
-        try:
-            check_opd(served.opd, cfg.model.backend)
-            check_temperature(served, spec)
-        except ConfigError as e:
-            raise ConfigError(f"stage {stage.name}: {e} (or launch teacher_servers=false: in-process teachers)") \
-                from None
-        args.append("opd.teacher_engine=sglang")
+    # The servers the job starts (the trainer finds the teachers' by route in MEGAOPD_TEACHER_URLS).
+    served = ["rollout.engine=sglang"] * bool(rollout_nodes) + ["opd.teacher_engine=sglang"] * bool(teachers)
+    args += served
+    # What the job's `megaopd train` would refuse, refused before anything is queued, in its line
+    resolve_stage(stage_config(study, stage, [*launch.overrides, *served]), stage.name,
+                  " (or launch teacher_servers=false: in-process teachers)" if teachers else "")
     train_args = [stage.config, *args, f"run_dir={study.out}/{stage.name}"]
 
     # The megatron backend always runs under torchrun (megaopd.megatron.launch), even on one GPU.
