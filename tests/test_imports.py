@@ -74,7 +74,7 @@ def test_no_import_circles():
 
 
 def test_the_cpu_rehearsal_shim_is_applied_only_by_its_entry_point():
-    """megaopd.megatron.cpu_rehearsal patches torch and megatron-core for CPU ranks: only the CPU rehearsal's trainer
-    entry point (megaopd.megatron.cpu_launch) may import it, so no GPU run ever carries the patches."""
-    importers = {name for name, targets in import_graph().items() if "megaopd.megatron.cpu_rehearsal" in targets}
-    assert importers == {"megaopd.megatron.cpu_launch"}
+    """megaopd.models.megatron.cpu_rehearsal patches torch and megatron-core for CPU ranks: only the CPU rehearsal's trainer
+    entry point (megaopd.models.megatron.cpu_launch) may import it, so no GPU run ever carries the patches."""
+    importers = {name for name, targets in import_graph().items() if "megaopd.models.megatron.cpu_rehearsal" in targets}
+    assert importers == {"megaopd.models.megatron.cpu_launch"}

@@ -1,7 +1,7 @@
 """Analytic FLOP calculator for megaopd (the x-axis of every result: held-out accuracy vs training FLOPs).
 
-Implements the conventions of ``docs/flops.md`` (``megaopd.flop_audit`` checks a real trainer step against them;
-``megaopd.methods`` says which passes each method runs). In short (state them in every report):
+Implements the conventions of ``docs/flops.md`` (``megaopd.run.flop_audit`` checks a real trainer step against them;
+``megaopd.objectives.methods`` says which passes each method runs). In short (state them in every report):
 
 * **1 multiply-accumulate = 2 FLOPs.** Backward = 2x forward, so a training pass = 3x forward.
 * **Model FLOPs, not hardware FLOPs.** Only matmuls count: no activation-recompute forward (nor a teacher's
@@ -34,7 +34,7 @@ Formulas (L layers, d model width, nq/nkv query/key-value heads, dh head dim, df
     prefill     = F_fwd(P, 1)
     decode      = 2*N_mm*(R-1) + 4*L*nq*dh*((R-1)*P + (R-1)*R/2)   (fed-back token t = 1..R-1 attends to P+t keys)
 
-Per step (``step_flops`` returns the components separately; ``megaopd.methods`` says which passes a method runs)::
+Per step (``step_flops`` returns the components separately; ``megaopd.objectives.methods`` says which passes a method runs)::
 
     GRPO: gen + (1[old-logprob recompute] + 1[reference KL] + 3*epochs) * sum_i F_score_student(P_i, R_i)
     OPD:  gen_student + sum_i [F_score_teacher(P_i, R_i) + (1[recompute] + 3*epochs) * F_score_student(P_i, R_i)]

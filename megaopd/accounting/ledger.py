@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from megaopd.config import CountsAs, choices
-from megaopd.flops import COMPONENTS
+from megaopd.accounting.flops import COMPONENTS
 
 LEDGER_FILE = "megaopd_ledger.json"
 
@@ -35,7 +35,7 @@ class Ledger:
         self.counts_as = counts_as
         self.own = {c: 0.0 for c in COMPONENTS}
         self.upstream: list[dict] = []  # [{"role": "init" | "teacher:<route>", "ledger": <state dict>}]
-        self.stop: dict | None = None  # why the run ended (megaopd/stopping.py), once it has
+        self.stop: dict | None = None  # why the run ended (megaopd/run/stopping.py), once it has
 
     def add(self, component: str, flops: float) -> None:
         if component not in self.own:

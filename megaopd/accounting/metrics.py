@@ -6,7 +6,7 @@ validation split, which stop rules read), ``flops/``, ``perf/``; the end's evals
 On resume, lines and events after the checkpoint's step are dropped, so a resumed run's logs equal an
 uninterrupted run's.
 
-MFU (model FLOP utilisation) is achieved model FLOP/s (``megaopd.flops`` conventions: matmuls only, 3x forward for a
+MFU (model FLOP utilisation) is achieved model FLOP/s (``megaopd.accounting.flops`` conventions: matmuls only, 3x forward for a
 training pass, real tokens) over the devices' dense peak. It is always quoted against the bf16 dense peak, also for
 FP8 steps (the usual convention: FP8 then shows as MFU above what bf16 could reach, not as a different
 denominator). Unknown devices get TFLOP/s but no MFU. torch is imported only where a device is asked, so the report
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Callable
 from megaopd.errors import space_for
 
 if TYPE_CHECKING:
-    from megaopd.batch import Sample, TokenBatch
-    from megaopd.objectives import ISCorrection
+    from megaopd.data.batch import Sample, TokenBatch
+    from megaopd.objectives.losses import ISCorrection
 
 
 def per_domain_means(samples: list[Sample], value: Callable[[Sample], float]) -> dict[str, float]:
@@ -58,7 +58,7 @@ def rollout_metrics(samples: list[Sample], batch: TokenBatch, routes: dict,
     # KL(behaviour || trainer) over the response tokens, k3 with samples from the behaviour (the engine): r - 1 -
     # log r, r = p_trainer / p_engine; unbiased, and >= 0 token by token unlike k1. In float64: at a mismatch of
     # 1e-3 the float32 cancellation in r - 1 - log r alone is ~20% of each token's value.
-    from megaopd.objectives import k3_kl  # here: the report reads metrics without torch
+    from megaopd.objectives.losses import k3_kl  # here: the report reads metrics without torch
 
     k3 = k3_kl(batch.rollout_logprobs.double(), batch.sampling_logprobs.double()) * batch.response_mask
     metrics["rollout/behaviour_kl"] = float(k3.sum() / tokens)

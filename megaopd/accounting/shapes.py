@@ -1,6 +1,6 @@
 """The public architectures at full width and vocabulary (``REAL_SHAPES``): what ``megaopd plan`` plans a model by
 when its directory is not on this machine, what the rehearsal checks a model's split against, and what
-``megaopd make-embedded`` random-initialises at real shape (``megaopd.embedded``).
+``megaopd make-embedded`` random-initialises at real shape (``megaopd.models.embedded``).
 """
 
 from __future__ import annotations

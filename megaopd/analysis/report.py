@@ -2,7 +2,7 @@
 
     megaopd report runs/study [runs/study_seed1 ...] [--out DIR] [--target-fraction 0.9] [--metric greedy|sampled]
 
-Reads a study directory (``study.yaml`` plus one run directory per stage, see ``megaopd/study.py``) and writes
+Reads a study directory (``study.yaml`` plus one run directory per stage, see ``megaopd/run/study.py``) and writes
 ``report.md``, ``report.json`` (every number of the markdown) and PNG plots into ``<first study>/report/``. Several
 study directories of the same layout are read as seeds (a study run with ``seeds`` is its ``seed_<s>/``): each is
 analysed alone, then each headline number is shown as mean and min-max across them. Every comparison is computed
@@ -34,8 +34,8 @@ from megaopd.analysis.findings import (BY_ID, control_attainment, control_flops_
                                        needed, ratio)
 from megaopd.analysis.runs import stop_text  # noqa: E402
 from megaopd.analysis.stats import MIN_SEEDS, REPLICATES, UNMEASURED, interval_wording  # noqa: E402
-from megaopd.flops import COMPONENTS  # noqa: E402
-from megaopd.teacher_check import weaker  # noqa: E402
+from megaopd.accounting.flops import COMPONENTS  # noqa: E402
+from megaopd.teachers.check import weaker  # noqa: E402
 
 TARGET_STYLES = (":", "-.", "--")
 
@@ -342,10 +342,10 @@ def _control_markdown(r: dict, fraction: float) -> list[str]:
 
 
 def _teacher_markdown(r: dict) -> list[str]:
-    """Each external teacher's check (megaopd/teacher_check.py): the teachers and the student they start from on
+    """Each external teacher's check (megaopd/teachers/check.py): the teachers and the student they start from on
     the stage's validation prompts, at its token cap and sampling settings."""
     md = ["#### Teachers checked before OPD: validation accuracy, greedy and sampled, at the stage's token cap "
-          "(megaopd/teacher_check.py)", "",
+          "(megaopd/teachers/check.py)", "",
           "| OPD stage | model | role | domains | prompts | greedy | sampled | mean length | truncated |",
           "|---" * 9 + "|"]
     for stage, check in r.get("teacher_checks", {}).items():
@@ -467,7 +467,7 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
           "## Conventions", "",
           f"- x axis: `flops/total_{x}`, cumulative model FLOPs (1 MAC = 2 FLOPs, backward = 2x forward, causal "
           "attention halved, LM head where logits are used, R-1 decode forwards per response, real token counts: "
-          "megaopd/flops.py); E6 shares and E7 totals always use stage FLOPs "
+          "megaopd/accounting/flops.py); E6 shares and E7 totals always use stage FLOPs "
           "(`flops/total_stage`); the ledger table gives all totals. Teacher/student cost: FLOPs per token, 2 x "
           "matmul parameters of each (attention's length terms aside).",
           f"- accuracy: `accuracy_{metric}` on the test split; curves are the periodic evals on a fixed subset of it "

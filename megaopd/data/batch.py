@@ -52,7 +52,7 @@ class TokenBatch:
     teacher_topk_logprobs: torch.Tensor | None = None  # [B, S-1, K]
     teacher_tail: torch.Tensor | None = None  # [B, S-1]
     # [B, S-1] 1 where a token's teacher logprob is the teacher's own: all of them but where a teacher of another
-    # tokenizer split one of its tokens over several of the student's (megaopd.align); None without such a teacher
+    # tokenizer split one of its tokens over several of the student's (megaopd.teachers.cross_tokenizer); None without such a teacher
     teacher_exact: torch.Tensor | None = None
     teacher_route: torch.Tensor | None = None  # [B] long: index of each sample's teacher in TeacherRouter.routes
     teacher_row_start: torch.Tensor | None = None  # [B] long: first row of each sample's kept full-vocab teacher rows

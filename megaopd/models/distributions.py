@@ -1,7 +1,7 @@
 """The distribution helpers every backend shares: the top-p nucleus cut, the entropy, the top-k view of a
 log-softmax, and the top-k tail (the mass outside the K tokens, always by logsumexp) with its floor. The HF policy,
 the local sampler, the Megatron policy, the objectives and the SGLang teacher call these (the Megatron vocabulary shard's tail is the
-same logsumexp over TP slices: ``megaopd.megatron.vocab``).
+same logsumexp over TP slices: ``megaopd.models.megatron.vocab``).
 
 ``VocabView`` is how a training backend hands the objectives the student's distribution at a chunk of rows: the HF
 policy holds it whole (``WholeVocab``), a Megatron TP rank one slice of the vocabulary (``VocabShard``); the KL terms

@@ -17,7 +17,7 @@ import torch
 
 from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_splits
-from megaopd.shapes import REAL_SHAPES, real_model_config, real_shape
+from megaopd.accounting.shapes import REAL_SHAPES, real_model_config, real_shape
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaopd.packaged_models import PACKAGED, ModelImportError, check_sha256, packaged, packaged_gguf
+from megaopd.models.packaged_models import PACKAGED, ModelImportError, check_sha256, packaged, packaged_gguf
 
 log = logging.getLogger(__name__)
 

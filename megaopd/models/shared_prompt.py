@@ -196,7 +196,7 @@ def group_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_m
 def saved_flops(shape, ran: list[tuple[int, list[int], int]], causal: bool = True) -> int:
     """The FLOPs shared-prompt passes did not run: for each group (prompt length, response lengths, passes: 1 for a
     forward, 3 with its backward) as it ran, its unshared passes less its shared ones (``flops.scoring_flops``)."""
-    from megaopd.flops import scoring_flops
+    from megaopd.accounting.flops import scoring_flops
 
     return sum(passes * (scoring_flops(shape, [p], r, len(r), causal)
                          - scoring_flops(shape, [p], r, len(r), causal, shared_prompt=True)) for p, r, passes in ran)
@@ -350,12 +350,12 @@ def resolve(cfg):
 
 def problem(cfg) -> str | None:
     """Why ``train.shared_prompt`` cannot apply to the run ``cfg`` describes (None: it can)."""
-    from megaopd.methods import method
+    from megaopd.objectives.methods import method
 
     if method(cfg.train.algorithm).samples_per_prompt(cfg.rollout) < 2:
         return "one sample per prompt, so no prompt is shared"
     if cfg.model.backend == "megatron":
-        from megaopd.megatron.fp8 import use_te_spec
+        from megaopd.models.megatron.fp8 import use_te_spec
 
         if use_te_spec(cfg.model.megatron):
             return ("the Transformer Engine layer spec: its fused attention is not routed per segment (use "

@@ -33,12 +33,12 @@ from typing import Callable
 
 import torch
 
-from megaopd.batch import Sample, TokenBatch
+from megaopd.data.batch import Sample, TokenBatch
 from megaopd.config import (ConfigError, GRPOConfig, OPDConfig, OPSAConfig, OPSAScope, RunConfig, TrainConfig,
                             choices)
-from megaopd.distributions import TAIL_FLOOR, VocabView, WholeVocab
-from megaopd.methods import Method, method
-from megaopd.rollout import policy_temperature, reported_sampling
+from megaopd.models.distributions import TAIL_FLOOR, VocabView, WholeVocab
+from megaopd.objectives.methods import Method, method
+from megaopd.rollout.local import policy_temperature, reported_sampling
 
 # (the student's distribution at rows ``index`` of the micro-batch's rows, [c, V]; ``index``) -> one KL per row [c]
 RowTerm = Callable[[VocabView, slice], torch.Tensor]
@@ -269,7 +269,7 @@ def form_label(algorithm: str, opd: OPDConfig) -> str:
 
 def check_opd(opd: OPDConfig, backend: str, aligned: Collection[str] = ()) -> None:
     """Refuses, before any model loads, an OPD setting that the backend or the teacher engine cannot run: the one
-    place these refusals live (``megaopd.resolve.resolve_run`` calls it). ``aligned``: the routes
+    place these refusals live (``megaopd.run.resolve.resolve_run`` calls it). ``aligned``: the routes
     whose teacher has another tokenizer than the student (``align.alignment_tokenizers``, read by ``resolve_run``)."""
     if unknown := sorted(set(opd.teacher_tokenizer) - set(opd.teachers)):
         raise ConfigError(f"opd.teacher_tokenizer names route(s) {unknown} that opd.teachers does not have "

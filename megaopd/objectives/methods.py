@@ -4,9 +4,9 @@ FLOP components it books, and the one function that gives a step's FLOPs by comp
 The trainer, the planner (``megaopd plan``), the Slurm renderer, the rehearsal and the FLOP audit read this table;
 none of them tests an algorithm's name (the benches name the algorithms they compare). The table is the list of
 algorithm names: ``method(name)`` refuses any other where a run starts. A new method is one row here (and, if it
-brings a new loss, its class in ``megaopd.objectives``).
+brings a new loss, its class in ``megaopd.objectives.losses``).
 
-    from megaopd.methods import method
+    from megaopd.objectives.methods import method
     spec = method(cfg.train.algorithm)
     spec.rollouts, spec.uses_reference(cfg.grpo), spec.local_teachers(cfg.opd), spec.step_flops(cfg, student, ...)
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megaopd import flops
+from megaopd.accounting import flops
 from megaopd.config import GRPOConfig, OPDConfig, RolloutConfig, RunConfig, unknown_choice
 
 

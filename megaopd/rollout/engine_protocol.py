@@ -12,9 +12,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from megaopd.batch import Sample
+from megaopd.data.batch import Sample
 from megaopd.data.rows import Row
-from megaopd.policy_protocol import Policy
+from megaopd.models.policy_protocol import Policy
 
 
 @runtime_checkable

@@ -1,5 +1,5 @@
 """Rollout engines: sample responses with per-token logprobs. ``local`` runs in-process; ``sglang`` on servers
-(``megaopd.serving.engine``).
+(``megaopd.rollout.serving.engine``).
 
 The interface every engine implements:
 
@@ -7,12 +7,12 @@ The interface every engine implements:
     engine.sync_weights(policy)     # after each update (version: default the next); the local engine shares the
                                     # trainer's weights, so it only counts
     engine.weight_version           # stamped on every sample
-    engine.shares_policy_weights    # True: samples from the trainer's own model (megaopd.rollout_pipeline)
+    engine.shares_policy_weights    # True: samples from the trainer's own model (megaopd.rollout.pipeline)
     engine.close()                  # stop what the engine started
 
 The local engine prefills each distinct prompt once and shares its KV cache across the group
 (``batch_repeat_interleave``), the prefill the ledger bills (docs/flops.md, "Shared work"). Decode steps go
-through ``megaopd.decode.FusedDecoder`` for the families it knows, else through the model's own forward.
+through ``megaopd.rollout.decode.FusedDecoder`` for the families it knows, else through the model's own forward.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Callable
 
 import torch
 
-from megaopd.batch import Sample
-from megaopd.chat import chat_prompt_ids_batch
+from megaopd.data.batch import Sample
+from megaopd.models.chat import chat_prompt_ids_batch
 from megaopd.config import ConfigError
-from megaopd.decode import FusedDecoder, cache_argument
+from megaopd.rollout.decode import FusedDecoder, cache_argument
 from megaopd.data.rows import Row
-from megaopd.distributions import nucleus
-from megaopd.policy_protocol import Policy
+from megaopd.models.distributions import nucleus
+from megaopd.models.policy_protocol import Policy
 
 
 def sampling_generator(device: torch.device | str, seed: int) -> torch.Generator:

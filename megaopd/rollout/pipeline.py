@@ -39,11 +39,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from megaopd.batch import Sample, TeacherScores
+from megaopd.data.batch import Sample, TeacherScores
 from megaopd.config import ConfigError
 from megaopd.data.rows import Row
 from megaopd.data.sampler import PromptSampler
-from megaopd.serving.leader import is_leader, leader_only, on_leader
+from megaopd.rollout.serving.leader import is_leader, leader_only, on_leader
 
 
 @dataclass

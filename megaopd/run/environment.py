@@ -3,7 +3,7 @@
 A multi-node job learns only as it runs where its SGLang servers came up and which address its trainer node has
 (slurm/stage_multinode.sbatch), and a machine may keep SGLang's or the sandbox's interpreter somewhere of its own: the
 job or the user hands these over as environment variables. ``apply`` writes them into the config fields below, once,
-where a run starts training (``trainer.train``: `megaopd train`, ``megaopd.megatron.launch``, `megaopd study`; the
+where a run starts training (``trainer.train``: `megaopd train`, ``megaopd.models.megatron.launch``, `megaopd study`; the
 sandbox's also for `megaopd eval`); every other module reads its config section, never the environment, and the
 run's config.yaml records what it used.
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from megaopd.batch import Sample
+from megaopd.data.batch import Sample
 from megaopd.config import EvalConfig
 from megaopd.data.rows import Row
-from megaopd.metrics import per_domain_means
-from megaopd.rollout import sampling_generator
-from megaopd.serving.leader import on_leader
+from megaopd.accounting.metrics import per_domain_means
+from megaopd.rollout.local import sampling_generator
+from megaopd.rollout.serving.leader import on_leader
 from megaopd.verifiers import score, verifier_errors
 
 

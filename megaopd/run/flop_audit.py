@@ -2,7 +2,7 @@
 
 ``audit_step(cfg)`` builds the run's ``Trainer`` and runs one step of its method (``rl_step``; an SFT run's
 ``sft_step``) under one ``FlopCounterMode``: every forward and backward the step executes is counted, whichever
-call runs it, and compared with the ledger's bill for that step (``megaopd.flops``, booked by
+call runs it, and compared with the ledger's bill for that step (``megaopd.accounting.flops``, booked by
 ``Trainer._book_flops``). A pass that no formula bills (a new forward added to the step) shows as the step measuring
 more than its formula, and ``StepAudit.mismatches`` names it. The same count is split over the ledger's components
 by the calls that run each one's passes (the engine's generation, the policy's scoring and update, the reference's
@@ -24,7 +24,7 @@ as the ledger does). Activation recomputation (``model.activation_checkpointing`
 not bill: the audit reports it as a mismatch of the update.
 
     from megaopd.config import load_config
-    from megaopd.flop_audit import audit_step
+    from megaopd.run.flop_audit import audit_step
     audit = audit_step(load_config("my.yaml", ["train.prompts_per_step=1"]))   # {component: Audit}
     assert not audit.mismatches()
 
@@ -38,10 +38,10 @@ import contextlib
 from dataclasses import dataclass
 from unittest import mock
 
-from megaopd import flops
+from megaopd.accounting import flops
 from megaopd.config import RunConfig
-from megaopd.hf_policy import HFPolicy
-from megaopd.methods import method
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.objectives.methods import method
 
 
 @dataclass
@@ -180,7 +180,7 @@ def _check_unpadded(trainer, cfg: RunConfig) -> None:
 def audit_step(cfg: RunConfig) -> StepAudit:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     _check_auditable(cfg)
     phases = _Phases()

@@ -1,5 +1,5 @@
 """Plan a run's memory per GPU rank and the cost of one step before it starts (the trainer's check before step 1,
-and `megaopd plan`, whose command and study-level planning are in ``megaopd.study_plan``).
+and `megaopd plan`, whose command and study-level planning are in ``megaopd.run.study_plan``).
 
 A model is read from its directory's config.json, or, when the directory is not on this machine, from the real-shape
 preset its name starts with (``/models/Qwen3-1.7B`` -> ``qwen3-1.7b``; a study stage's ``{out}/<stage>/final`` has
@@ -30,7 +30,7 @@ phase. The formulas, per rank (b = bytes of model.dtype):
   hardware work the ledger does not bill, ``flops.teacher_passes``).
 * rollout KV cache (local engine): rollout.batch_prompts x samples x (plan.prompt_tokens + max_new_tokens)
   positions, plus the prefill cache the fused decoder is seeded from and its packed weight copies.
-Step FLOPs are the method's (``megaopd.methods``) with every prompt plan.prompt_tokens long, every response at
+Step FLOPs are the method's (``megaopd.objectives.methods``) with every prompt plan.prompt_tokens long, every response at
 max_new_tokens and every prompt routed to the costliest teacher (an upper bound), and the time assumes plan.mfu of
 plan.peak_tflops on every trainer GPU for them plus the teachers' forced re-runs.
 """
@@ -43,11 +43,11 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megaopd import flops
+from megaopd.accounting import flops
 from megaopd.config import ConfigError, RunConfig, TrainConfig
 from megaopd.errors import UserError
-from megaopd.methods import method
-from megaopd.shapes import REAL_SHAPES, real_model_config, real_shape
+from megaopd.objectives.methods import method
+from megaopd.accounting.shapes import REAL_SHAPES, real_model_config, real_shape
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -125,7 +125,7 @@ class Arch:
 
     def shared_activation_bytes(self, groups: int, samples: int, prompt: int, response: int, b: int,
                                 layers: int | None = None, checkpointed: bool = False, per_group: bool = False) -> int:
-        """The same over a shared-prompt micro-batch (``megaopd.shared_prompt``, the HF backend): the flat sequence of
+        """The same over a shared-prompt micro-batch (``megaopd.models.shared_prompt``, the HF backend): the flat sequence of
         groups x prompt + samples x response tokens, and beyond its per-token tensors, per layer the joined attention
         output and each response's keys and values over prompt + response (its KV heads), and the responses' mask:
         in the one masked call (CPU) one additive row block per sample, a tensor that every layer shares; where the
@@ -280,7 +280,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
         groups = max(1, rows_per_mb // n)
         rows_per_mb = min(groups * n, rows_per_mb)
         tokens = groups * p.prompt_tokens + rows_per_mb * r.max_new_tokens
-        from megaopd.shared_prompt import PER_GROUP_DEVICES
+        from megaopd.models.shared_prompt import PER_GROUP_DEVICES
 
         acts = arch.shared_activation_bytes(groups, rows_per_mb, p.prompt_tokens, r.max_new_tokens, b, layers,
                                             checkpointed, m.device.split(":")[0] in PER_GROUP_DEVICES)

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megaopd import shared_prompt
-from megaopd.align import alignment_tokenizers
+from megaopd.models import shared_prompt
+from megaopd.teachers.cross_tokenizer import alignment_tokenizers
 from megaopd.config import DataConfig, RunConfig
 from megaopd.data.rows import Row, load_split
 from megaopd.errors import DataError, UserError, require_file
-from megaopd.methods import Method, method
-from megaopd.objectives import check_is_correction, check_opd, check_opsa, check_temperature, resolve_tis
-from megaopd.plan import Plan, check_chunk_rows, check_run, chunk_rows
-from megaopd.stopping import StopRule, check_stop
+from megaopd.objectives.methods import Method, method
+from megaopd.objectives.losses import check_is_correction, check_opd, check_opsa, check_temperature, resolve_tis
+from megaopd.run.plan import Plan, check_chunk_rows, check_run, chunk_rows
+from megaopd.run.stopping import StopRule, check_stop
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from megaopd.analysis.curves import flops_to_target, smooth
 from megaopd.config import ConfigError, CoverConfig, StopConfig
-from megaopd.evaluate import VALID, final_prefix
-from megaopd.finished import SUMMARY
-from megaopd.metrics import read_metrics
+from megaopd.run.evaluate import VALID, final_prefix
+from megaopd.run.finished import SUMMARY
+from megaopd.accounting.metrics import read_metrics
 
 TEACHER_GAP = "teacher_gap"
 METRIC = "accuracy_greedy"  # always evaluated (eval.sampled may be off)

@@ -1,6 +1,6 @@
 """A study: a list of stages, each a normal run directory, run after the stages it names; a finished stage is
 reused, an interrupted one resumes from its last checkpoint, and one whose train.steps was raised trains on from it
-(``megaopd.finished``: the rule of ``trainer.train``, which runs every stage).
+(``megaopd.run.finished``: the rule of ``trainer.train``, which runs every stage).
 
     megaopd study configs/studies/self_teacher.yaml [seeds=[0,1,2]]
 
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from megaopd import allocator
+from megaopd.run import allocator
 from megaopd.config import ConfigError, RunConfig, load_config, save_config
-from megaopd.embedded import make_embedded
+from megaopd.models.embedded import make_embedded
 from megaopd.errors import StudyError
-from megaopd.finished import finished_summary
-from megaopd.methods import method
-from megaopd.metrics import read_metrics
-from megaopd.resolve import resolve_stage
-from megaopd.trainer import train
+from megaopd.run.finished import finished_summary
+from megaopd.objectives.methods import method
+from megaopd.accounting.metrics import read_metrics
+from megaopd.run.resolve import resolve_stage
+from megaopd.run.trainer import train
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class StageConfig:
     # With seeds: one run for all of them, in the first seed's directory, which the other seeds' {out}/<name> links
     # to. For the study's inputs (the external teacher "trained elsewhere"), not for what the seeds measure.
     shared: bool = False
-    # For opd_external*: the stage refuses a teacher not above its student on validation (megaopd/teacher_check.py)
+    # For opd_external*: the stage refuses a teacher not above its student on validation (megaopd/teachers/check.py)
     # unless this runs it on purpose; the report then marks its findings "teacher below student".
     allow_weaker_teacher: bool = False
 
@@ -125,7 +125,7 @@ def seed_studies(study: StudyConfig) -> list[StudyConfig]:
 
 def stage_overrides(study: StudyConfig, stage: StageConfig) -> list[str]:
     """The overrides a stage's config runs with, here and on Slurm: the study's seed, an external teacher's check
-    (``megaopd.teacher_check``), then the stage's own."""
+    (``megaopd.teachers.check``), then the stage's own."""
     check = ["opd.check_teacher=true", f"opd.allow_weaker_teacher={str(stage.allow_weaker_teacher).lower()}"]
     return ([f"train.seed={study.seed}"] + (check if stage.method in EXTERNAL_TEACHER else [])
             + [study.substitute(o) for o in stage.overrides])
@@ -145,7 +145,7 @@ def stage_config(study: StudyConfig, stage: StageConfig, launch_overrides: list[
 
 def stage_finished(study: StudyConfig, stage: StageConfig, launch_overrides: list[str] = ()) -> bool:
     """Whether the stage's run ended under the step cap its config (as its job loads it) sets: the rule of
-    ``megaopd.finished``, for the launchers that decide before any job runs."""
+    ``megaopd.run.finished``, for the launchers that decide before any job runs."""
     cap = stage_config(study, stage, launch_overrides).train.steps
     return finished_summary(Path(study.out) / stage.name, cap) is not None
 
@@ -162,7 +162,7 @@ def build_assets(study: StudyConfig) -> None:
                       a.validation_rows)
     for name in map(study.substitute, a.imported):
         if not (out / "models" / name / "config.json").exists():
-            from megaopd.model_import import import_model
+            from megaopd.models.model_import import import_model
 
             import_model(name, None, str(out / "models" / name))
     if a.word_problem_digits:

@@ -1,5 +1,5 @@
 """`megaopd plan`: plan a run config, or every stage of a study file, before it runs (the per-run planner and its
-formulas are ``megaopd.plan``; this module reads studies, so the trainer's plan check does not import the study).
+formulas are ``megaopd.run.plan``; this module reads studies, so the trainer's plan check does not import the study).
 
     megaopd plan configs/cluster/grpo.yaml model.path=/models/Qwen3-1.7B --memory-gib 141
     megaopd plan configs/studies/cluster/two_domain_qwen3.yaml [--stage expert_math]
@@ -13,18 +13,18 @@ from pathlib import Path
 
 import yaml
 
-from megaopd import plan as run_plan
+from megaopd.run import plan as run_plan
 from megaopd.config import ConfigError, load_config
 from megaopd.errors import UserError, require_file
-from megaopd.plan import Plan, build_plan, device_budget
-from megaopd.resolve import resolve_run, resolve_stage
+from megaopd.run.plan import Plan, build_plan, device_budget
+from megaopd.run.resolve import resolve_run, resolve_stage
 
 
 def plan_study(path: str, overrides: list[str], run_overrides: list[str], stage: str = "") -> list[Plan]:
     """One plan per stage of a study file (or the named stage), of the run it resolves to (what `megaopd train` would
     refuse is refused here, naming the stage). A stage's ``{out}/<name>/final`` model has the shape of that stage's
     own model."""
-    from megaopd.study import StudyConfig, stage_config  # here: the study imports the trainer
+    from megaopd.run.study import StudyConfig, stage_config  # here: the study imports the trainer
 
     study = load_config(path, overrides, cls=StudyConfig)
     names = [s.name for s in study.stages]

@@ -2,7 +2,7 @@
 
     prompts -> rollouts -> rewards -> teacher logprobs -> loss / update -> weight sync -> ledger
 
-(prompts -> rollouts through ``megaopd.rollout_pipeline``, which generates up to ``rollout.max_staleness`` steps
+(prompts -> rollouts through ``megaopd.rollout.pipeline``, which generates up to ``rollout.max_staleness`` steps
 ahead, and where teacher servers score the samples as they arrive)
 
 and ``fit`` for what happens around every step (eval, metrics, checkpoint) and at the end (final eval, HF export
@@ -28,26 +28,27 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from megaopd import environment, verifiers
-from megaopd.batch import Sample, TeacherScores, TokenBatch, collate
-from megaopd.chat import chat_prompt_ids
-from megaopd.checkpoint import Checkpointer, rng_state, set_rng_state, state_bytes
+from megaopd import verifiers
+from megaopd.run import environment
+from megaopd.data.batch import Sample, TeacherScores, TokenBatch, collate
+from megaopd.models.chat import chat_prompt_ids
+from megaopd.models.checkpoint import Checkpointer, rng_state, set_rng_state, state_bytes
 from megaopd.config import RunConfig, save_config
 from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
 from megaopd.errors import UserError, space_for
-from megaopd.evaluate import VALID, Evaluator, score_samples
-from megaopd.finished import FINAL_DIR, SUMMARY, finished_summary
-from megaopd.hf_policy import HFPolicy
-from megaopd.ledger import Ledger
-from megaopd.metrics import MetricsLogger, read_metrics, rollout_metrics
-from megaopd.objectives import ISCorrection, build_objective, form_label, is_correction
-from megaopd.policy_protocol import Policy
-from megaopd.resolve import resolve_run
-from megaopd.rollout import LocalEngine, policy_temperature, reported_sampling, sampling_generator
-from megaopd.rollout_pipeline import RolloutPipeline, StepRollouts
-from megaopd.teacher_check import gate as teacher_gate
-from megaopd.teachers import TeacherRouter, local_teachers
+from megaopd.run.evaluate import VALID, Evaluator, score_samples
+from megaopd.run.finished import FINAL_DIR, SUMMARY, finished_summary
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.accounting.ledger import Ledger
+from megaopd.accounting.metrics import MetricsLogger, read_metrics, rollout_metrics
+from megaopd.objectives.losses import ISCorrection, build_objective, form_label, is_correction
+from megaopd.models.policy_protocol import Policy
+from megaopd.run.resolve import resolve_run
+from megaopd.rollout.local import LocalEngine, policy_temperature, reported_sampling, sampling_generator
+from megaopd.rollout.pipeline import RolloutPipeline, StepRollouts
+from megaopd.teachers.check import gate as teacher_gate
+from megaopd.teachers.router import TeacherRouter, local_teachers
 
 log = logging.getLogger(__name__)
 # Exit status after a preemption signal: the checkpoint is written and the same command resumes (EX_TEMPFAIL).
@@ -57,10 +58,10 @@ PREEMPTED_EXIT = 75
 def build_policy(cfg: RunConfig, trainable: bool = True) -> Policy:
     optim = cfg.optim if trainable else None
     if cfg.model.backend == "megatron":  # megatron-core under torchrun; imported only when chosen
-        from megaopd.megatron import require
+        from megaopd.models.megatron import require
 
         require()
-        from megaopd.megatron.policy import MegatronPolicy
+        from megaopd.models.megatron.policy import MegatronPolicy
 
         ckpt = cfg.model.megatron.checkpoint_dir or str(Path(cfg.run_dir) / "megatron_checkpoints")
         return MegatronPolicy(cfg.model, optim, seed=cfg.train.seed, checkpoint_dir=ckpt, keep=cfg.checkpoint.keep,
@@ -71,7 +72,7 @@ def build_policy(cfg: RunConfig, trainable: bool = True) -> Policy:
 
 def build_engine(cfg: RunConfig, policy):
     if cfg.rollout.engine == "sglang":
-        from megaopd.serving.engine import SGLangEngine
+        from megaopd.rollout.serving.engine import SGLangEngine
 
         return SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
     return LocalEngine(policy, cfg.rollout.batch_prompts)
@@ -91,15 +92,15 @@ def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False,
     teacher_dtype = cfg.opd.teacher_dtype or cfg.model.dtype
     if cfg.opd.teacher_engine == "local":
         if cfg.model.backend == "megatron":  # frozen megatron models at model.megatron.teacher_tp, in model.dtype
-            from megaopd.megatron.policy import megatron_teachers
+            from megaopd.models.megatron.policy import megatron_teachers
 
             return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer, **sampling)
         return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model, cfg.train.logit_chunk_rows, teacher_dtype),
                              student_tokenizer, **sampling, recompute=recompute,
                              teacher_tokenizers=aligned)
-    from megaopd.serving.teacher import SGLangTeacher
+    from megaopd.rollout.serving.teacher import SGLangTeacher
 
-    urls = cfg.opd.teacher_urls  # a multi-node job's servers among them (megaopd.environment)
+    urls = cfg.opd.teacher_urls  # a multi-node job's servers among them (megaopd.run.environment)
     return TeacherRouter(cfg.opd.teachers, lambda route, path: SGLangTeacher(
         path, urls.get(route, []), cfg.rollout.sglang, teacher_dtype, cfg.run_dir, f"teacher_{route}"),
         student_tokenizer, **sampling, servers=True, teacher_tokenizers=aligned)
@@ -125,7 +126,7 @@ def merge_updates(updates: list[tuple[dict[str, float], float]]) -> dict[str, fl
 
 class Trainer:
     def __init__(self, cfg: RunConfig):
-        # Every setting derived and refused (megaopd.resolve), the data read, before the run directory is made and
+        # Every setting derived and refused (megaopd.run.resolve), the data read, before the run directory is made and
         # any model is loaded; config.yaml holds what the run does.
         run = resolve_run(cfg)
         self.method = spec = run.method
@@ -460,14 +461,14 @@ def nonfinite_quantity(update: dict[str, float], batch: TokenBatch) -> str:
 
 
 def train(cfg: RunConfig, stage_dir: str | None = None) -> dict:
-    """Train the run `cfg` describes, unless it already ended under the same step cap (``megaopd.finished``).
-    `stage_dir`: the run directory every rank shares where cfg.run_dir is a rank's own (megaopd.megatron.launch):
+    """Train the run `cfg` describes, unless it already ended under the same step cap (``megaopd.run.finished``).
+    `stage_dir`: the run directory every rank shares where cfg.run_dir is a rank's own (megaopd.models.megatron.launch):
     all ranks decide alike.
 
     A preemption signal that lands after the last step (in the final eval or the export) still requeues the job
     (torchrun exits 1 after any signal): the requeued run must not train the finished stage again. A larger
     train.steps continues a finished run from its latest checkpoint. What a launch script hands over in environment
-    variables (servers, interpreters) enters the config here, once (``megaopd.environment``)."""
+    variables (servers, interpreters) enters the config here, once (``megaopd.run.environment``)."""
     run_dir = Path(stage_dir or cfg.run_dir)
     summary = finished_summary(run_dir, cfg.train.steps)
     if summary is not None:

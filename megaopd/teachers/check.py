@@ -19,7 +19,7 @@ from pathlib import Path
 from megaopd.config import ANY_DOMAIN, RunConfig
 from megaopd.data.rows import Row
 from megaopd.errors import UserError
-from megaopd.metrics import per_domain_means
+from megaopd.accounting.metrics import per_domain_means
 
 log = logging.getLogger(__name__)
 CHECK_FILE = "teacher_check.json"
@@ -42,9 +42,9 @@ def teacher_domains(teachers: dict[str, str], domains: list[str]) -> dict[str, l
 def answer(cfg: RunConfig, path: str, rows: list[Row]) -> dict:
     """One model's validation answers at the run's token cap: per mode, accuracy per domain and their mean, mean
     response length and the share cut at the cap. Greedy, then sampled at the rollout's settings."""
-    from megaopd.evaluate import score_samples  # here: the report reads CHECK_FILE without loading torch
-    from megaopd.hf_policy import HFPolicy
-    from megaopd.rollout import LocalEngine, sampling_generator
+    from megaopd.run.evaluate import score_samples  # here: the report reads CHECK_FILE without loading torch
+    from megaopd.models.hf_policy import HFPolicy
+    from megaopd.rollout.local import LocalEngine, sampling_generator
 
     policy = HFPolicy(replace(cfg.model, path=path))  # generation only: no optimizer, the HF backend on any run
     engine = LocalEngine(policy, cfg.rollout.batch_prompts)
@@ -71,7 +71,7 @@ def measure(cfg: RunConfig, valid_rows: list[Row], train_domains: list[str]) -> 
         raise WeakTeacher(f"the teacher check needs validation prompts of the trained domains {train_domains}; set "
                           "data.validation to their validation split")
     served = teacher_domains(cfg.opd.teachers, sorted(rows))
-    from megaopd.serving.leader import on_leader
+    from megaopd.rollout.serving.leader import on_leader
 
     def run() -> dict:
         student = answer(cfg, cfg.model.path, [r for d in sorted(rows) for r in rows[d]])

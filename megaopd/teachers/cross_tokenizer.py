@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from megaopd.batch import Sample, TokenBatch, collate
-from megaopd.chat import chat_prompt_ids
+from megaopd.data.batch import Sample, TokenBatch, collate
+from megaopd.models.chat import chat_prompt_ids
 from megaopd.errors import ModelError
 
 _ESCAPED = re.compile("([\udc80-\udcff])")  # bytes that are not UTF-8, as `surrogateescape` decodes them

@@ -2,7 +2,7 @@
 
 ``opd.teachers`` maps a domain (``extra_info.domain``, else ``data_source``) to an HF directory; ``"*"`` serves every
 domain not named. A domain with no teacher is an error before the first step, not a silent skip. A teacher is
-a ``Teacher`` (below): an in-process ``HFPolicy``, or an ``SGLangTeacher`` (``megaopd.serving.teacher``);
+a ``Teacher`` (below): an in-process ``HFPolicy``, or an ``SGLangTeacher`` (``megaopd.rollout.serving.teacher``);
 ``load(route, path)`` builds one per distinct directory.
 
 What the batch holds per form (docs/opd.md): sampled, the teacher's logprob of each realised token [B, S-1]; topk,
@@ -16,7 +16,7 @@ All of them score at the run's one temperature, the student's (``rollout.policy_
 cut to the rollout's top-p when ``opd.match_sampling``; ``objectives.check_temperature`` refuses the rest.
 
 A teacher of another tokenizer (or one named in ``opd.teacher_tokenizer``) scores its own tokens of each sample
-through ``megaopd.align``, whichever engine it runs on, in the sampled form only; ``token_counts`` gives the
+through ``megaopd.teachers.cross_tokenizer``, whichever engine it runs on, in the sampled form only; ``token_counts`` gives the
 ledger its tokens.
 """
 
@@ -28,12 +28,12 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from megaopd.align import CrossTokenizer
-from megaopd.batch import Sample, TokenBatch
+from megaopd.teachers.cross_tokenizer import CrossTokenizer
+from megaopd.data.batch import Sample, TokenBatch
 from megaopd.config import ANY_DOMAIN, ConfigError, ModelConfig
 from megaopd.errors import ModelError
-from megaopd.flops import ModelShape, recompute_flops
-from megaopd.hf_policy import HFPolicy
+from megaopd.accounting.flops import ModelShape, recompute_flops
+from megaopd.models.hf_policy import HFPolicy
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Teacher(Protocol):
     ``MegatronPolicy``): the tokenizer its directory reads text with, its shape (what the ledger bills), and its
     scores of a batch of its own token ids: each realised token's logprob [B, S-1] and a top-k view (``realised``,
     ``topk_ids``, ``topk``, ``tail``), 0 off the response, under the given sampling settings (an engine that cannot
-    follow them refuses). A teacher of another tokenizer asks nothing more: ``megaopd.align`` hands it its own ids.
+    follow them refuses). A teacher of another tokenizer asks nothing more: ``megaopd.teachers.cross_tokenizer`` hands it its own ids.
     Local teachers also give the full form's rows (``scored_rows``, ``full_rows``); a server cannot.
     tests/test_teacher_contract.py runs the same cases on the local and the server engine."""
 
@@ -87,7 +87,7 @@ class TeacherRouter:
         for route, path in self.paths.items():
             if path not in loaded:
                 loaded[path] = load(route, path)
-        # route -> the alignment of a teacher of another tokenizer: it scores its own tokens (megaopd.align)
+        # route -> the alignment of a teacher of another tokenizer: it scores its own tokens (megaopd.teachers.cross_tokenizer)
         self.aligners: dict[str, CrossTokenizer] = {}
         for route, path in self.paths.items():
             teacher, named = loaded[path], (teacher_tokenizers or {}).get(route)

@@ -6,12 +6,12 @@ in a subclass of the bridge mbridge picks (nothing of mbridge is patched):
 
 * the layer spec: mbridge hard-codes Transformer Engine; without TE we take megatron's local spec, whose norms
   are separate modules (``input_layernorm``, ``pre_mlp_layernorm``), renamed to the TE-fused names mbridge maps,
-  and whose core attention can run a shared-prompt layout (``megaopd.megatron.shared_prompt``);
+  and whose core attention can run a shared-prompt layout (``megaopd.models.megatron.shared_prompt``);
 * tied embeddings: mbridge's Qwen2 bridge rewrites its *class* map when a config is tied (so a later untied model
   of the same class would load ``lm_head`` from the embedding) and Llama's never does; we keep the map per bridge;
 * ``rope_theta``: transformers 5 moved it into ``rope_parameters``; mbridge still reads the attribute;
 * the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * tp`` like Megatron-LM does; the
-  padded rows are zero and ``megaopd.megatron.vocab`` masks them out of every softmax.
+  padded rows are zero and ``megaopd.models.megatron.vocab`` masks them out of every softmax.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _bridge_class(model_type: str):
         def _get_transformer_layer_spec(self, vp_stage=None):
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-            from megaopd.megatron.shared_prompt import segment_attention_spec
+            from megaopd.models.megatron.shared_prompt import segment_attention_spec
 
             spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=self.use_te, vp_stage=vp_stage)
             return spec if self.use_te else segment_attention_spec(spec)

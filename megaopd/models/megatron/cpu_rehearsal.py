@@ -2,9 +2,9 @@
 
 megatron-core hard-codes CUDA in a few places (each redirect below says which call and why it exists; every one
 was shown necessary by leaving it out). ``redirect_cuda_to_cpu()`` sends those calls to
-the CPU. Two users: the test processes (tests/megatron_cpu.py) and ``python -m megaopd.megatron.cpu_launch``, the
+the CPU. Two users: the test processes (tests/megatron_cpu.py) and ``python -m megaopd.models.megatron.cpu_launch``, the
 trainer entry point of a cluster rehearsal on CPU nodes (launch setting ``trainer_module``). The GPU path,
-``megaopd.megatron.launch``, never imports this module: there the real calls run.
+``megaopd.models.megatron.launch``, never imports this module: there the real calls run.
 
 It must run before the first megatron import that binds one of these names (``tensor_parallel/layers.py`` binds the
 RNG tracker at import, which is why models are built with ``use_cpu_initialization=True``).

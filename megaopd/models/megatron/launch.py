@@ -1,6 +1,6 @@
 """Train one stage with the megatron backend: every torchrun rank runs the same trainer loop.
 
-    torchrun --nproc-per-node 2 -m megaopd.megatron.launch CONFIG model.backend=megatron model.megatron.tp=2 ...
+    torchrun --nproc-per-node 2 -m megaopd.models.megatron.launch CONFIG model.backend=megatron model.megatron.tp=2 ...
 
 Each rank holds the full (small) step batch: rollouts, rewards and teacher scores are computed identically on every
 rank from the same seed (the local engine samples from an HF copy of the Megatron weights, refreshed after each
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from megaopd.config import RunConfig, load_config
-from megaopd.megatron import require
+from megaopd.models.megatron import require
 
 
 def rank_config(config: str | None, overrides: list[str], rank: int) -> tuple[RunConfig, str]:
@@ -30,7 +30,7 @@ def rank_config(config: str | None, overrides: list[str], rank: int) -> tuple[Ru
     stage's run directory (rank 0's)."""
     cfg = load_config(config, overrides)
     if cfg.model.backend != "megatron":
-        raise ValueError("megaopd.megatron.launch trains with model.backend=megatron (add it to the overrides)")
+        raise ValueError("megaopd.models.megatron.launch trains with model.backend=megatron (add it to the overrides)")
     if not cfg.model.megatron.checkpoint_dir:
         cfg.model.megatron.checkpoint_dir = str(Path(cfg.run_dir) / "megatron_checkpoints")
     stage_dir = cfg.run_dir
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
-    from megaopd import allocator
-    from megaopd.trainer import train
+    from megaopd.run import allocator
+    from megaopd.run.trainer import train
 
     cfg, stage_dir = rank_config(argv[0], argv[1:], rank)
     allocator.keep_heap_for([cfg.model.device])  # a CPU rehearsal's rank (cpu_launch): its allocator (allocator.py)

@@ -20,7 +20,7 @@ def init_distributed() -> None:
         return
     if "RANK" not in os.environ:
         raise RuntimeError("model.backend=megatron runs under torchrun (e.g. `torchrun --nproc-per-node 2 -m "
-                           "megaopd.megatron.launch CONFIG model.backend=megatron ...`); RANK/WORLD_SIZE are not set")
+                           "megaopd.models.megatron.launch CONFIG model.backend=megatron ...`); RANK/WORLD_SIZE are not set")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
@@ -29,7 +29,7 @@ def init_distributed() -> None:
         except (AssertionError, RuntimeError):
             raise RuntimeError("model.backend=megatron needs CUDA GPUs (megatron-core calls CUDA directly); on CPU "
                                "it runs only under the rehearsal entry point, which redirects those calls "
-                               "(torchrun ... -m megaopd.megatron.cpu_launch). Use model.backend=hf on CPU.") from None
+                               "(torchrun ... -m megaopd.models.megatron.cpu_launch). Use model.backend=hf on CPU.") from None
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 

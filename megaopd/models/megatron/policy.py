@@ -1,6 +1,6 @@
 """The megatron-core backend: the same calls as ``HFPolicy``, on a TP/PP/DP-parallel GPT model.
 
-    torchrun --nproc-per-node 2 -m megaopd.megatron.launch cfg.yaml model.backend=megatron model.megatron.tp=2
+    torchrun --nproc-per-node 2 -m megaopd.models.megatron.launch cfg.yaml model.backend=megatron model.megatron.tp=2
 
 Every call is collective: all ranks call it with the same global ``TokenBatch`` and get the same result back.
 Inside, the batch is padded to a multiple of dp * micro_batch_size with all-masked rows (never counted: the loss
@@ -30,21 +30,21 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as recomputed
 
-from megaopd.batch import TokenBatch
-from megaopd.checkpoint import load_state
+from megaopd.data.batch import TokenBatch
+from megaopd.models.checkpoint import load_state
 from megaopd.config import ModelConfig, OptimConfig
-from megaopd.flops import ModelShape, train_flops
-from megaopd.megatron import bridge as hf_bridge
-from megaopd.megatron import checkpoint
-from megaopd.megatron.fp8 import fp8_overrides, use_te_spec
-from megaopd.megatron.parallel import init_model_parallel, model_device, student_layout, teacher_layout
-from megaopd.megatron.rollout_copy import RolloutCopy
-from megaopd.megatron.shared_prompt import shared_forward
-from megaopd.megatron.vocab import VocabShard
-from megaopd.metrics import device_clock, step_perf
-from megaopd.policy_protocol import TokenizerIds
-from megaopd.distributions import topk_view
-from megaopd.shared_prompt import PromptGroups, saved_flops
+from megaopd.accounting.flops import ModelShape, train_flops
+from megaopd.models.megatron import bridge as hf_bridge
+from megaopd.models.megatron import checkpoint
+from megaopd.models.megatron.fp8 import fp8_overrides, use_te_spec
+from megaopd.models.megatron.parallel import init_model_parallel, model_device, student_layout, teacher_layout
+from megaopd.models.megatron.rollout_copy import RolloutCopy
+from megaopd.models.megatron.shared_prompt import shared_forward
+from megaopd.models.megatron.vocab import VocabShard
+from megaopd.accounting.metrics import device_clock, step_perf
+from megaopd.models.policy_protocol import TokenizerIds
+from megaopd.models.distributions import topk_view
+from megaopd.models.shared_prompt import PromptGroups, saved_flops
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class MegatronPolicy(TokenizerIds):
         if logit_chunk_rows < 1:
             raise ValueError(f"train.logit_chunk_rows must be >= 1, got {logit_chunk_rows}")
         self.logit_chunk_rows = logit_chunk_rows  # positions per output-layer chunk in training (whole sequences)
-        self.shared_prompt = shared_prompt  # each micro-batch as megaopd.shared_prompt's flat layout
+        self.shared_prompt = shared_prompt  # each micro-batch as megaopd.models.shared_prompt's flat layout
         self.shared_groups: list[tuple[int, list[int], int]] = []  # (prompt length, response lengths, passes) run
         self._active: PromptGroups | None = None  # the layout of the forward running now
         if optim is None:

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from megaopd.megatron import bridge as hf_bridge
+from megaopd.models.megatron import bridge as hf_bridge
 
 
 class RolloutCopy:

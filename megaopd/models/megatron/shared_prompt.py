@@ -1,4 +1,4 @@
-"""The shared-prompt layout (``megaopd.shared_prompt``) on megatron-core: one flat sequence per micro-batch, the
+"""The shared-prompt layout (``megaopd.models.shared_prompt``) on megatron-core: one flat sequence per micro-batch, the
 local spec's core attention run per segment, rotary embeddings at each token's own position.
 
     spec = segment_attention_spec(spec)                 # the bridge's local layer spec
@@ -7,7 +7,7 @@ local spec's core attention run per segment, rotary embeddings at each token's o
 
 megatron's GPT model takes rotary positions from the sequence index, not from ``position_ids``: a forward hook on its
 rotary embedding hands each token the embedding of its own position instead. The Transformer Engine spec's fused
-attention is not routed (``megaopd.shared_prompt.problem`` turns the switch off there).
+attention is not routed (``megaopd.models.shared_prompt.problem`` turns the switch off there).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from megaopd.shared_prompt import PromptGroups
+from megaopd.models.shared_prompt import PromptGroups
 
 
 class SegmentAttention(DotProductAttention):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megaopd.distributions import entropy
+from megaopd.models.distributions import entropy
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from megaopd.batch import Sample, collate
-from megaopd.chat import chat_prompt_ids, chat_prompt_ids_batch
+from megaopd.data.batch import Sample, collate
+from megaopd.models.chat import chat_prompt_ids, chat_prompt_ids_batch
 from megaopd.config import ModelConfig, RolloutConfig
 from megaopd.data.rows import Row
-from megaopd.serving import weight_sync
-from megaopd.serving.leader import on_leader
-from megaopd.serving.pool import ServerPool, split_evenly
-from megaopd.serving.server import ServerError
+from megaopd.rollout.serving import weight_sync
+from megaopd.rollout.serving.leader import on_leader
+from megaopd.rollout.serving.pool import ServerPool, split_evenly
+from megaopd.rollout.serving.server import ServerError
 
 log = logging.getLogger(__name__)
 PROBE_PROMPT = [{"role": "user", "content": "weight probe: 12 + 34 = ?"}]

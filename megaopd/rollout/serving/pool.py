@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megaopd.config import SGLangConfig
-from megaopd.serving.server import ServerError, SGLangServer
+from megaopd.rollout.serving.server import ServerError, SGLangServer
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from megaopd.batch import TokenBatch
+from megaopd.data.batch import TokenBatch
 from megaopd.config import SGLangConfig
-from megaopd.distributions import topk_tail
-from megaopd.flops import ModelShape
-from megaopd.serving.leader import on_leader
-from megaopd.serving.pool import ServerPool
+from megaopd.models.distributions import topk_tail
+from megaopd.accounting.flops import ModelShape
+from megaopd.rollout.serving.leader import on_leader
+from megaopd.rollout.serving.pool import ServerPool
 
 
 class SGLangTeacher:

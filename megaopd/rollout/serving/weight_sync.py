@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from megaopd.serving.leader import is_leader, on_leader
-from megaopd.serving.server import ServerError, free_port
+from megaopd.rollout.serving.leader import is_leader, on_leader
+from megaopd.rollout.serving.server import ServerError, free_port
 
 BUCKET_BYTES = 512 << 20  # tensors per /update_weights_from_distributed call: bounded memory, few round trips
 
