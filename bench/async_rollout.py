@@ -36,14 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import DEFAULT_ASSETS, REPO, machine, prepare_assets, train_files  # noqa: E402
 
-from megaopd import allocator  # noqa: E402
+from megaopd.run import allocator  # noqa: E402
 from megaopd.config import SGLangConfig, load_config  # noqa: E402
-from megaopd.environment import sglang_python, sglang_servers  # noqa: E402
-from megaopd.methods import METHODS, method  # noqa: E402
-from megaopd.metrics import read_metrics  # noqa: E402
-from megaopd.serving.server import SGLangServer  # noqa: E402
-from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env  # noqa: E402
-from megaopd.trainer import train  # noqa: E402
+from megaopd.run.environment import sglang_python, sglang_servers  # noqa: E402
+from megaopd.objectives.methods import METHODS, method  # noqa: E402
+from megaopd.accounting.metrics import read_metrics  # noqa: E402
+from megaopd.rollout.serving.server import SGLangServer  # noqa: E402
+from megaopd.rollout.serving.sglang_cpu import cpu_server_args, cpu_server_env  # noqa: E402
+from megaopd.run.trainer import train  # noqa: E402
 
 MAX_TOTAL_TOKENS = 16384  # each server's KV cache
 TEACHER = "qwen3-small"  # OPD's teacher: a larger model of the student's family
@@ -71,7 +71,7 @@ def run_stage(server: SGLangServer, assets: Path, run_dir: Path, k: int, a) -> d
     cfg.rollout.sglang = server_config(a.threads)
     cfg.rollout.sglang.urls = [server.url]
     allocator.keep_heap_for([cfg.model.device])  # as `megaopd train` does where its process starts
-    summary = train(cfg)  # with the teacher server a multi-node job hands over (megaopd.environment)
+    summary = train(cfg)  # with the teacher server a multi-node job hands over (megaopd.run.environment)
     steps = [m for m in read_metrics(run_dir) if "perf/rollout_wait_seconds" in m][1:]  # step 1 fills the pipeline
     step_seconds = sum(m["perf/step_seconds"] for m in steps)
     return {"step_seconds": statistics.mean(m["perf/step_seconds"] for m in steps),
@@ -106,7 +106,7 @@ def job_script(a, argv: list[str], assets: Path, out: Path, sglang: str) -> str:
     one node, the same arguments less --cluster), a rollout node and, for OPD, a teacher node; it writes
     out/results.json."""
     from megaopd.launch.slurm import LaunchConfig, render_multinode
-    from megaopd.study import StudyConfig
+    from megaopd.run.study import StudyConfig
 
     launch = LaunchConfig(time="02:00:00", venv=sys.prefix, workdir=str(REPO), gpus_per_node=1, cpus_per_task=1,
                           trainer_module="bench.async_rollout", sglang_python=sglang, sglang_args=cpu_server_args(0.5),

@@ -25,8 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megaopd import allocator  # noqa: E402
-from megaopd.methods import method  # noqa: E402
+from megaopd.run import allocator  # noqa: E402
+from megaopd.objectives.methods import method  # noqa: E402
 
 DEFAULT_ASSETS = Path("/tmp/megaopd_bench_assets")  # each script's --assets moves them
 DOMAINS = ["arith_add", "prog_trace"]
@@ -39,7 +39,7 @@ NEVER_EOS = "<|bench_never|>"
 
 def fixed_length_model(preset: str, out_dir: Path, seed: int = 0) -> Path:
     """build_model, then point EOS at a token id >= vocab_size so that generation always runs to the limit."""
-    from megaopd.embedded import build_model
+    from megaopd.models.embedded import build_model
 
     if (out_dir / "config.json").exists():
         return out_dir
@@ -65,7 +65,7 @@ def fixed_length_model(preset: str, out_dir: Path, seed: int = 0) -> Path:
 
 def prepare_assets(root: Path = DEFAULT_ASSETS, presets=("qwen3-tiny", "qwen3-small", "llama-tiny"),
                    rows: int = 512) -> Path:
-    from megaopd.embedded import build_data
+    from megaopd.models.embedded import build_data
 
     root.mkdir(parents=True, exist_ok=True)
     for preset in presets:
@@ -137,7 +137,7 @@ def have_trl() -> bool:
 
 def _megaopd_worker(a) -> dict:
     from megaopd.config import load_config
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     assets = Path(a.assets)
     student = assets / "models" / a.student

@@ -1,4 +1,4 @@
-"""Analytic FLOPs (megaopd.flops, the ledger's formulas) vs torch.utils.flop_counter.FlopCounterMode, per model family.
+"""Analytic FLOPs (megaopd.accounting.flops, the ledger's formulas) vs torch.utils.flop_counter.FlopCounterMode, per model family.
 
     python bench/flops_vs_counter.py          # every embedded preset
     python bench/flops_vs_counter.py --smoke  # CI: one preset, short sequences
@@ -15,7 +15,7 @@ Rows:
 * trainer steps: one real GRPO step (with reference KL; and with train.shared_prompt, the group's prompt forwarded
   once: vs the shared passes' formula, where the ledger bills the unshared ones) and one full-vocabulary OPD step
   through ``Trainer.rl_step``, each component's calls counted on their own and the whole step under one counter
-  (``megaopd.flop_audit``), vs the ledger's components for that step and their sum.
+  (``megaopd.run.flop_audit``), vs the ledger's components for that step and their sum.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from megaopd.decode import cache_argument  # noqa: E402
-from megaopd.flops import ModelShape, forward_flops, generation_flops, train_flops  # noqa: E402
+from megaopd.rollout.decode import cache_argument  # noqa: E402
+from megaopd.accounting.flops import ModelShape, forward_flops, generation_flops, train_flops  # noqa: E402
 
 
 def measure(fn) -> int:
@@ -46,8 +46,8 @@ def rows_for(preset: str, model_dir: Path, batch: int, seq: int, gen_p: int, gen
 
     from megaopd.config import ModelConfig
     from megaopd.data.rows import Row
-    from megaopd.hf_policy import HFPolicy
-    from megaopd.rollout import LocalEngine
+    from megaopd.models.hf_policy import HFPolicy
+    from megaopd.rollout.local import LocalEngine
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     assert model.config._attn_implementation == "eager"
@@ -99,7 +99,7 @@ def rows_for(preset: str, model_dir: Path, batch: int, seq: int, gen_p: int, gen
 def trainer_rows(preset: str, model_dir: Path, teacher_dir: Path, data: Path, run_dir: Path, group: int,
                  max_new: int) -> list[tuple]:
     from megaopd.config import load_config
-    from megaopd.flop_audit import audit_step
+    from megaopd.run.flop_audit import audit_step
 
     out = []
     for name, algorithm, extra in [("grpo", "grpo", ["grpo.kl_coef=0.01"]),
@@ -124,7 +124,7 @@ def trainer_rows(preset: str, model_dir: Path, teacher_dir: Path, data: Path, ru
 def main(argv: list[str]) -> None:
     from common import machine
 
-    from megaopd.embedded import PRESETS, build_data, build_model
+    from megaopd.models.embedded import PRESETS, build_data, build_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")

@@ -34,10 +34,10 @@ from megaopd.analysis.stats import linear_trend  # noqa: E402
 from megaopd.config import load_config  # noqa: E402
 from megaopd.data.rows import load_rows, write_rows  # noqa: E402
 from megaopd.data.word_problems import build_word_problems  # noqa: E402
-from megaopd.embedded import build_data, build_model  # noqa: E402
-from megaopd.environment import sglang_python  # noqa: E402
-from megaopd.methods import method  # noqa: E402
-from megaopd.metrics import read_metrics  # noqa: E402
+from megaopd.models.embedded import build_data, build_model  # noqa: E402
+from megaopd.run.environment import sglang_python  # noqa: E402
+from megaopd.objectives.methods import method  # noqa: E402
+from megaopd.accounting.metrics import read_metrics  # noqa: E402
 
 # The thresholds every check states in the JSON (why each: docs in the notes of issues 25 and 41).
 TREND_T = 2.0  # a learning curve must move the right way by at least 2 standard errors of its fitted slope
@@ -111,8 +111,8 @@ def sync_check(method_name: str, out: dict | None, timed: bool) -> dict:
 
 
 def train_run(cfg_args: list[str], work: Path, name: str) -> list[dict]:
-    from megaopd import allocator
-    from megaopd.trainer import Trainer
+    from megaopd.run import allocator
+    from megaopd.run.trainer import Trainer
 
     cfg = load_config(None, [f"run_dir={work / name}", *cfg_args])
     allocator.keep_heap_for([cfg.model.device])  # as `megaopd train` does where its process starts
@@ -132,7 +132,7 @@ def ledger(run_dir: Path) -> dict:
 
 def serve_on_cpu(sglang) -> None:
     """The dry mode's SGLang settings: a CPU server from $MEGAOPD_SGLANG_PYTHON with a capped KV cache."""
-    from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
+    from megaopd.rollout.serving.sglang_cpu import cpu_server_args, cpu_server_env
 
     sglang.python = sglang_python()
     sglang.max_total_tokens, sglang.server_args, sglang.env = 8192, cpu_server_args(0.5), cpu_server_env()
@@ -272,9 +272,9 @@ class Acceptance:
 
     def evaluate(self, model: Path) -> dict[str, float]:
         from megaopd.config import EvalConfig, ModelConfig
-        from megaopd.evaluate import Evaluator
-        from megaopd.hf_policy import HFPolicy
-        from megaopd.rollout import LocalEngine
+        from megaopd.run.evaluate import Evaluator
+        from megaopd.models.hf_policy import HFPolicy
+        from megaopd.rollout.local import LocalEngine
 
         cfg = load_config(None, [f"run_dir={self.work / 'eval'}", *self.run_args(model, "grpo", 1, 0.0)])
         policy = HFPolicy(ModelConfig(path=str(model), dtype=cfg.model.dtype, device=cfg.model.device))
@@ -289,7 +289,7 @@ class Acceptance:
         threshold = f"{low} <= torch.cuda.max_memory_allocated / megaopd plan's largest phase <= {high}"
         if not self.cuda:
             return self.checks.append(check(name, threshold, skipped="cuda-only"))
-        from megaopd.plan import build_plan
+        from megaopd.run.plan import build_plan
 
         planned = max(build_plan(load_config(None, [f"run_dir={self.work / 'grpo'}", *grpo_args])).totals().values())
         ratio = torch.cuda.max_memory_allocated() / planned
@@ -341,7 +341,7 @@ class Acceptance:
                 self.urls = []
 
     def launch_server(self):
-        from megaopd.serving.server import SGLangServer
+        from megaopd.rollout.serving.server import SGLangServer
 
         cfg = self.engine_config("server")
         server = SGLangServer.launch(str(self.student), cfg.rollout.sglang, cfg.model.dtype,
@@ -364,10 +364,10 @@ class Acceptance:
     def sglang_gap(self, max_new_tokens: int | None = None) -> dict:
         """Samples from one SGLang server (4 per prompt, temperature 1), then the trainer's logprobs of the same
         tokens: their mean and largest difference, over how many tokens and responses."""
-        from megaopd.batch import collate
-        from megaopd.hf_policy import HFPolicy
-        from megaopd.rollout import sampling_generator
-        from megaopd.serving.engine import SGLangEngine
+        from megaopd.data.batch import collate
+        from megaopd.models.hf_policy import HFPolicy
+        from megaopd.rollout.local import sampling_generator
+        from megaopd.rollout.serving.engine import SGLangEngine
 
         cfg = self.engine_config("rollout")
         policy = HFPolicy(cfg.model)
@@ -389,8 +389,8 @@ class Acceptance:
         """Launch one server, update the policy (`update`, default: every weight x 1.01), and check the server
         against it before the sync (still on the old weights: the probe must refuse it) and after (the version the
         server itself reports, and the probe, which sync_weights runs)."""
-        from megaopd.hf_policy import HFPolicy
-        from megaopd.serving.engine import SGLangEngine, StaleWeightsError
+        from megaopd.models.hf_policy import HFPolicy
+        from megaopd.rollout.serving.engine import SGLangEngine, StaleWeightsError
 
         cfg = self.engine_config(f"sync_{method_name}", [f"rollout.sglang.sync={method_name}"])
         policy = HFPolicy(cfg.model)
@@ -417,7 +417,7 @@ class Acceptance:
 
 def imported_pair(work: Path, student: str, teacher: str) -> tuple[Path, Path]:
     """The GPU run's models: the given directories, or the pair imported from its PyPI packages into `work`."""
-    from megaopd.model_import import import_model
+    from megaopd.models.model_import import import_model
 
     given = {"student": student, "teacher": teacher}
     return tuple(Path(given[role]) if given[role] else import_model(PAIR[role], None, str(work / "models" / PAIR[role]))
@@ -445,7 +445,7 @@ def main() -> int:
     start = time.perf_counter()
     student = teacher = None
     if not a.dry_run:
-        from megaopd.model_import import ModelImportError
+        from megaopd.models.model_import import ModelImportError
 
         try:
             student, teacher = imported_pair(Path(a.work), a.student, a.teacher)

@@ -35,7 +35,7 @@ def build_hf_dir(out: Path, layers: int) -> Path:
     """A random bf16 Qwen3 checkpoint of that shape, built on the GPU, with the embedded tokenizer beside it."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from megaopd.embedded import build_tokenizer
+    from megaopd.models.embedded import build_tokenizer
 
     config = Qwen3Config(**{**QWEN3_1P7B, "num_hidden_layers": layers}, pad_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
@@ -47,11 +47,11 @@ def build_hf_dir(out: Path, layers: int) -> Path:
 
 
 def run(path: Path, fp8: str, args) -> dict:
-    from megaopd.batch import TokenBatch
+    from megaopd.data.batch import TokenBatch
     from megaopd.config import MegatronConfig, ModelConfig, OptimConfig
-    from megaopd.flops import train_flops
-    from megaopd.megatron.policy import MegatronPolicy
-    from megaopd.metrics import step_perf
+    from megaopd.accounting.flops import train_flops
+    from megaopd.models.megatron.policy import MegatronPolicy
+    from megaopd.accounting.metrics import step_perf
 
     cfg = ModelConfig(path=str(path), backend="megatron", dtype="bfloat16", device="cuda",
                       megatron=MegatronConfig(fp8=fp8))
@@ -96,7 +96,7 @@ def main() -> int:
         print("bench/gpu_megatron.py needs a CUDA GPU (megatron-core and Transformer Engine run on GPUs only); "
               "none is visible here. The CPU checks of the backend are tests/test_megatron.py.", file=sys.stderr)
         return 2
-    from megaopd.megatron import require
+    from megaopd.models.megatron import require
 
     require()
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; transformer_engine "
@@ -113,7 +113,7 @@ def main() -> int:
         mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
         print(f"{r['precision']:<12}{r['params'] / 1e9:>9.2f}B{r['step_s']:>9.3f}{r['tokens_per_s']:>11.0f}"
               f"{r['tflops_per_device']:>9.1f}{mfu:>7}{r['max_memory_gib']:>9.1f}")
-    print(f"total {time.perf_counter() - t0:.0f} s (MFU: model FLOPs of megaopd.flops over the bf16 dense peak)")
+    print(f"total {time.perf_counter() - t0:.0f} s (MFU: model FLOPs of megaopd.accounting.flops over the bf16 dense peak)")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

@@ -20,8 +20,8 @@ import time
 import torch
 
 from megaopd.config import load_config
-from megaopd.hf_policy import HFPolicy
-from megaopd.serving.engine import SGLangEngine
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.rollout.serving.engine import SGLangEngine
 
 
 def timed_sync(model: str, method: str, run_dir: str, dtype: str = "bfloat16", tolerance: float = 2e-2,

@@ -26,11 +26,11 @@ from common import DEFAULT_ASSETS, machine, prepare_assets, spread, train_files 
 
 from megaopd.config import load_config  # noqa: E402
 from megaopd.data.rows import load_rows  # noqa: E402
-from megaopd.environment import sglang_python  # noqa: E402
-from megaopd.hf_policy import HFPolicy  # noqa: E402
-from megaopd.rollout import LocalEngine  # noqa: E402
-from megaopd.serving.engine import SGLangEngine  # noqa: E402
-from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env  # noqa: E402
+from megaopd.run.environment import sglang_python  # noqa: E402
+from megaopd.models.hf_policy import HFPolicy  # noqa: E402
+from megaopd.rollout.local import LocalEngine  # noqa: E402
+from megaopd.rollout.serving.engine import SGLangEngine  # noqa: E402
+from megaopd.rollout.serving.sglang_cpu import cpu_server_args, cpu_server_env  # noqa: E402
 
 
 def tokens_per_second(engine, rows, n: int, max_new: int, seed: int) -> tuple[float, int]:

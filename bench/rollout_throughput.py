@@ -25,9 +25,9 @@ from common import DEFAULT_ASSETS, machine, prepare_assets, spread, train_files 
 
 from megaopd.config import ModelConfig  # noqa: E402
 from megaopd.data.rows import load_rows  # noqa: E402
-from megaopd.chat import chat_prompt_ids  # noqa: E402
-from megaopd.hf_policy import HFPolicy  # noqa: E402
-from megaopd.rollout import LocalEngine  # noqa: E402
+from megaopd.models.chat import chat_prompt_ids  # noqa: E402
+from megaopd.models.hf_policy import HFPolicy  # noqa: E402
+from megaopd.rollout.local import LocalEngine  # noqa: E402
 
 
 def hf_generate(policy: HFPolicy, rows, n: int, max_new: int, gen_seed: int) -> int:

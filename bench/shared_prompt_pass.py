@@ -6,7 +6,7 @@ once buys where prompts are long (issue 44; the step benches measure it at 36-to
         --prompt 2048 --response 512 --groups 2 --group 8   # a GPU, a real width (random weights)
     python bench/shared_prompt_pass.py --smoke              # CI: tiny, times nothing
 
-Both sides are HFPolicy on the same random-initialised model (megaopd.embedded.build_model: a tiny preset or a real
+Both sides are HFPolicy on the same random-initialised model (megaopd.models.embedded.build_model: a tiny preset or a real
 shape such as qwen3-0.6b); the batch is G groups of n random responses to random prompts, lengths cut by up to an
 eighth per prompt and per response so that rows pad. A pass is ``train_minibatch`` with the GRPO loss in one
 micro-batch at lr 0 (the weights stay, so every timed pass does the same work), alternated shared / unshared.
@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megaopd.batch import Sample, collate  # noqa: E402
+from megaopd.data.batch import Sample, collate  # noqa: E402
 from megaopd.config import GRPOConfig, ModelConfig, OptimConfig  # noqa: E402
-from megaopd.embedded import build_model  # noqa: E402
-from megaopd.flops import scoring_flops  # noqa: E402
-from megaopd.hf_policy import HFPolicy  # noqa: E402
-from megaopd.objectives import GRPO  # noqa: E402
+from megaopd.models.embedded import build_model  # noqa: E402
+from megaopd.accounting.flops import scoring_flops  # noqa: E402
+from megaopd.models.hf_policy import HFPolicy  # noqa: E402
+from megaopd.objectives.losses import GRPO  # noqa: E402
 
 
 def random_batch(groups: int, n: int, prompt: int, response: int, vocab: int, pad_id: int, seed: int):
@@ -66,7 +66,7 @@ def sync(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="qwen3-tiny", help="a tiny preset or a real shape (megaopd.shapes)")
+    p.add_argument("--preset", default="qwen3-tiny", help="a tiny preset or a real shape (megaopd.accounting.shapes)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--groups", type=int, default=2)

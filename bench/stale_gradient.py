@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import DEFAULT_ASSETS, REPO, prepare_assets, train_files  # noqa: E402
 
-from megaopd import allocator  # noqa: E402
-from megaopd.batch import collate  # noqa: E402
+from megaopd.run import allocator  # noqa: E402
+from megaopd.data.batch import collate  # noqa: E402
 from megaopd.config import load_config  # noqa: E402
-from megaopd.evaluate import score_samples  # noqa: E402
-from megaopd.trainer import Trainer, train  # noqa: E402
+from megaopd.run.evaluate import score_samples  # noqa: E402
+from megaopd.run.trainer import Trainer, train  # noqa: E402
 
 
 def gradient(trainer: Trainer, batch, weights) -> torch.Tensor:

@@ -3,10 +3,10 @@ normalise the rewards within each group, and take one PPO-clipped policy-gradien
 
     python examples/grpo.py --steps 20 --out /tmp/megaopd-examples
 
-megaopd is used only to build the tiny embedded model and synthetic data (``megaopd.embedded``) and for the synthetic
+megaopd is used only to build the tiny embedded model and synthetic data (``megaopd.models.embedded``) and for the synthetic
 domains' exact-answer verifier; sampling, advantages, the loss and the update are written out below in plain PyTorch
 and transformers. The framework runs the same algorithm at scale (KV-cache or SGLang rollouts, micro-batching,
-Megatron, the FLOP ledger): megaopd/trainer.py and megaopd/objectives.py.
+Megatron, the FLOP ledger): megaopd/run/trainer.py and megaopd/objectives/losses.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megaopd.embedded import build_data, build_model
+from megaopd.models.embedded import build_data, build_model
 from megaopd.verifiers.synthetic import score_exact
 
 

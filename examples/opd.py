@@ -4,11 +4,11 @@ the vocabulary at each of its own tokens (the full-vocabulary form; docs/opd.md)
 
     python examples/opd.py --steps 20 --out /tmp/megaopd-examples
 
-megaopd is used only to build the tiny embedded models and synthetic data (``megaopd.embedded``): the teacher here is
+megaopd is used only to build the tiny embedded models and synthetic data (``megaopd.models.embedded``): the teacher here is
 the same architecture from another seed, which is enough to watch the KL fall. Sampling, the teacher's forward, the
 loss and the update are written out below in plain PyTorch and transformers; the framework's version (teacher
 routing per domain, top-k and sampled-token forms, chunked vocabulary projection, SGLang teachers) is in
-megaopd/objectives.py and megaopd/teachers.py.
+megaopd/objectives/losses.py and megaopd/teachers/router.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megaopd.embedded import build_data, build_model
+from megaopd.models.embedded import build_data, build_model
 
 
 def load_rows(path: Path) -> list[dict]:

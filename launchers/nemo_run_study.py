@@ -28,7 +28,7 @@ import nemo_run as run
 from megaopd.config import ConfigError, load_config, save_config
 from megaopd.launch.slurm import (Job, LaunchConfig, add_study_arguments, dependencies, for_stage, plan,
                                   study_and_launch, submission_order, write_job_inputs)
-from megaopd.study import StudyConfig, stage_finished, stage_overrides
+from megaopd.run.study import StudyConfig, stage_finished, stage_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 # nemo-run names the job and its log itself (it reads the log back from its own job directory).
@@ -67,7 +67,7 @@ def add_local(exp: run.Experiment, study: StudyConfig, launch: LaunchConfig, sta
         args = stage_overrides(study, stage) + stage_launch.overrides  # the study's seed first, as everywhere
         train_args = [stage.config, *args, f"run_dir={out / name}"]
         # The megatron backend runs the trainer on every torchrun rank (the launch setting trainer_module,
-        # megaopd.megatron.launch by default), even on one GPU.
+        # megaopd.models.megatron.launch by default), even on one GPU.
         megatron = load_config(stage.config, train_args[1:]).model.backend == "megatron"
         script = (run.Script(path=stage_launch.trainer_module, entrypoint=python, m=True, args=train_args) if megatron
                   else run.Script(path="megaopd.cli", entrypoint=python, m=True, args=["train", *train_args]))

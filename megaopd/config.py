@@ -91,7 +91,7 @@ class DataConfig:
 class SGLangConfig:
     """SGLang servers for rollouts (``rollout.engine=sglang``) and teachers (``opd.teacher_engine=sglang``)."""
 
-    # Attach to running servers instead of launching (a multi-node job hands its own over: megaopd.environment).
+    # Attach to running servers instead of launching (a multi-node job hands its own over: megaopd.run.environment).
     # Give the workers, not a router: megaopd balances over them itself and must reach each one to sync and verify
     # its weights.
     urls: list[str] = field(default_factory=list)
@@ -170,7 +170,7 @@ class OPDConfig:
     teachers: dict[str, str] = field(default_factory=dict)
     # Route -> the tokenizer directory a teacher of another tokenizer than the student's is read with (default: its
     # own directory's). A teacher of another vocabulary, or one named here, scores its own tokens of the response
-    # text, aligned to the student's on the text's bytes (megaopd/align.py; opd.form=sampled only, docs/opd.md).
+    # text, aligned to the student's on the text's bytes (megaopd/teachers/cross_tokenizer.py; opd.form=sampled only, docs/opd.md).
     teacher_tokenizer: dict[str, str] = field(default_factory=dict)
     clip: float = 0.2  # clip of the importance ratio in the sampled-token form
     # local (HF forward in the trainer) | sglang (prefill on servers; rollout.sglang settings, sampled or topk form).
@@ -181,7 +181,7 @@ class OPDConfig:
     # master: bfloat16 halves a 1.5B teacher beside a float32 student (the memory plan counts it so).
     teacher_dtype: Literal["", DType] = ""
     # Before the first step, measure the teachers and the student on the validation split and refuse a teacher not
-    # above its student (megaopd/teacher_check.py); a study sets it on every external-teacher OPD stage.
+    # above its student (megaopd/teachers/check.py); a study sets it on every external-teacher OPD stage.
     check_teacher: bool = False
     allow_weaker_teacher: bool = False  # run a teacher not above its student on purpose (the report marks it)
 
@@ -229,7 +229,7 @@ class CoverConfig:
 
 @dataclass
 class StopConfig:
-    """When a stage ends (megaopd/stopping.py, docs/budgets.md): train.steps is always the cap."""
+    """When a stage ends (megaopd/run/stopping.py, docs/budgets.md): train.steps is always the cap."""
 
     # steps: run train.steps; plateau: stop once the watched metric, smoothed as in the report, has not improved
     # by min_delta over the last `window` evals
@@ -245,7 +245,7 @@ class StopConfig:
 
 @dataclass
 class TrainConfig:
-    # A row of the algorithm table, ``megaopd.methods.METHODS``, which checks the name where a run starts (sft, grpo,
+    # A row of the algorithm table, ``megaopd.objectives.methods.METHODS``, which checks the name where a run starts (sft, grpo,
     # opd, grpo_opd: GRPO's advantage plus opd.coef times the OPD term; opsa: the teacher-free control)
     algorithm: str = "grpo"
     steps: int = 100

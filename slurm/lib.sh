@@ -4,7 +4,7 @@
 #
 # Preemption: Slurm signals the batch shell (#SBATCH --signal=B:USR1@<secs>) before the time limit, and sends
 # SIGTERM on preemption. The trap below passes USR1 on to the trainer's srun, which forwards it to its tasks;
-# the trainer finishes its step, writes a checkpoint and exits 75 (megaopd.trainer.PREEMPTED_EXIT). The job
+# the trainer finishes its step, writes a checkpoint and exits 75 (megaopd.run.trainer.PREEMPTED_EXIT). The job
 # then requeues itself, and the requeued job runs the same command, which resumes from that checkpoint.
 # A SIGTERM to the job's steps (scancel --signal=TERM; what many sites' preemption sends) reaches the trainer
 # directly, which does the same; the multi-node script's server steps outlive it (megaopd/launch/step_signals.py).

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from machine_memory import NoTurn, alone, sharing
-from megaopd.embedded import build_data, build_model
+from megaopd.models.embedded import build_data, build_model
 
 # make test runs the suite on two pytest-xdist workers, one per core: one intra-op thread each (run alone: two).
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
@@ -145,7 +145,7 @@ def bpe_teacher(assets) -> Path:
 
     from transformers import AutoModelForCausalLM
 
-    from megaopd.embedded import build_model_config
+    from megaopd.models.embedded import build_model_config
 
     out = assets / "models" / "bpe-tiny"
     if not (out / "config.json").exists():
@@ -165,8 +165,8 @@ def imported(name: str, tmp_path_factory) -> Path:
     elsewhere the tests skip, with the pip command. $MEGAOPD_IMPORTED_MODELS: a directory of earlier imports by name,
     used as they are (local reruns of the tier; CI imports afresh)."""
     from megaopd.cli import main
-    from megaopd.model_import import require_gguf
-    from megaopd.packaged_models import ModelImportError, part_files
+    from megaopd.models.model_import import require_gguf
+    from megaopd.models.packaged_models import ModelImportError, part_files
 
     earlier = Path(os.environ.get("MEGAOPD_IMPORTED_MODELS", "/nonexistent")) / name
     if (earlier / "config.json").exists():
@@ -201,7 +201,7 @@ def qwen15(tmp_path_factory):
 
 
 def torchrun_trainer(config: Path, overrides: list[str]) -> None:
-    """The trainer under torchrun, 2 CPU ranks on gloo (megaopd.megatron.cpu_launch), on a saved config."""
+    """The trainer under torchrun, 2 CPU ranks on gloo (megaopd.models.megatron.cpu_launch), on a saved config."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(Path(__file__).parent / "megatron_train_cpu.py"), str(config), *overrides]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,

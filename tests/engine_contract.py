@@ -1,4 +1,4 @@
-"""The cases every ``megaopd.engine_protocol.RolloutEngine`` must pass, measured against the trainer's policy:
+"""The cases every ``megaopd.rollout.engine_protocol.RolloutEngine`` must pass, measured against the trainer's policy:
 ``check_engine`` drives an engine through the protocol (tests/test_rollout.py: the local engine; tests/test_sglang.py:
 an SGLang server)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from megaopd.batch import collate
-from megaopd.chat import chat_prompt_ids
-from megaopd.engine_protocol import RolloutEngine
+from megaopd.data.batch import collate
+from megaopd.models.chat import chat_prompt_ids
+from megaopd.rollout.engine_protocol import RolloutEngine
 
 N, NEW_TOKENS = 2, 8
 

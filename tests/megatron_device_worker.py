@@ -6,7 +6,7 @@ tests/test_megatron_device.py:
 Device discipline, for each layout (tp2, pp2): the policy is built on the CPU as usual, then everything megatron
 built (weights, gradient buffers, the optimizer's views) is tagged as on the fake device, ``policy.device`` is set
 to it, and megatron's own hard-coded ``device="cuda"`` factories are sent there (they are sent to the host
-otherwise, see megaopd.megatron.cpu_rehearsal): what a GPU rank holds. Under the mode: the realised-token and
+otherwise, see megaopd.models.megatron.cpu_rehearsal): what a GPU rank holds. Under the mode: the realised-token and
 top-k logprobs (the student's and a megatron teacher's scoring path), one GRPO and one top-k OPD update, in
 micro-batches with the chunked, recomputed vocabulary loss. Rank 0 writes OUT/device_<layout>.json.
 
@@ -36,12 +36,12 @@ from megatron.core import parallel_state as mpu  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from fake_device import FAKE, fake_device, put_on_device  # noqa: E402
-from megaopd.batch import TokenBatch  # noqa: E402
+from megaopd.data.batch import TokenBatch  # noqa: E402
 from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig, OptimConfig  # noqa: E402
-from megaopd.megatron import cpu_rehearsal  # noqa: E402
-from megaopd.megatron.policy import MegatronPolicy  # noqa: E402
-from megaopd.distributions import tail_logprob  # noqa: E402
-from megaopd.objectives import GRPO, OPD  # noqa: E402
+from megaopd.models.megatron import cpu_rehearsal  # noqa: E402
+from megaopd.models.megatron.policy import MegatronPolicy  # noqa: E402
+from megaopd.models.distributions import tail_logprob  # noqa: E402
+from megaopd.objectives.losses import GRPO, OPD  # noqa: E402
 from policy_contract import contract_batch  # noqa: E402
 from vocab_bytes import VocabBytes  # noqa: E402
 

@@ -39,9 +39,9 @@ from megatron.core import parallel_state as mpu  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OptimConfig  # noqa: E402
-from megaopd.megatron import bridge as megaopd_bridge  # noqa: E402
-from megaopd.megatron.policy import MegatronPolicy  # noqa: E402
-from megaopd.objectives import GRPO  # noqa: E402
+from megaopd.models.megatron import bridge as megaopd_bridge  # noqa: E402
+from megaopd.models.megatron.policy import MegatronPolicy  # noqa: E402
+from megaopd.objectives.losses import GRPO  # noqa: E402
 
 LAYOUTS = {"tp3": (3, 1), "tp2": (2, 1), "pp2": (1, 2)}
 OPTIM = OptimConfig(lr=1e-5, grad_clip=1.0)  # a fine-tuning step of a pretrained model (the tiny tests take 1e-3)
@@ -61,7 +61,7 @@ def hf_reference(model: str | Path, batch, dtype=torch.float32) -> tuple[torch.T
 
 
 def broken_tie(bridge_class):
-    """mbridge's Llama behaviour (megaopd.megatron.bridge fixes it): the output layer mapped to ``lm_head.weight``
+    """mbridge's Llama behaviour (megaopd.models.megatron.bridge fixes it): the output layer mapped to ``lm_head.weight``
     even when the checkpoint is tied."""
     class Broken(bridge_class):
         def _adjust_mapping_for_shared_weights(self):
@@ -159,7 +159,7 @@ def check_shared(model: str, batch, tp: int, pp: int) -> dict:
     """Megatron with and without shared prompts on samples that share them: logprobs (beside HF float32's error
     against float64), and one GRPO step's gradients (each rank's own shard, unclipped: megatron's main_grad after
     the step), as max differences; the leaked control's logprobs too."""
-    from megaopd.shared_prompt import PromptGroups
+    from megaopd.models.shared_prompt import PromptGroups
 
     optim = OptimConfig(lr=1e-5, grad_clip=0.0)
     plain, shared = (MegatronPolicy(cfg(model, tp, pp), optim, shared_prompt=on) for on in (False, True))

@@ -22,9 +22,9 @@ from megatron.core import parallel_state as mpu  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig  # noqa: E402
-from megaopd.hf_policy import HFPolicy  # noqa: E402
-from megaopd.megatron.policy import MegatronPolicy  # noqa: E402
-from megaopd.objectives import GRPO, OPD  # noqa: E402
+from megaopd.models.hf_policy import HFPolicy  # noqa: E402
+from megaopd.models.megatron.policy import MegatronPolicy  # noqa: E402
+from megaopd.objectives.losses import GRPO, OPD  # noqa: E402
 
 TOPK = 64  # teacher entries per position; the rest of the vocabulary is the tail bucket
 

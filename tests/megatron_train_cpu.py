@@ -1,4 +1,4 @@
-"""Test-only entry point: ``megaopd.megatron.launch`` on CPU (``megaopd.megatron.cpu_launch`` run as a script).
+"""Test-only entry point: ``megaopd.models.megatron.launch`` on CPU (``megaopd.models.megatron.cpu_launch`` run as a script).
 
     torchrun --nproc-per-node 2 tests/megatron_train_cpu.py CONFIG model.backend=megatron ...
 """
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # megaopd
-from megaopd.megatron.cpu_launch import main  # noqa: E402
+from megaopd.models.megatron.cpu_launch import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

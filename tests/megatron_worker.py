@@ -26,13 +26,13 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as mpu  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from megaopd.batch import TokenBatch  # noqa: E402
+from megaopd.data.batch import TokenBatch  # noqa: E402
 from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig, OptimConfig, OPSAConfig  # noqa: E402
-from megaopd.distributions import tail_logprob  # noqa: E402
-from megaopd.hf_policy import HFPolicy  # noqa: E402
-from megaopd.megatron.policy import MegatronPolicy, megatron_teachers  # noqa: E402
-from megaopd.objectives import GRPO, OPD, OPSA  # noqa: E402
-from megaopd.teachers import TeacherRouter  # noqa: E402
+from megaopd.models.distributions import tail_logprob  # noqa: E402
+from megaopd.models.hf_policy import HFPolicy  # noqa: E402
+from megaopd.models.megatron.policy import MegatronPolicy, megatron_teachers  # noqa: E402
+from megaopd.objectives.losses import GRPO, OPD, OPSA  # noqa: E402
+from megaopd.teachers.router import TeacherRouter  # noqa: E402
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1), "tp1": (1, 1)}
 PARITY_MODELS = ("qwen3-tiny", "qwen3-tiny-untied", "llama-tiny", "llama-tiny-tied")
@@ -202,7 +202,7 @@ def check_shared_prompt(assets: Path, tp: int, pp: int) -> dict:
     """Shared-prompt passes against the unshared ones on this layout, from the same weights: logprobs and one GRPO
     step (loss, grad norm, weights after it), micro-batches of 2 rows cutting the groups; a negative control lets
     each response see another sample's response instead of its own."""
-    from megaopd.shared_prompt import PromptGroups
+    from megaopd.models.shared_prompt import PromptGroups
 
     policies = [MegatronPolicy(policy_cfg(assets, "qwen3-tiny", tp, pp), OPTIM, shared_prompt=shared)
                 for shared in (False, True)]

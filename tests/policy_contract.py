@@ -1,4 +1,4 @@
-"""The cases every ``megaopd.policy_protocol.Policy`` must pass, measured against transformers' own forward.
+"""The cases every ``megaopd.models.policy_protocol.Policy`` must pass, measured against transformers' own forward.
 
 ``run_contract`` drives a built, trainable policy through the protocol and returns what it measured; the HF backend
 runs it in-process and the Megatron backend (CPU, gloo) under torchrun, where rank 0 writes the numbers as JSON:
@@ -23,7 +23,7 @@ MBS = 2  # micro-batches of 2 over 6 rows: accumulation must not change the toke
 
 def contract_batch(seed: int = 1) -> "TokenBatch":
     """Six right-padded byte-token sequences of different lengths, responses after a 4-token prompt."""
-    from megaopd.batch import TokenBatch
+    from megaopd.data.batch import TokenBatch
 
     g = torch.Generator().manual_seed(seed)
     lengths = [14, 9, 12, 7, 14, 10]
@@ -63,8 +63,8 @@ def nll(logp, vocab_term, mb):
 def run_contract(policy, model_dir: str | Path, work: Path) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
-    from megaopd.policy_protocol import Policy
-    from megaopd.flops import ModelShape
+    from megaopd.models.policy_protocol import Policy
+    from megaopd.accounting.flops import ModelShape
 
     batch = contract_batch()
     mask = batch.response_mask.bool()
@@ -129,7 +129,7 @@ if __name__ == "__main__":  # the Megatron half, under torchrun
     import torch.distributed as dist
 
     from megaopd.config import MegatronConfig, ModelConfig, OptimConfig
-    from megaopd.megatron.policy import MegatronPolicy
+    from megaopd.models.megatron.policy import MegatronPolicy
 
     model_dir, work, tp = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     cfg = ModelConfig(path=model_dir, backend="megatron", megatron=MegatronConfig(tp=tp))

@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # step_probe, megaopd
-from megaopd.megatron.cpu_rehearsal import redirect_cuda_to_cpu  # noqa: E402
+from megaopd.models.megatron.cpu_rehearsal import redirect_cuda_to_cpu  # noqa: E402
 
 redirect_cuda_to_cpu()
 
-from megaopd.megatron.launch import rank_config  # noqa: E402
-from megaopd.trainer import Trainer  # noqa: E402
+from megaopd.models.megatron.launch import rank_config  # noqa: E402
+from megaopd.run.trainer import Trainer  # noqa: E402
 from step_probe import step_gaps  # noqa: E402
 
 

@@ -3,7 +3,7 @@ tests/test_real_qwen.py):
 
     python tests/strong_to_weak_worker.py OUT.json local|audit|sglang key=value ...
 
-``local``: one trainer step; ``audit``: the same step under megaopd.flop_audit (every phase counted); ``sglang``: one
+``local``: one trainer step; ``audit``: the same step under megaopd.run.flop_audit (every phase counted); ``sglang``: one
 step with the teacher on a CPU SGLang server the trainer launches (tests/test_sglang.py's settings), then the batches
 the server scored scored again by the local teacher the same config builds. OUT.json: the memory plan the trainer
 checked (its table, its phases' totals, the budget), the peak RSS of the step and the RSS before any model was
@@ -49,7 +49,7 @@ def gap_to_local_teacher(cfg, calls: list[tuple]) -> dict:
     """|served - local| over the response tokens of the same batches, scored by the teacher opd.teacher_engine=local
     builds from this config (HF, opd.teacher_dtype): the realised tokens' logprobs and the top-K logprobs (sorted,
     so that near-ties ordered otherwise by the two engines' kernels compare equal)."""
-    from megaopd.teachers import local_teachers
+    from megaopd.teachers.router import local_teachers
 
     teacher = local_teachers(cfg.model, cfg.train.logit_chunk_rows, cfg.opd.teacher_dtype)("*", cfg.opd.teachers["*"])
     realised, topk = [], []
@@ -65,9 +65,9 @@ def gap_to_local_teacher(cfg, calls: list[tuple]) -> dict:
 def main() -> None:
     out, mode, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     from megaopd.config import load_config
-    from megaopd.flops import ModelShape, forward_flops
-    from megaopd.plan import check_run
-    from megaopd.trainer import Trainer
+    from megaopd.accounting.flops import ModelShape, forward_flops
+    from megaopd.run.plan import check_run
+    from megaopd.run.trainer import Trainer
 
     cfg = load_config(None, overrides)
     if mode == "sglang":
@@ -80,7 +80,7 @@ def main() -> None:
                        "teacher_recompute": plan.teacher_recompute, "chunk_rows": plan.chunk_rows}}
     calls = []
     if mode == "audit":
-        from megaopd.flop_audit import audit_step
+        from megaopd.run.flop_audit import audit_step
 
         result["audit"] = {c: dataclasses.asdict(a) for c, a in audit_step(cfg).items()}
     else:

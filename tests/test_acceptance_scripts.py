@@ -70,7 +70,7 @@ def acceptance(tmp_path_factory):
     sys.path.insert(0, str(REPO / "bench"))
     from gpu_acceptance import Acceptance
 
-    from megaopd.serving.server import SGLangServer
+    from megaopd.rollout.serving.server import SGLangServer
 
     work = tmp_path_factory.mktemp("acceptance")
     acc = Acceptance(work, True, None, None, [])
@@ -92,8 +92,8 @@ def test_a_server_that_never_loaded_the_new_weights_fails_the_sync_check(accepta
     nothing passes a stale server's probe, and fails the check too."""
     from gpu_acceptance import sync_check
 
-    from megaopd.serving import weight_sync
-    from megaopd.serving.engine import SGLangEngine
+    from megaopd.rollout.serving import weight_sync
+    from megaopd.rollout.serving.engine import SGLangEngine
 
     acc, server = acceptance
     good = acc.sync("disk")

@@ -1,4 +1,4 @@
-"""``megaopd.allocator.keep_heap``: a CPU trainer's freed activations stay in the process for the next step.
+"""``megaopd.run.allocator.keep_heap``: a CPU trainer's freed activations stay in the process for the next step.
 
 Each case runs in an interpreter of its own (the setting is process-wide). A 4 MiB block, above glibc's starting
 mmap threshold, is its own mapping and goes back to the kernel when freed, so the process's resident memory falls;
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 PROBE = """
 import json, sys, torch
-from megaopd.allocator import keep_heap
+from megaopd.run.allocator import keep_heap
 
 def rss_kb():
     return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1])
@@ -56,7 +56,9 @@ def test_without_it_freed_blocks_go_back_to_the_kernel():
 def test_the_process_start_sets_it_and_the_trainer_never(assets, tmp_path, monkeypatch):
     """The setting is the process's: `megaopd train` takes it where its process starts, for a CPU run only; a Trainer
     built in a process that is not its own (a test, a library caller) leaves the process's allocator alone."""
-    from megaopd import allocator, cli, trainer
+    from megaopd import cli
+    from megaopd.run import allocator
+    from megaopd.run import trainer
     from tests.conftest import run_config, tiny_overrides
 
     calls = []

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from megaopd.batch import Sample, collate
+from megaopd.data.batch import Sample, collate
 
 
 def _row_by_row(samples: list[Sample], pad_id: int):

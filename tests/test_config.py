@@ -72,10 +72,10 @@ def test_misspelled_enumerated_value_is_rejected_at_load(tmp_path, override, clo
 
 
 def test_a_misspelled_algorithm_is_refused_by_the_method_table_before_any_stage_runs(tmp_path):
-    """The algorithm names are the rows of ``megaopd.methods.METHODS`` (listed once): ``method`` refuses any other
+    """The algorithm names are the rows of ``megaopd.objectives.methods.METHODS`` (listed once): ``method`` refuses any other
     in the loader's words, and a study refuses it when it loads its stages, before the first one trains."""
-    from megaopd.methods import method
-    from megaopd.study import StageConfig, StudyConfig, stage_config
+    from megaopd.objectives.methods import method
+    from megaopd.run.study import StageConfig, StudyConfig, stage_config
 
     with pytest.raises(ConfigError, match=r"^train.algorithm: 'gpro' is not one of 'sft', .*; did you mean 'grpo'\?$"):
         method(load_config(None, ["train.algorithm=gpro"]).train.algorithm)

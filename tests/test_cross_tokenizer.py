@@ -1,4 +1,4 @@
-"""Cross-tokenizer OPD (megaopd/align.py, docs/opd.md): a teacher of another tokenizer scores its own tokens of the
+"""Cross-tokenizer OPD (megaopd/teachers/cross_tokenizer.py, docs/opd.md): a teacher of another tokenizer scores its own tokens of the
 student's response, aligned on the response's bytes. The test classes of the design notes: the same-tokenizer
 oracle, straddles and conservation, shifts, unicode and whitespace, ragged tails and desync; then the trainer with
 such a teacher (its ledger, the FLOP audit, multi-teacher routing, the refusals). Tiny models, CPU.
@@ -15,17 +15,17 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from megaopd import align
-from megaopd.align import Alignment, ByteVocabulary, CrossTokenizer, TeacherText
-from megaopd.batch import Sample, collate
+from megaopd.teachers import cross_tokenizer as align
+from megaopd.teachers.cross_tokenizer import Alignment, ByteVocabulary, CrossTokenizer, TeacherText
+from megaopd.data.batch import Sample, collate
 from megaopd.config import ConfigError, ModelConfig, OPDConfig, OptimConfig
 from megaopd.data.rows import load_rows
-from megaopd.embedded import build_tokenizer
+from megaopd.models.embedded import build_tokenizer
 from megaopd.errors import ModelError
-from megaopd.objectives import OPD
-from megaopd.hf_policy import HFPolicy
-from megaopd.rollout import LocalEngine
-from megaopd.teachers import TeacherRouter, local_teachers
+from megaopd.objectives.losses import OPD
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.rollout.local import LocalEngine
+from megaopd.teachers.router import TeacherRouter, local_teachers
 from conftest import bpe_tokenizer
 
 ATOL = 1e-6
@@ -336,8 +336,8 @@ def test_a_teacher_of_another_tokenizer_scores_its_own_tokens(assets, rollouts, 
 def test_the_teachers_of_another_tokenizer_are_found_and_their_kl_forms_refused(assets, bpe_teacher, tmp_path):
     """Found from each teacher's directory (another vocabulary) or named; the KL forms, and a name for a route that
     does not exist, refused before any model loads; a router never scores another vocabulary unaligned."""
-    from megaopd.align import alignment_tokenizers
-    from megaopd.objectives import check_opd
+    from megaopd.teachers.cross_tokenizer import alignment_tokenizers
+    from megaopd.objectives.losses import check_opd
 
     student = str(assets / "models" / "qwen3-tiny")
     opd = OPDConfig(form="sampled", teachers={"arith_add": str(bpe_teacher),
@@ -374,7 +374,7 @@ def test_the_flop_audit_is_exact_on_a_cross_tokenizer_step(assets, bpe_teacher, 
     """Every phase of one OPD step with the BPE teacher counted by FlopCounterMode: the teacher's pass runs over its
     own tokens of the prompt (its template) and of each response, which is what the ledger bills; the student's
     lengths would bill another number."""
-    from megaopd.flop_audit import audit_step
+    from megaopd.run.flop_audit import audit_step
 
     cfg = cross_run(assets, tmp_path / "run", {"*": bpe_teacher}, **{"train.prompts_per_step": 1,
                                                                       "train.micro_batch_size": 1})
@@ -421,8 +421,8 @@ def test_teachers_of_different_tokenizers_routed_by_domain(assets, bpe_teacher, 
     """arith_add to the BPE teacher (its own tokens), prog_trace to a teacher of the student's tokenizer: one OPD step
     trains with the gradient computed another way (reference_gradient), each route's teacher bills its own tokens,
     and only the cross-tokenizer route splits credit."""
-    from megaopd.flops import scoring_flops
-    from megaopd.trainer import Trainer
+    from megaopd.accounting.flops import scoring_flops
+    from megaopd.run.trainer import Trainer
 
     teachers = {"arith_add": bpe_teacher, "prog_trace": assets / "models" / "qwen3-tiny-seed1"}
     trainer = Trainer(cross_run(assets, tmp_path / "run", teachers))
@@ -469,7 +469,7 @@ def test_teachers_of_different_tokenizers_routed_by_domain(assets, bpe_teacher, 
 
 def test_a_kl_form_with_a_teacher_of_another_tokenizer_stops_before_any_model_loads(assets, bpe_teacher, tmp_path,
                                                                                     monkeypatch):
-    from megaopd import trainer as trainer_module
+    from megaopd.run import trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "build_policy", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(ConfigError, match="set opd.form=sampled"):

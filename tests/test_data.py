@@ -4,7 +4,7 @@ import pytest
 
 from megaopd.data.rows import RowError, load_rows, write_rows
 from megaopd.data.synthetic import DOMAINS, corrupt, make_split, make_splits
-from megaopd.embedded import build_data
+from megaopd.models.embedded import build_data
 from megaopd.verifiers import get_verifier, score
 
 

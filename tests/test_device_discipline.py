@@ -7,7 +7,7 @@ import pytest
 
 from conftest import run_config
 from fake_device import FAKE, fake_device
-from megaopd.trainer import train
+from megaopd.run.trainer import train
 
 STEPS = 2
 UPDATE_PATH = ("hf_policy.py", "objectives.py", "trainer.py", "teachers.py", "batch.py")

@@ -1,4 +1,4 @@
-"""megaopd.distributions against their definitions, written out token by token on random distributions: the
+"""megaopd.models.distributions against their definitions, written out token by token on random distributions: the
 nucleus is the smallest set of most likely tokens whose mass reaches top_p, renormalised; the top-k view is the K
 most likely tokens and the log of the mass left outside them."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from megaopd.distributions import nucleus, topk_tail, topk_view
+from megaopd.models.distributions import nucleus, topk_tail, topk_view
 
 
 def random_logprobs(rows: int = 64, vocab: int = 50, seed: int = 0) -> torch.Tensor:

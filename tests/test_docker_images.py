@@ -248,9 +248,9 @@ def test_gpu_lock_installs_and_imports(base, tmp_path):
         assert failed.returncode != 0 and reason in failed.stderr, f"{statement}: {failed.stderr[-3000:]}"
         hidden.append(name)
     imports = (f"import sys; sys.modules.update(dict.fromkeys({hidden})); import torch, megatron.core, mbridge, "
-               "sglang, megaopd.megatron.policy, megaopd.serving.engine; "
+               "sglang, megaopd.models.megatron.policy, megaopd.rollout.serving.engine; "
                "from mbridge.core.parallel_states import ParallelStates; "
-               "from megaopd.megatron.bridge import _bridge_class; "
+               "from megaopd.models.megatron.bridge import _bridge_class; "
                "print(torch.__version__, megatron.core.__version__, mbridge.__version__, "
                "*(_bridge_class(t).__name__ for t in ('llama', 'qwen3')))")
     printed = run(GPU_TAG, "python", "-c", imports).splitlines()[-1].split()

@@ -1,4 +1,4 @@
-"""The launch environment enters a run's config in one place (megaopd.environment), where train() starts it; no other
+"""The launch environment enters a run's config in one place (megaopd.run.environment), where train() starts it; no other
 module of the package, and no benchmark script, reads a MEGAOPD_ variable."""
 
 import ast
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megaopd import environment, trainer
+from megaopd.run import environment
+from megaopd.run import trainer
 from megaopd.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +70,6 @@ def _variable_names(tree: ast.AST) -> list[str]:
 def test_only_the_environment_module_names_megaopd_variables():
     named = {str(path.relative_to(REPO)): names for folder in ("megaopd", "bench")
              for path in sorted((REPO / folder).rglob("*.py")) if (names := _variable_names(ast.parse(path.read_text())))}
-    assert named.pop("megaopd/environment.py")  # the one reader
-    assert named == {}, ("read the config field megaopd.environment fills instead (or its reader, "
+    assert named.pop("megaopd/run/environment.py")  # the one reader
+    assert named == {}, ("read the config field megaopd.run.environment fills instead (or its reader, "
                          "environment.sglang_python()); a script's own setting is a command-line flag")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaopd import objectives
+from megaopd.objectives import losses as objectives
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

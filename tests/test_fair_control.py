@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from megaopd.report import write_report
+from megaopd.analysis.report import write_report
 from test_report import mean_curve, on_data, write_stage
 
 OPD_FINAL = 0.6  # the best OPD's final accuracy: the target (window 1)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import run_config
-from megaopd.checkpoint import Checkpointer, UnsafeCheckpoint, load_state
+from megaopd.models.checkpoint import Checkpointer, UnsafeCheckpoint, load_state
 from megaopd.config import save_config
-from megaopd.metrics import read_metrics
+from megaopd.accounting.metrics import read_metrics
 
 
 class _OpensAFile:
@@ -47,7 +47,7 @@ def test_a_planted_pickle_is_refused_and_runs_nothing(tmp_path):
 
 def test_a_checkpoint_holds_data_only(assets, tmp_path):
     """A real checkpoint (model, optimizer, RNG states, rollouts ahead) loads under the allow-list."""
-    from megaopd.trainer import train
+    from megaopd.run.trainer import train
 
     train(run_config(assets, tmp_path / "run", "grpo", **{"train.steps": 4, "rollout.max_staleness": 1}))
     state = load_state(tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt")
@@ -63,7 +63,7 @@ STEPS = {"train.steps": 4, "checkpoint.every": 2, "checkpoint.keep": 2}
 def runs(assets, tmp_path_factory):
     """A finished 4-step GRPO run (checkpoints at steps 2 and 4), and the same run carried to 6 steps unbroken: a
     damaged run resumed to 6 steps must end with this one's metrics and ledger."""
-    from megaopd.trainer import train
+    from megaopd.run.trainer import train
 
     root = tmp_path_factory.mktemp("fault_runs")
     train(run_config(assets, root / "base" / "run", "grpo", **STEPS))
@@ -88,7 +88,7 @@ def _resumes_to_the_reference(assets, runs, run) -> dict:
     run's."""
     import json
 
-    from megaopd.trainer import train
+    from megaopd.run.trainer import train
 
     summary = train(run_config(assets, run, "grpo", **(STEPS | {"train.steps": 6})))
     expected = json.loads((runs / "reference" / "run" / "summary.json").read_text())
@@ -149,7 +149,7 @@ def test_a_checkpoint_without_a_manifest_loads_when_it_reads_as_data(assets, run
 def test_a_planted_pickle_in_the_latest_checkpoint_is_moved_aside(assets, runs, tmp_path, caplog):
     """Its manifest rewritten to match it too (someone who can write the file can write the manifest): loading
     still refuses it, creates nothing, and the run resumes from the one before."""
-    from megaopd.checkpoint import write_manifest
+    from megaopd.models.checkpoint import write_manifest
 
     run = _copy_base(runs, tmp_path)
     latest = run / "checkpoints" / "step_0000004"
@@ -177,7 +177,7 @@ def test_every_checkpoint_damaged_starts_over(tmp_path, caplog):
 
 
 def test_a_saved_checkpoint_is_flushed_and_verified(tmp_path):
-    from megaopd.checkpoint import verify
+    from megaopd.models.checkpoint import verify
 
     checkpointer = Checkpointer(tmp_path, every=1, keep=2)
     for step in (1, 2, 3):
@@ -232,7 +232,7 @@ def test_a_teachers_nan_logprobs_stop_the_run_before_the_update(assets, tmp_path
     import json
     import shutil
 
-    from megaopd.trainer import train
+    from megaopd.run.trainer import train
 
     teacher = tmp_path / "teacher"
     shutil.copytree(assets / "models" / "qwen3-tiny-seed1", teacher)
@@ -395,7 +395,7 @@ def test_a_full_disk_while_the_report_is_written_ends_in_one_line(small_disk, tm
 
 _SAVER = """
 import sys, torch
-from megaopd.checkpoint import Checkpointer
+from megaopd.models.checkpoint import Checkpointer
 checkpointer = Checkpointer(sys.argv[1], every=1, keep=2)
 for step in range(1, 1000):
     checkpointer.save(step, {"step": step, "w": torch.full((24 << 20,), float(step))})  # 96 MiB: a long write
@@ -408,7 +408,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_and_no_partial_one(
     checkpoints that were complete stay so, the partial one is never taken for one, and the next resume removes it."""
     import time
 
-    from megaopd.checkpoint import verify
+    from megaopd.models.checkpoint import verify
 
     proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"})
     checkpoints, deadline = tmp_path / "checkpoints", time.time() + 240

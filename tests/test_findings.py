@@ -244,7 +244,7 @@ def test_a_finding_needs_all_its_checks():
 
 
 def with_teacher(comparison: dict, accuracy: float, below_student: bool = False) -> dict:
-    """The pair's OPD stage checked its external teacher (megaopd/teacher_check.py) at `accuracy`."""
+    """The pair's OPD stage checked its external teacher (megaopd/teachers/check.py) at `accuracy`."""
     return {**comparison, "teacher_check": {"accuracy": accuracy, "below_student": below_student}}
 
 

@@ -1,4 +1,4 @@
-"""Tests of megaopd.flops: the worked example of docs/flops.md, and analytic vs measured FLOPs of tiny
+"""Tests of megaopd.accounting.flops: the worked example of docs/flops.md, and analytic vs measured FLOPs of tiny
 random HF models under torch.utils.flop_counter.FlopCounterMode.
 
 What FlopCounterMode measures (torch 2.13, checked in these tests):
@@ -18,7 +18,7 @@ import math
 
 import pytest
 
-from megaopd.flops import (
+from megaopd.accounting.flops import (
     COMPONENTS,
     ModelShape,
     decode_flops,
@@ -148,7 +148,7 @@ def test_formulas_small_cases():
 # ---------------------------------------------------------------------------------------------------------------
 # Worked example of flops.md: B=128 prompts, P=512, R=4096, causal, prefix-cached, recompute on, 1 epoch.
 # flops.md bills the LM head at every position and R decode forwards per sample; megaopd bills the positions whose
-# logits are used and R-1 decode forwards (see megaopd/flops.py). The tests recompute flops.md's figures with its own
+# logits are used and R-1 decode forwards (see megaopd/accounting/flops.py). The tests recompute flops.md's figures with its own
 # formulas (written out here), check them against the quoted numbers, and check that megaopd's components differ
 # from them by exactly the work megaopd does not bill.
 # ---------------------------------------------------------------------------------------------------------------
@@ -311,7 +311,7 @@ def test_measured_generation_kv_cache(family, tied):
     import torch
     from transformers import DynamicCache
 
-    from megaopd.decode import cache_argument
+    from megaopd.rollout.decode import cache_argument
     model, shape = _tiny_model(family, tied)
     prompts = torch.randint(0, shape.vocab_size, (BATCH, GEN_P))
 
@@ -338,14 +338,14 @@ def test_measured_generation_kv_cache(family, tied):
                                                        ("opd", "topk", False), ("opd", "sampled", False)])
 def test_a_trainer_step_executes_what_the_ledger_books(assets, tmp_path, monkeypatch, algorithm, form, recompute):
     """One real ``Trainer.rl_step`` (LocalEngine rollout, old-logprob recompute, reference or teacher in each OPD
-    form, update over 2 epochs), counted phase by phase under FlopCounterMode (``megaopd.flop_audit``), against the
+    form, update over 2 epochs), counted phase by phase under FlopCounterMode (``megaopd.run.flop_audit``), against the
     ledger (model FLOPs: one teacher pass; every sample's prompt in every pass) and the hardware work beside it (in
     the full form the teacher's rows projected again in the update, and with ``recompute``, as the plan forces it
     when the kept rows do not fit, its forward re-run per micro-batch; with shared prompts, the group's prompt
     forwarded once in the policy's and the reference's passes)."""
-    from megaopd import resolve
-    from megaopd.flop_audit import audit_step
-    from megaopd.plan import build_plan
+    from megaopd.run import resolve
+    from megaopd.run.flop_audit import audit_step
+    from megaopd.run.plan import build_plan
     from tests.conftest import run_config
 
     extra = ({"grpo.kl_coef": 0.01} if algorithm == "grpo" else
@@ -390,8 +390,8 @@ def test_the_audit_fails_a_forward_the_ledger_does_not_bill(assets, tmp_path, mo
     counter over the whole step sees all of it, and the audit fails the step."""
     import torch
 
-    from megaopd.flop_audit import audit_step
-    from megaopd.trainer import Trainer
+    from megaopd.run.flop_audit import audit_step
+    from megaopd.run.trainer import Trainer
     from tests.conftest import run_config
 
     score = Trainer.score_old_logprobs

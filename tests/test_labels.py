@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megaopd.report import write_report
+from megaopd.analysis.report import write_report
 from megaopd.analysis.stats import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, interval_wording, verdict
 from tests.test_report import checks, make_e3_curves
 

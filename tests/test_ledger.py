@@ -2,7 +2,7 @@
 
 import pytest
 
-from megaopd.ledger import Ledger
+from megaopd.accounting.ledger import Ledger
 
 
 def _finished(tmp_path, name, counts_as, flops, upstream=()):

@@ -131,8 +131,8 @@ def test_teacher_at_tp2_scores_for_a_student_at_tp1(results):
 
 
 def test_pad_batch_adds_masked_rows_and_positions():
-    from megaopd.batch import TokenBatch
-    from megaopd.megatron.policy import pad_batch
+    from megaopd.data.batch import TokenBatch
+    from megaopd.models.megatron.policy import pad_batch
 
     ids = torch.arange(10).view(2, 5)
     batch = TokenBatch(ids, torch.ones_like(ids), torch.ones(2, 4), torch.zeros(2, 4),
@@ -147,7 +147,7 @@ def test_pad_batch_adds_masked_rows_and_positions():
 def test_model_device_must_name_where_megatron_places_the_model(monkeypatch):
     """megatron puts each rank's model on cuda:LOCAL_RANK (or the CPU); model.device cannot move it, so a value
     that names another place stops the run instead of being ignored."""
-    from megaopd.megatron.parallel import model_device
+    from megaopd.models.megatron.parallel import model_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert model_device("cpu") == torch.device("cpu")
@@ -172,7 +172,7 @@ def test_checkpoint_helper_processes_survive_the_preemption_signals():
     interpreter, so that nothing (a resource tracker already running) hides a missing part of the shield."""
     script = """
 import multiprocessing, os, signal, time
-from megaopd.megatron.checkpoint import preemption_signals_blocked
+from megaopd.models.megatron.checkpoint import preemption_signals_blocked
 
 def alive_after(sig, shielded):
     if shielded:
@@ -202,7 +202,7 @@ def test_fp8_without_te_or_gpu_stops_with_what_is_missing(monkeypatch, te_instal
     import importlib.util
 
     from megaopd.config import MegatronConfig
-    from megaopd.megatron.fp8 import TE_INSTALL, fp8_overrides
+    from megaopd.models.megatron.fp8 import TE_INSTALL, fp8_overrides
 
     assert fp8_overrides(MegatronConfig()) == {}
     find_spec = importlib.util.find_spec
@@ -221,7 +221,7 @@ def test_fp8_without_te_or_gpu_stops_with_what_is_missing(monkeypatch, te_instal
 
 def test_megatron_backend_outside_torchrun_says_how_to_launch(assets, monkeypatch):
     from conftest import run_config
-    from megaopd.trainer import build_policy
+    from megaopd.run.trainer import build_policy
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -236,8 +236,8 @@ def test_trainer_with_the_megatron_backend_matches_the_hf_backend(assets, tmp_pa
     rollouts, losses and evaluations as the HF backend: every logged number agrees within 1e-5."""
     from conftest import file_mtimes, run_config, torchrun_trainer
     from megaopd.config import save_config
-    from megaopd.metrics import read_metrics
-    from megaopd.trainer import train
+    from megaopd.accounting.metrics import read_metrics
+    from megaopd.run.trainer import train
 
     teacher = assets / "models" / "qwen3-tiny-seed1"
     overrides = {"opd.teachers.*": teacher, "opd.form": "topk", "opd.topk": 16, "rollout.samples_per_prompt": 1,
@@ -292,7 +292,7 @@ def test_a_teachers_nan_logprobs_under_megatron_never_reach_the_weights(assets, 
 
     from conftest import run_config, torchrun_trainer
     from megaopd.config import save_config
-    from megaopd.metrics import read_metrics
+    from megaopd.accounting.metrics import read_metrics
 
     teacher = tmp_path / "teacher"
     shutil.copytree(assets / "models" / "qwen3-tiny-seed1", teacher)

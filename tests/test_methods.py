@@ -1,4 +1,4 @@
-"""The algorithm table (megaopd.methods): every method walked through the planner, `megaopd submit --dry-run` and the
+"""The algorithm table (megaopd.objectives.methods): every method walked through the planner, `megaopd submit --dry-run` and the
 FLOP audit, each reading what the method needs from its row."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megaopd.methods import METHODS, method
-from megaopd.plan import build_plan
+from megaopd.objectives.methods import METHODS, method
+from megaopd.run.plan import build_plan
 from tests.conftest import run_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +44,8 @@ def test_a_grpo_opd_plan_includes_its_teachers_and_reference(assets, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_every_method_through_plan_submit_and_the_flop_audit(assets, tmp_path, capsys, name):
-    from megaopd import study_plan
-    from megaopd.flop_audit import audit_step
+    from megaopd.run import study_plan
+    from megaopd.run.flop_audit import audit_step
     from megaopd.launch import submit
 
     spec = method(name)

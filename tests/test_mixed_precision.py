@@ -11,9 +11,9 @@ import copy
 import pytest
 import torch
 
-from megaopd.batch import TokenBatch
+from megaopd.data.batch import TokenBatch
 from megaopd.config import ModelConfig, OptimConfig
-from megaopd.hf_policy import HFPolicy
+from megaopd.models.hf_policy import HFPolicy
 
 
 def batch(seed: int = 0) -> TokenBatch:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gguf_files import CHATML, HIDDEN, SPECIAL, write_gguf
-from megaopd.packaged_models import PACKAGED, ModelImportError, packaged_gguf, part_files, sha256_of
+from megaopd.models.packaged_models import PACKAGED, ModelImportError, packaged_gguf, part_files, sha256_of
 from test_user_errors import LINE, megaopd
 
 pytest.importorskip("gguf", reason="the real extra: pip install -e '.[real]'")
@@ -75,7 +75,7 @@ def test_an_embedding_stored_twice_is_tied_again_to_its_finer_copy(tmp_path):
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from megaopd.model_import import import_model
+    from megaopd.models.model_import import import_model
 
     models = {}
     for head in ("tied", "twice", "untied"):
@@ -138,7 +138,7 @@ def test_a_missing_or_other_version_part_names_the_pip_command(monkeypatch):
 
 
 def test_chunks_join_in_order_and_a_wrong_checksum_is_refused(monkeypatch, tmp_path):
-    from megaopd import packaged_models
+    from megaopd.models import packaged_models
 
     chunks = []
     for i, data in enumerate([b"GGUF", b"-part2-", b"-part10-"]):

@@ -20,7 +20,7 @@ import yaml
 
 from megaopd.config import ConfigError, load_config
 from megaopd.launch.slurm import LaunchConfig, absolute_study, load_launch, plan
-from megaopd.study import StudyConfig
+from megaopd.run.study import StudyConfig
 
 from test_slurm_multinode import cluster  # noqa: F401  (the 4-node CI cluster)
 from test_slurm_render import GPU_LAUNCH, demo_study, fake_cluster, sbatch_options, write_model
@@ -145,7 +145,7 @@ def test_slurm_executor_runs_a_multinode_stage_on_the_cluster(cluster, tmp_path)
             "eval.every=2", "eval.prompts_per_domain=2", "eval.final_prompts_per_domain=2",
             "rollout.max_new_tokens=8"]}]}))
     launch = [f"venv={sys.prefix}", f"workdir={ROOT}", "nodes=2", "gpus_per_node=1",
-              "trainer_module=megaopd.megatron.cpu_launch",
+              "trainer_module=megaopd.models.megatron.cpu_launch",
               "overrides=[model.backend=megatron, model.megatron.tp=2, model.device=cpu, model.dtype=float32]"]
     home = tmp_path / "nemo_home"
     earlier = {r["JobId"] for r in cluster.job_records()}

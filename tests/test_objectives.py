@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from megaopd.batch import Sample, collate
+from megaopd.data.batch import Sample, collate
 from megaopd.config import GRPOConfig, ModelConfig, OPDConfig, OptimConfig, OPSAConfig
-from megaopd.objectives import (GRPO, OPD, OPSA, clipped_pg_loss, full_vocab_kl, group_advantages, k3_kl,
+from megaopd.objectives.losses import (GRPO, OPD, OPSA, clipped_pg_loss, full_vocab_kl, group_advantages, k3_kl,
                                 truncated_is_weights)
 
 
@@ -111,7 +111,7 @@ class OneTeacher:
 @pytest.mark.parametrize("objective_name", ["grpo", "opd_sampled", "opd_full", "opsa"])
 def test_gradient_accumulation_matches_one_big_batch(assets, objective_name):
     """Token-mean over the whole minibatch: micro-batches of 2 give the same update as one batch of 8."""
-    from megaopd.hf_policy import HFPolicy
+    from megaopd.models.hf_policy import HFPolicy
 
     model_dir = assets / "models" / "qwen3-tiny"
     samples = _samples(torch.Generator().manual_seed(0), 8)
@@ -144,7 +144,7 @@ def test_gradient_accumulation_matches_one_big_batch(assets, objective_name):
 
 
 def test_grpo_update_raises_logprob_of_rewarded_samples(assets):
-    from megaopd.hf_policy import HFPolicy
+    from megaopd.models.hf_policy import HFPolicy
 
     samples = _samples(torch.Generator().manual_seed(3), 8)
     policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")), OptimConfig(lr=1e-3))

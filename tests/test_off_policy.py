@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megaopd.batch import TokenBatch
+from megaopd.data.batch import TokenBatch
 from megaopd.config import ConfigError, GRPOConfig, OPDConfig, TrainConfig, load_config
-from megaopd.methods import method
-from megaopd.objectives import (GRPOWithOPD, check_is_correction, clipped_pg_loss, is_correction, ratio_mask,
+from megaopd.objectives.methods import method
+from megaopd.objectives.losses import (GRPOWithOPD, check_is_correction, clipped_pg_loss, is_correction, ratio_mask,
                                 resolve_tis, truncated_is_weights)
-from megaopd.rollout import reported_sampling
+from megaopd.rollout.local import reported_sampling
 
 
 def test_the_mask_zeroes_tokens_outside_the_band_and_keeps_the_rest():
@@ -127,7 +127,7 @@ def test_at_temperature_07_the_ratio_compares_like_with_like(assets, tmp_path):
     weights are 1 and KL(behaviour || trainer) is 0 up to float rounding, and the old logprobs, taken at the same
     temperature (docs/opd.md, "One temperature"), are the engine's too: the PPO ratio starts at 1."""
     from conftest import run_config
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     cfg = run_config(assets, tmp_path / "run", "grpo", **{
         "rollout.temperature": 0.7, "train.tis": "token", "train.is_mask": "token", "train.is_mask_low": 0.9,
@@ -155,7 +155,7 @@ def test_the_second_temperature_costs_no_flops_the_audit_does_not_see(assets, tm
     """At T != 1 the old logprobs and the sampling-distribution ones come from one forward and one projection: the
     audit measures the old-logprob phase as exactly the one pass the ledger books."""
     from conftest import run_config
-    from megaopd.flop_audit import audit_step
+    from megaopd.run.flop_audit import audit_step
 
     cfg = run_config(assets, tmp_path / "run", "grpo", **{
         "train.prompts_per_step": 1, "rollout.samples_per_prompt": 2, "rollout.temperature": 0.7,

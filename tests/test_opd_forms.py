@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megaopd.batch import collate
+from megaopd.data.batch import collate
 from megaopd.config import GRPOConfig, ModelConfig, OPDConfig, OptimConfig
 from megaopd.data.rows import load_rows
-from megaopd.distributions import WholeVocab, tail_logprob
-from megaopd.hf_policy import HFPolicy, sampling_logprobs
-from megaopd.objectives import GRPO, OPD, GRPOWithOPD, full_vocab_kl, topk_kl
-from megaopd.rollout import LocalEngine
-from megaopd.teachers import TeacherRouter, local_teachers
+from megaopd.models.distributions import WholeVocab, tail_logprob
+from megaopd.models.hf_policy import HFPolicy, sampling_logprobs
+from megaopd.objectives.losses import GRPO, OPD, GRPOWithOPD, full_vocab_kl, topk_kl
+from megaopd.rollout.local import LocalEngine
+from megaopd.teachers.router import TeacherRouter, local_teachers
 
 ATOL = 1e-6
 
@@ -216,7 +216,7 @@ def test_full_vocab_kl_is_a_sum_over_vocabulary_slices():
 def test_truncated_is_with_a_kl_form_is_refused_before_any_model_loads(assets, tmp_path, form):
     """train.tis weights sampled-token terms; opd's KL forms have none, so the weights would silently be dropped."""
     from conftest import run_config
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     cfg = run_config(assets, tmp_path / "run", "opd", **{"train.tis": "token", "opd.form": form, "opd.topk": 4,
                                                         "opd.teachers.*": "/nonexistent"})
@@ -229,7 +229,7 @@ def test_a_teacher_dtype_for_megatron_teachers_is_refused_before_any_model_loads
     """Megatron's frozen teachers run in model.dtype; opd.teacher_dtype (HF and SGLang teachers) would be ignored."""
     from conftest import run_config
     from megaopd.config import ConfigError
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     cfg = run_config(assets, tmp_path / "run", "opd", **{"model.backend": "megatron", "opd.form": "topk",
                                                         "opd.topk": 4, "opd.teacher_dtype": "bfloat16",

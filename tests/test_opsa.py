@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaopd.batch import collate
+from megaopd.data.batch import collate
 from megaopd.config import ConfigError, ModelConfig, OptimConfig, OPSAConfig
-from megaopd.objectives import OPSA, check_opsa, entropy_scaled_advantages, lowest_logprob_tokens
+from megaopd.objectives.losses import OPSA, check_opsa, entropy_scaled_advantages, lowest_logprob_tokens
 from tests.conftest import run_config
 from tests.test_objectives import _samples
 
@@ -76,7 +76,7 @@ def test_the_advantage_is_the_fixed_value_on_the_selected_tokens_only():
 @pytest.mark.parametrize("advantage,direction", [(-0.5, -1), (0.5, 1)])
 def test_a_negative_advantage_pushes_the_selected_tokens_down(assets, advantage, direction):
     """The sign: one update lowers the selected tokens' logprobs (and the positive control raises them)."""
-    from megaopd.hf_policy import HFPolicy
+    from megaopd.models.hf_policy import HFPolicy
 
     policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")), OptimConfig(lr=1e-3))
     batch = collate(_samples(torch.Generator().manual_seed(3), 8), policy.pad_id)
@@ -98,7 +98,7 @@ def test_settings_that_train_nothing_are_refused(key, value, message):
 
 
 def test_an_entropy_no_pass_computes_is_refused(assets, tmp_path):
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     cfg = run_config(assets, tmp_path, "opsa", **{"opsa.scale": "entropy", "train.recompute_old_logprobs": False})
     with pytest.raises(ConfigError, match=r"^opsa\.scale=entropy reads each position's entropy from the trainer's "
@@ -138,7 +138,7 @@ def test_the_entropy_form_uses_the_old_entropy_and_the_fixed_form_ignores_it():
 def test_the_hf_old_logprob_pass_gives_the_entropy_of_the_full_distribution(assets, temperature):
     """The entropy grid of ``logprobs_under(..., with_entropy=True)`` is -sum p log p of softmax(logits / T) at
     each response position (the model's own logits, unchunked), and the logprobs beside it are unchanged."""
-    from megaopd.hf_policy import HFPolicy
+    from megaopd.models.hf_policy import HFPolicy
 
     policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")), logit_chunk_rows=7)  # several chunks
     batch = collate(_samples(torch.Generator().manual_seed(3), 8), policy.pad_id)
@@ -161,7 +161,7 @@ def test_the_entropy_form_on_megatron_equals_the_hf_backend(assets, tmp_path):
     """One step of the entropy form on each backend (Megatron at TP2 under torchrun, its entropy an all-reduced sum
     of the vocabulary slices' shares): the same rollouts, the same old entropy and the same advantages."""
     from megaopd.config import save_config
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
     from tests.step_probe import step_gaps
 
     pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install -e '.[megatron]')")
@@ -191,8 +191,8 @@ def test_the_flop_audit_is_exact_for_the_entropy_form(assets, tmp_path, monkeypa
     """The entropy comes from the old-logprob pass's logits (elementwise, 0 model FLOPs): the audit measures the same
     passes as the ledger books, at T = 0.7. A second projection for it (the negative control: an extra LM-head run
     over the response rows) shows in the measured old-logprob phase."""
-    from megaopd.flop_audit import audit_step
-    from megaopd.hf_policy import HFPolicy
+    from megaopd.run.flop_audit import audit_step
+    from megaopd.models.hf_policy import HFPolicy
 
     cfg = entropy_run(assets, tmp_path / "audit", **{"train.prompts_per_step": 1})
     audit = audit_step(cfg)
@@ -216,7 +216,8 @@ def test_a_run_builds_no_teacher_and_no_reference(assets, tmp_path, monkeypatch)
     """With opd.teachers set and the reference KL on (as an OPD or GRPO config would have them), an opsa run loads
     one model, its own: building a teacher or a second policy fails the test; it books no teacher or reference
     FLOPs."""
-    from megaopd import teachers, trainer
+    from megaopd.teachers import router as teachers
+    from megaopd.run import trainer
 
     def refuse(*args, **kwargs):
         raise AssertionError("a teacher was constructed")

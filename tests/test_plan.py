@@ -15,14 +15,14 @@ import torch
 
 from conftest import run_config
 from megaopd.config import ConfigError, load_config
-from megaopd.embedded import build_model, build_model_config, build_tokenizer
-from megaopd.hf_policy import HFPolicy
-from megaopd.plan import (CPU_CHUNK_BYTES, GIB, Arch, PlanError, build_plan, check_chunk_rows, check_run,
+from megaopd.models.embedded import build_model, build_model_config, build_tokenizer
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.run.plan import (CPU_CHUNK_BYTES, GIB, Arch, PlanError, build_plan, check_chunk_rows, check_run,
                           chunk_rows)
-from megaopd.study_plan import main
-from megaopd.rollout import LocalEngine
+from megaopd.run.study_plan import main
+from megaopd.rollout.local import LocalEngine
 from megaopd.data.rows import load_rows
-from megaopd.trainer import Trainer
+from megaopd.run.trainer import Trainer
 
 STUDY = "configs/studies/cluster/two_domain_qwen3.yaml"
 
@@ -54,7 +54,7 @@ def test_parameter_and_optimizer_tensors_are_exact(assets, qwen3_06b, tmp_path, 
     ids = torch.randint(0, 256, (2, 12))
     response = torch.zeros((2, 11))
     response[:, 4:] = 1
-    from megaopd.batch import TokenBatch
+    from megaopd.data.batch import TokenBatch
 
     policy.train_minibatch(TokenBatch(ids, torch.ones_like(ids), response, torch.zeros_like(response)),
                            lambda logp, full, mb: (-logp, {}), micro_batch_size=2)
@@ -105,13 +105,13 @@ def test_activations_match_autograds_saved_tensors(preset, dtype):
                                           ("qwen3-0.6b:layers=1", "bfloat16")])
 @pytest.mark.parametrize("per_group", [False, True], ids=["one masked call", "per group"])
 def test_shared_prompt_activations_match_autograds_saved_tensors(preset, dtype, per_group, monkeypatch):
-    """train.shared_prompt: two groups of four samples as one flat sequence (megaopd.shared_prompt), the plan's
+    """train.shared_prompt: two groups of four samples as one flat sequence (megaopd.models.shared_prompt), the plan's
     figure against what the forward keeps for backward, in both of SDPA's forms for the responses (per group: a
     GPU's, run here on CPU)."""
     from transformers import AutoModelForCausalLM
 
-    from megaopd import shared_prompt
-    from megaopd.shared_prompt import PromptGroups, hf_attention
+    from megaopd.models import shared_prompt
+    from megaopd.models.shared_prompt import PromptGroups, hf_attention
 
     if per_group:
         monkeypatch.setattr(shared_prompt, "PER_GROUP_DEVICES", ("cpu",))
@@ -224,7 +224,7 @@ def test_chunked_generation_equals_unchunked(assets, monkeypatch):
     """Greedy rollouts in chunks of 3 prompts equal one chunk of 8: same tokens, same logprobs (float rounding of a
     different batch width aside). Sampled rollouts draw each chunk's uniforms after the previous chunk's, so they
     equal the chunks run one after another, not the unchunked run. Each chunk's KV cache holds its own rows only."""
-    from megaopd import decode
+    from megaopd.rollout import decode
 
     policy = HFPolicy(load_config(None, [f"model.path={assets / 'models' / 'qwen3-tiny'}"]).model)
     rows, _ = load_rows(str(assets / "data" / "arith_add" / "train.jsonl"))

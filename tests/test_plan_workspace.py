@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import run_config
-from megaopd.batch import TokenBatch
-from megaopd.hf_policy import HFPolicy
-from megaopd.objectives import GRPO, OPD
+from megaopd.data.batch import TokenBatch
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.objectives.losses import GRPO, OPD
 from vocab_bytes import TOLERANCE, VocabBytes, model_dir, planned_vocab_bytes
 
 

@@ -40,7 +40,7 @@ def check(result: dict) -> None:
 @pytest.fixture(scope="module")
 def hf_result(assets, tmp_path_factory) -> dict:
     from megaopd.config import ModelConfig, OptimConfig
-    from megaopd.hf_policy import HFPolicy
+    from megaopd.models.hf_policy import HFPolicy
 
     model_dir = assets / "models" / "qwen3-tiny"
     return run_contract(HFPolicy(ModelConfig(path=str(model_dir)), OptimConfig()), model_dir,

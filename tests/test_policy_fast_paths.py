@@ -1,7 +1,7 @@
 """The policy's and the local engine's fast paths give the numbers of the straightforward computation.
 
 HFPolicy projects to the vocabulary only at response positions and drops the attention mask of right-padded
-batches; LocalEngine samples by inverse CDF and decodes with a fused step (``megaopd.decode``). Each is
+batches; LocalEngine samples by inverse CDF and decodes with a fused step (``megaopd.rollout.decode``). Each is
 checked here against the plain form: full-sequence logits with the 2D attention mask, ``token_logprobs`` /
 ``log_softmax`` over every position and the gradients they give (to 1e-6 in fp32), the sampling distribution itself,
 and greedy decoding through HF's own DynamicCache with the 2D mask.
@@ -14,14 +14,14 @@ import copy
 import pytest
 import torch
 
-from megaopd.batch import collate
+from megaopd.data.batch import collate
 from megaopd.config import ModelConfig, OPDConfig, OptimConfig
 from megaopd.data.rows import load_rows
-from megaopd.decode import FusedDecoder, cache_argument
-from megaopd.hf_policy import HFPolicy
-from megaopd.objectives import OPD, clipped_pg_loss, full_vocab_kl
-from megaopd.rollout import LocalEngine, sample_tokens
-from megaopd.teachers import TeacherRouter, local_teachers
+from megaopd.rollout.decode import FusedDecoder, cache_argument
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.objectives.losses import OPD, clipped_pg_loss, full_vocab_kl
+from megaopd.rollout.local import LocalEngine, sample_tokens
+from megaopd.teachers.router import TeacherRouter, local_teachers
 
 ATOL = 1e-6  # fp32
 
@@ -210,7 +210,7 @@ def test_local_engine_decoding_matches_hf_dynamic_cache_decoding(assets, monkeyp
             assert s.response_ids == out_tokens[:n] and (n == 10 or out_tokens[n - 1] == policy.eos_id)
             assert torch.allclose(torch.tensor(s.rollout_logprobs), torch.tensor(out_lp[:n]), atol=1e-5)
     # The chunk's batched tokenisation is chat_prompt_ids of each row.
-    from megaopd.chat import chat_prompt_ids
+    from megaopd.models.chat import chat_prompt_ids
 
     assert [s.prompt_ids for s in samples[::2]] == [chat_prompt_ids(policy.tokenizer, r.prompt) for r in rows]
 

@@ -244,7 +244,7 @@ def test_a_missing_config_in_a_dockerfile_usage_line_is_caught():
     ("python -m megaopd.cli eval --model m --dataset d", "megaopd eval has no option --dataset"),
     ("make demo && make tests", "the Makefile has no target 'tests'"),
     ("python launchers/nemo_run_study.py x.yaml --exec local", "launchers/nemo_run_study.py never mentions --exec"),
-    ("torchrun --nproc-per-node 8 -m megaopd.megatron.lanch C", "no module megaopd.megatron.lanch"),
+    ("torchrun --nproc-per-node 8 -m megaopd.models.megatron.lanch C", "no module megaopd.models.megatron.lanch"),
     ("pip install -e '.[megatorn]'", "pyproject.toml has no extra 'megatorn'"),
     ("pip install nemo-run==0.11.0", "nemo-run==0.11.0: pyproject.toml pins nemo-run==0.11.1"),
     ("sbatch slurm/stage.sbtach CONFIG", "slurm/stage.sbtach does not exist"),

@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaopd.batch import Sample, collate
-from megaopd.chat import chat_prompt_ids
+from megaopd.data.batch import Sample, collate
+from megaopd.models.chat import chat_prompt_ids
 from megaopd.config import ModelConfig
 from megaopd.data.word_problems import build_word_problems, word_split
-from megaopd.hf_policy import HFPolicy
-from megaopd.model_import import ModelImportError, end_of_turn_token, import_model, set_stop_tokens
-from megaopd.rollout import LocalEngine
-from megaopd.rollout_pipeline import RolloutPipeline
-from megaopd.trainer import Trainer
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.models.model_import import ModelImportError, end_of_turn_token, import_model, set_stop_tokens
+from megaopd.rollout.local import LocalEngine
+from megaopd.rollout.pipeline import RolloutPipeline
+from megaopd.run.trainer import Trainer
 from megaopd.verifiers import score
 from conftest import run_config
 from machine_memory import alone
@@ -210,7 +210,7 @@ def grpo_checkpoint(assets, smollm2, words, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("real_grpo")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("megaopd.trainer.score_samples", alternating_rewards)
+        patch.setattr("megaopd.run.trainer.score_samples", alternating_rewards)
         step = one_step(real_run(assets, out / "run", smollm2, words), export=out / "final")
     print("GRPO step:", {k: v for k, v in step.items() if k.startswith(("train/", "rollout/reward"))})
     return out / "final"
@@ -231,7 +231,7 @@ def kl_to_the_teacher(student: Path, teacher: Path, samples: list[Sample], k: in
     top-k form's reverse KL (the teacher's top-k plus a tail bucket) and the k1 estimate at the sampled tokens."""
     from transformers import AutoModelForCausalLM
 
-    from megaopd.distributions import TAIL_FLOOR
+    from megaopd.models.distributions import TAIL_FLOOR
 
     rows = {}
     for name, path in (("student", student), ("teacher", teacher)):
@@ -276,7 +276,7 @@ def test_self_teacher_opd_step_from_the_grpo_checkpoint(assets, smollm2, words, 
 def test_flop_audit_is_exact_on_the_real_model(assets, smollm2, words, grpo_checkpoint, tmp_path):
     """One full-vocabulary OPD step from the GRPO checkpoint, every phase counted: rollout, student and teacher
     passes (the GRPO phases are the same calls; the tiny and shape tiers audit GRPO itself)."""
-    from megaopd.flop_audit import audit_step
+    from megaopd.run.flop_audit import audit_step
 
     audit = audit_step(real_run(assets, tmp_path / "run", smollm2, words, "opd",
                                 **{"opd.teachers.*": grpo_checkpoint, "opd.form": "full_vocab"}))
@@ -318,8 +318,8 @@ def test_shared_prompt_passes_equal_the_unshared_ones_on_real_weights(smollm2, m
     FP32_FACTOR times float32's own error of the unshared ones (the unshared pass against float64, measured here),
     and a response that sees another sample's response is thousands of times further."""
     from megaopd.config import GRPOConfig, OptimConfig
-    from megaopd.objectives import GRPO
-    from megaopd.shared_prompt import PromptGroups
+    from megaopd.objectives.losses import GRPO
+    from megaopd.models.shared_prompt import PromptGroups
 
     optim = OptimConfig(lr=1e-5, grad_clip=0.0)  # the gradients as computed, unclipped
     plain, shared = (HFPolicy(ModelConfig(path=str(smollm2)), optim, shared_prompt=on) for on in (False, True))
@@ -457,7 +457,7 @@ def serving(model: Path, tmp_path_factory, name: str):
     """A CPU SGLang server of `model` at float32 for a module's tests (the body of its fixture)."""
     from test_sglang import server_config
 
-    from megaopd.serving.server import SGLangServer
+    from megaopd.rollout.serving.server import SGLangServer
 
     server = SGLangServer.launch(str(model), server_config(), "float32", tmp_path_factory.mktemp(name) / "server.log")
     try:
@@ -488,7 +488,7 @@ def served_rollouts(assets, model: Path, words, server, tmp_path, greedy_rows, s
     """Greedy rollouts from the server stop at the end of turn (once, last); then |trainer - server| logprob of each
     token it samples (4 per prompt, temperature 1): the train-inference mismatch (fp32 both; different kernels),
     over enough tokens (empty responses would show no gap)."""
-    from megaopd.serving.engine import SGLangEngine
+    from megaopd.rollout.serving.engine import SGLangEngine
 
     cfg = attached(assets, tmp_path, model, words, server)
     policy = HFPolicy(cfg.model)
@@ -522,9 +522,9 @@ def weight_sync_after_a_real_update(assets, model: Path, words, server, tmp_path
     logprob probe; before it, a server claiming the new version on the old weights fails that probe. The in-memory
     methods (tensor, distributed) move weights between GPUs: on a CPU they stop with the reason."""
     from megaopd.config import GRPOConfig
-    from megaopd.objectives import GRPO
-    from megaopd.serving import weight_sync
-    from megaopd.serving.engine import SGLangEngine, StaleWeightsError
+    from megaopd.objectives.losses import GRPO
+    from megaopd.rollout.serving import weight_sync
+    from megaopd.rollout.serving.engine import SGLangEngine, StaleWeightsError
 
     cfg = attached(assets, tmp_path, model, words, server)
     cfg.optim.lr = 1e-4  # one step that moves the probe's logprobs well past the tolerance

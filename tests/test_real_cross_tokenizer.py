@@ -14,13 +14,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from megaopd.align import ByteVocabulary, CrossTokenizer
-from megaopd.batch import Sample, collate
-from megaopd.chat import chat_prompt_ids
+from megaopd.teachers.cross_tokenizer import ByteVocabulary, CrossTokenizer
+from megaopd.data.batch import Sample, collate
+from megaopd.models.chat import chat_prompt_ids
 from megaopd.config import ModelConfig
 from megaopd.data.word_problems import build_word_problems, word_split
-from megaopd.hf_policy import HFPolicy
-from megaopd.teachers import TeacherRouter, local_teachers
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.teachers.router import TeacherRouter, local_teachers
 from machine_memory import alone
 from test_real import one_step, real_run
 
@@ -91,7 +91,7 @@ def test_cross_tokenizer_opd_step_with_the_qwen_teacher_in_process(assets, smoll
                                                                     monkeypatch):
     """One sampled-form OPD step of SmolLM2 from the Qwen teacher (found from its directory: another vocabulary),
     then the FLOP audit of such a step: every phase measured equals the formula over the teacher's own tokens."""
-    from megaopd.flop_audit import audit_step
+    from megaopd.run.flop_audit import audit_step
 
     seen = recording_alignments(monkeypatch)
     step = one_step(real_run(assets, tmp_path / "step", smollm2, words, "opd", **{
@@ -113,7 +113,7 @@ def test_cross_tokenizer_opd_step_with_the_qwen_teacher_in_process(assets, smoll
 def test_cross_tokenizer_opd_with_a_qwen_teacher_server(assets, smollm2, qwen05, words, tmp_path, monkeypatch):
     """The Qwen teacher on a launched SGLang server scores its own tokens of SmolLM2's responses: the credit is the
     in-process teacher's (fp32 both, other kernels), and an OPD step trains with it."""
-    from megaopd.serving.teacher import SGLangTeacher
+    from megaopd.rollout.serving.teacher import SGLangTeacher
     from test_sglang import server_config
 
     student = HFPolicy(ModelConfig(path=str(smollm2)))

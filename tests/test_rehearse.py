@@ -12,7 +12,7 @@ import pytest
 from megaopd.config import load_config
 from megaopd.launch import rehearse
 from megaopd.launch.slurm import absolute_study, load_launch
-from megaopd.study import StudyConfig
+from megaopd.run.study import StudyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = ROOT / "configs/studies/cluster/two_domain_qwen3.yaml"
@@ -95,7 +95,7 @@ def test_stand_ins_keep_the_layout_and_swap_models_data_and_site(tmp_path):
     for name, nodes in (("expert_math", 3), ("opd_self_math", 4), ("multi_teacher", 5), ("joint_grpo", 3)):
         assert f"#SBATCH --nodes={nodes}\n" in jobs[name], name
         assert "TRAIN_NODES=2\n" in jobs[name] and "GPUS_PER_NODE=2\n" in jobs[name]
-        assert "TRAINER_MODULE=megaopd.megatron.cpu_launch\n" in jobs[name]
+        assert "TRAINER_MODULE=megaopd.models.megatron.cpu_launch\n" in jobs[name]
         assert "model.megatron.tp=2" in jobs[name] and "model.device=cpu" in jobs[name]
     assert f"model.path={small.out}/models/qwen3-tiny" in jobs["expert_math"]
     assert f"opd.teachers.*={small.out}/models/qwen3-small" in jobs["opd_external_math"]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from megaopd.analysis import flops_to_target, smooth, split_vs_joint
-from megaopd.report import main, write_report
+from megaopd.analysis.report import main, write_report
 from megaopd.analysis.stats import interval_wording
 
 
@@ -432,8 +432,8 @@ def test_length_sweep_ratio_grows_with_length(tmp_path):
 def test_teacher_cost_is_read_from_relative_model_paths_wherever_the_report_runs(tmp_path, monkeypatch):
     """A study started with a relative `out` records relative model paths: the report finds them from the run
     directory's own location, not from the directory the report happens to run in."""
-    from megaopd.embedded import build_model_config
-    from megaopd.flops import ModelShape
+    from megaopd.models.embedded import build_model_config
+    from megaopd.accounting.flops import ModelShape
 
     started = tmp_path / "checkout"
     study = make_study(started / "runs" / "s")

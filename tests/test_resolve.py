@@ -1,4 +1,4 @@
-"""``megaopd.resolve.resolve_run`` is the one place a run's settings are refused: every refusal that reads the config
+"""``megaopd.run.resolve.resolve_run`` is the one place a run's settings are refused: every refusal that reads the config
 alone is given in the same line by ``megaopd train``, ``megaopd plan`` (a run config, or a study's stage) and
 ``megaopd submit --dry-run`` (no Slurm needed), and no other module calls the checks."""
 
@@ -107,7 +107,7 @@ def test_config_yaml_holds_the_resolved_run(assets, tmp_path):
     """The trainer saves what it runs: train.logit_chunk_rows as the memory plan sized it, not 0 (the plan's pick)."""
     from conftest import run_config
     from megaopd.config import load_config
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     trainer = Trainer(run_config(assets, tmp_path / "run"))
     try:
@@ -116,7 +116,7 @@ def test_config_yaml_holds_the_resolved_run(assets, tmp_path):
     finally:
         trainer.close()
 
-# What resolve_run derives and refuses: called in the package from megaopd/resolve.py only.
+# What resolve_run derives and refuses: called in the package from megaopd/run/resolve.py only.
 CHECKS = ("resolve_tis", "shared_prompt.resolve", "check_is_correction", "check_temperature", "alignment_tokenizers",
           "check_opd", "check_opsa", "check_stop", "check_chunk_rows", "StopRule", "check_run", "chunk_rows")
 
@@ -128,4 +128,4 @@ def test_resolve_run_is_the_only_caller_of_the_refusals():
         for check in CHECKS:  # a call, plain or through its module; not its definition
             if re.search(rf"(?<!\w)(?<!def )(?<!class ){re.escape(check)}\(", text):
                 callers[check].append(str(path.relative_to(ROOT)))
-    assert callers == {check: ["megaopd/resolve.py"] for check in CHECKS}
+    assert callers == {check: ["megaopd/run/resolve.py"] for check in CHECKS}

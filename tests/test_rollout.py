@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from engine_contract import check_engine
-from megaopd.batch import collate
+from megaopd.data.batch import collate
 from megaopd.config import ModelConfig, OptimConfig
 from megaopd.data.rows import load_rows
-from megaopd.hf_policy import HFPolicy
-from megaopd.rollout import LocalEngine, sample_tokens
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.rollout.local import LocalEngine, sample_tokens
 
 
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny"])

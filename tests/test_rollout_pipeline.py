@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megaopd.batch import Sample, TeacherScores
+from megaopd.data.batch import Sample, TeacherScores
 from megaopd.config import ConfigError, load_config
 from megaopd.data.rows import Row
 from megaopd.data.sampler import PromptSampler
-from megaopd.rollout_pipeline import RolloutPipeline
-from megaopd.serving.leader import on_leader
+from megaopd.rollout.pipeline import RolloutPipeline
+from megaopd.rollout.serving.leader import on_leader
 
 PROMPTS = 2
 

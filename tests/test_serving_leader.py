@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megaopd.serving.leader import is_leader, on_leader
+from megaopd.rollout.serving.leader import is_leader, on_leader
 
 
 def _worker(rank: int, init_file: str, results) -> None:

@@ -21,18 +21,18 @@ import torch
 
 from conftest import run_config
 from engine_contract import check_engine
-from megaopd.batch import TeacherScores, collate
+from megaopd.data.batch import TeacherScores, collate
 from megaopd.config import OptimConfig, SGLangConfig
 from megaopd.data.rows import load_rows
-from megaopd.hf_policy import HFPolicy
-from megaopd.metrics import read_metrics
-from megaopd.rollout import LocalEngine
-from megaopd.serving.engine import SGLangEngine, StaleWeightsError
-from megaopd.serving.pool import ServerPool
-from megaopd.serving.server import SGLangServer, ServerError
-from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
-from megaopd.serving.teacher import SGLangTeacher
-from megaopd.trainer import Trainer
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.accounting.metrics import read_metrics
+from megaopd.rollout.local import LocalEngine
+from megaopd.rollout.serving.engine import SGLangEngine, StaleWeightsError
+from megaopd.rollout.serving.pool import ServerPool
+from megaopd.rollout.serving.server import SGLangServer, ServerError
+from megaopd.rollout.serving.sglang_cpu import cpu_server_args, cpu_server_env
+from megaopd.rollout.serving.teacher import SGLangTeacher
+from megaopd.run.trainer import Trainer
 
 pytestmark = pytest.mark.sglang
 TOLERANCE = 1e-4  # fp32 on both sides; measured ~1e-6

@@ -26,11 +26,11 @@ from safetensors import safe_open
 
 from conftest import run_config
 from machine_memory import alone
-from megaopd import flops
-from megaopd.embedded import build_model
-from megaopd.flop_audit import audit_step
-from megaopd.metrics import read_metrics
-from megaopd.trainer import Trainer
+from megaopd.accounting import flops
+from megaopd.models.embedded import build_model
+from megaopd.run.flop_audit import audit_step
+from megaopd.accounting.metrics import read_metrics
+from megaopd.run.trainer import Trainer
 
 pytestmark = [pytest.mark.shapes, pytest.mark.slow]
 SHAPE = "qwen3-0.6b"
@@ -76,7 +76,7 @@ def alternating_rewards(tokenizer, samples) -> tuple[float, int]:
 
 
 def test_grpo_step_bf16_over_fp32_masters_at_full_vocab(assets, shapes, tmp_path, monkeypatch):
-    monkeypatch.setattr("megaopd.trainer.score_samples", alternating_rewards)
+    monkeypatch.setattr("megaopd.run.trainer.score_samples", alternating_rewards)
     # One group of 2: bf16 matmuls are emulated on a CPU without AVX-512 BF16, and the shape tier's longest test
     # is this step's 152k-way projections; the alternating rewards still give the group a real update.
     cfg = shape_run(assets, tmp_path / "grpo", shapes["student"], **{
@@ -167,11 +167,11 @@ def test_megatron_tp2_matches_hf_at_full_vocab(megatron_tp2):
 def test_sglang_cpu_server_loads_the_shape_and_takes_a_verified_sync(assets, shapes, tmp_path):
     from test_sglang import TOLERANCE, server_config
 
-    from megaopd.batch import collate
+    from megaopd.data.batch import collate
     from megaopd.data.rows import load_rows
-    from megaopd.hf_policy import HFPolicy
-    from megaopd.serving.engine import SGLangEngine
-    from megaopd.serving.server import SGLangServer
+    from megaopd.models.hf_policy import HFPolicy
+    from megaopd.rollout.serving.engine import SGLangEngine
+    from megaopd.rollout.serving.server import SGLangServer
 
     model = shapes["one_layer"]
     sglang = server_config()

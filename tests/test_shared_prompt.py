@@ -16,15 +16,15 @@ import copy
 import pytest
 import torch
 
-from megaopd.batch import collate
+from megaopd.data.batch import collate
 from megaopd.config import ModelConfig, OPDConfig, OptimConfig
 from megaopd.data.rows import load_rows
-from megaopd.objectives import OPD, clipped_pg_loss
-from megaopd.hf_policy import HFPolicy, _group_cuts
-from megaopd.rollout import LocalEngine
-from megaopd import shared_prompt
-from megaopd.shared_prompt import PromptGroups
-from megaopd.teachers import TeacherRouter, local_teachers
+from megaopd.objectives.losses import OPD, clipped_pg_loss
+from megaopd.models.hf_policy import HFPolicy, _group_cuts
+from megaopd.rollout.local import LocalEngine
+from megaopd.models import shared_prompt
+from megaopd.models.shared_prompt import PromptGroups
+from megaopd.teachers.router import TeacherRouter, local_teachers
 
 ATOL = 1e-6  # fp32
 GROUP = 3
@@ -203,11 +203,11 @@ def test_the_switch_is_off_with_its_reason_where_it_cannot_apply(assets, tmp_pat
 
     from conftest import run_config
     from megaopd.errors import ModelError
-    from megaopd.shared_prompt import resolve
+    from megaopd.models.shared_prompt import resolve
 
     on = {"train.shared_prompt": True}
     assert resolve(run_config(assets, tmp_path / "grpo", **on)).train.shared_prompt
-    with caplog.at_level(logging.INFO, logger="megaopd.shared_prompt"):
+    with caplog.at_level(logging.INFO, logger="megaopd.models.shared_prompt"):
         single = resolve(run_config(assets, tmp_path / "opd", "opd", **on, **{
             "rollout.samples_per_prompt": 1, "opd.teachers.*": assets / "models" / "qwen3-tiny-seed1"}))
     assert not single.train.shared_prompt

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from megaopd.config import SGLangConfig
-from megaopd.serving.pool import ServerPool
-from megaopd.serving.server import ServerError, SGLangServer
-from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
+from megaopd.rollout.serving.pool import ServerPool
+from megaopd.rollout.serving.server import ServerError, SGLangServer
+from megaopd.rollout.serving.sglang_cpu import cpu_server_args, cpu_server_env
 
 from test_slurm_multinode import cluster  # noqa: F401  (the 4-node CI cluster)
 
@@ -99,7 +99,7 @@ def test_killed_rollout_server_stops_the_stage_naming_it_and_a_resubmission_resu
             "rollout.sglang.max_total_tokens=2048", "rollout.sglang.retries=1"]}]}))
     # One trainer node (Megatron on CPU) and one rollout node (an SGLang CPU server): a 2-node job.
     launch = [f"venv={sys.prefix}", f"workdir={ROOT}", "nodes=1", "gpus_per_node=1", "rollout_nodes=1",
-              "trainer_module=megaopd.megatron.cpu_launch", f"sglang_python={sglang_python()}", "sglang_tp=1",
+              "trainer_module=megaopd.models.megatron.cpu_launch", f"sglang_python={sglang_python()}", "sglang_tp=1",
               f"sglang_args={json.dumps(cpu_server_args())}", f"sglang_env={json.dumps(cpu_server_env())}",
               "overrides=[model.backend=megatron, model.device=cpu, model.dtype=float32]"]
     ids = submit(cluster, study, launch)

@@ -21,8 +21,8 @@ import yaml
 
 from megaopd.launch.local_cluster import NETNS_DIR, LocalCluster
 from megaopd.launch.slurm import LaunchConfig, render_stage
-from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
-from megaopd.study import StageConfig, StudyConfig
+from megaopd.rollout.serving.sglang_cpu import cpu_server_args, cpu_server_env
+from megaopd.run.study import StageConfig, StudyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "cluster_probe"  # the placement probe (trainer side) and a /health-only server
@@ -217,11 +217,11 @@ def sglang_python() -> str:
 
 
 def cpu_launch(**fields) -> dict:
-    """A launch file for the CPU cluster: megatron on gloo (megaopd.megatron.cpu_launch), one stand-in GPU per
+    """A launch file for the CPU cluster: megatron on gloo (megaopd.models.megatron.cpu_launch), one stand-in GPU per
     trainer node (one worker), SGLang CPU servers from their own environment, one CPU per step (every node
     advertises the machine's cores)."""
     return {"time": "00:20:00", "venv": sys.prefix, "workdir": str(ROOT), "gpus_per_node": 1, "cpus_per_task": 1,
-            "trainer_module": "megaopd.megatron.cpu_launch", "sglang_tp": 1,
+            "trainer_module": "megaopd.models.megatron.cpu_launch", "sglang_tp": 1,
             "sglang_args": cpu_server_args(), "sglang_env": cpu_server_env(),
             "overrides": ["model.backend=megatron", "opd.form=sampled", "rollout.sglang.max_total_tokens=2048"],
             **fields}

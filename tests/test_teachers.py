@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from megaopd.batch import collate
+from megaopd.data.batch import collate
 from megaopd.config import ModelConfig
 from megaopd.data.rows import load_rows
-from megaopd.hf_policy import HFPolicy
-from megaopd.rollout import LocalEngine
-from megaopd.teachers import TeacherRouter, local_teachers
+from megaopd.models.hf_policy import HFPolicy
+from megaopd.rollout.local import LocalEngine
+from megaopd.teachers.router import TeacherRouter, local_teachers
 
 
 def _rollouts(assets, student):
@@ -54,7 +54,7 @@ def test_unknown_domain_fails_loudly_and_star_serves_the_rest(assets):
 
 
 def test_teacher_with_another_vocabulary_is_refused_unaligned(assets):
-    """Another vocabulary scores only through the alignment (megaopd.align, tests/test_cross_tokenizer.py): a router
+    """Another vocabulary scores only through the alignment (megaopd.teachers.cross_tokenizer, tests/test_cross_tokenizer.py): a router
     not told to align it refuses rather than compare logprobs of different token ids."""
     from transformers import AutoTokenizer
 
@@ -75,7 +75,7 @@ def test_teacher_with_another_chat_template_is_used_with_a_warning(assets, caplo
     models = assets / "models"
     student = AutoTokenizer.from_pretrained(models / "qwen3-tiny")
     student.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    with caplog.at_level("WARNING", logger="megaopd.teachers"):
+    with caplog.at_level("WARNING", logger="megaopd.teachers.router"):
         router = TeacherRouter({"*": str(models / "qwen3-tiny-seed1")}, local_teachers(ModelConfig()), student)
     assert router.route("arith_add") == "*"
     assert "another chat template than the student" in caplog.text

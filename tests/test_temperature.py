@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from megaopd.config import ConfigError, save_config
-from megaopd.methods import method
-from megaopd.objectives import check_is_correction, check_temperature
+from megaopd.objectives.methods import method
+from megaopd.objectives.losses import check_is_correction, check_temperature
 from tests.conftest import run_config
 from tests.step_probe import step_gaps
 
@@ -42,7 +42,7 @@ def check(gaps: dict[str, float], form: str) -> None:
 
 @pytest.mark.parametrize("form", ["sampled", "topk"])
 def test_one_temperature_on_the_hf_backend(assets, tmp_path, form):
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     check(step_gaps(Trainer(self_distillation(assets, tmp_path / form, form))), form)
 

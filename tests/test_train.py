@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import file_mtimes, run_config, tiny_overrides, validation
-from megaopd.checkpoint import load_state
+from megaopd.models.checkpoint import load_state
 from megaopd.config import save_config
-from megaopd.metrics import read_metrics
-from megaopd.trainer import PREEMPTED_EXIT, train
+from megaopd.accounting.metrics import read_metrics
+from megaopd.run.trainer import PREEMPTED_EXIT, train
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_ledger_components_are_billed_where_they_run(pipeline):
 
 
 def hand_count(model):
-    """Matmul FLOPs of an HF decoder, counted off its own modules (not megaopd.flops): per token each Linear weight
+    """Matmul FLOPs of an HF decoder, counted off its own modules (not megaopd.accounting.flops): per token each Linear weight
     is one multiply-add (2 FLOPs); causal attention scores and mixes s*s/2 query-key pairs per layer, 2 matmuls of
     nq*dh multiply-adds each. Returns (score(p, r): a teacher-forced pass over p + r tokens whose logits are read at
     the r response positions, generate(p, rs): a prefill, then each response's r - 1 fed-back tokens)."""
@@ -76,7 +76,7 @@ def hand_count(model):
 
 def one_rl_step(assets, run_dir, algorithm, **overrides):
     """Trainer.rl_step(1), recording the rollouts it sampled and each update's (metrics, response tokens)."""
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     trainer = Trainer(run_config(assets, run_dir, algorithm, **overrides))
     samples, updates = [], []
@@ -112,7 +112,7 @@ def test_grpo_ledger_equals_a_hand_count_of_the_step(assets, tmp_path):
 def test_full_vocab_teacher_runs_once_per_sample_and_is_billed_once(assets, tmp_path):
     """The full-vocabulary teacher runs once per sample per step, also over 2 epochs (the update projects the rows
     its scoring forward kept): its rows are counted as they go through the teacher model, then billed by hand."""
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     init = Trainer.__init__
     rows = []
@@ -154,7 +154,7 @@ def test_step_metrics_are_over_all_updates_not_the_last(assets, tmp_path):
 
 
 def test_merge_updates_by_hand():
-    from megaopd.trainer import merge_updates
+    from megaopd.run.trainer import merge_updates
 
     merged = merge_updates([({"loss": 1.0, "kl": 0.5, "grad_norm": 2.0, "lr": 0.1}, 10.0),
                             ({"loss": 4.0, "kl": 0.1, "grad_norm": 1.0, "lr": 0.2}, 30.0)])

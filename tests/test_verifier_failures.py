@@ -29,7 +29,7 @@ def test_the_error_watch_needs_consecutive_steps_above_the_share():
 def test_a_run_whose_verifier_always_errors_stops_before_its_next_update(assets, tmp_path, monkeypatch):
     import megaopd.verifiers.synthetic  # noqa: F401: registered now, so nothing re-registers over the stand-in
     from conftest import run_config
-    from megaopd.trainer import Trainer
+    from megaopd.run.trainer import Trainer
 
     def broken_verifier(response, ground_truth, extra_info):
         raise FileNotFoundError("references.jsonl is gone")
@@ -92,7 +92,7 @@ def _without_one_weight(src: Path, dst: Path) -> str:
 def test_a_model_directory_missing_a_weight_is_refused(assets, tmp_path):
     """transformers would fill the weight with random values and warn; a policy or a teacher refuses."""
     from megaopd.config import ModelConfig
-    from megaopd.hf_policy import HFPolicy
+    from megaopd.models.hf_policy import HFPolicy
 
     key = _without_one_weight(assets / "models" / "qwen3-tiny", tmp_path / "partial")
     with pytest.raises(ValueError, match=f"does not hold every weight.*{key}"):
@@ -102,7 +102,7 @@ def test_a_model_directory_missing_a_weight_is_refused(assets, tmp_path):
 def test_the_megatron_rollout_copy_refuses_an_export_missing_a_weight(assets):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megaopd.megatron.rollout_copy import RolloutCopy
+    from megaopd.models.megatron.rollout_copy import RolloutCopy
 
     class Bridge:
         hf_config = AutoConfig.from_pretrained(assets / "models" / "qwen3-tiny")

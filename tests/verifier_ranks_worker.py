@@ -1,5 +1,5 @@
 """Torchrun worker (gloo, CPU) for tests/test_verifier_ranks.py: the trainer with model.backend=megatron
-(``megaopd.megatron.cpu_launch``), whose verifier answers differently on each rank (as a wall-clock limit that fires
+(``megaopd.models.megatron.cpu_launch``), whose verifier answers differently on each rank (as a wall-clock limit that fires
 on one rank only would). Each rank writes the verdicts its own verifier gave and the rewards and GRPO advantages it
 trained on to OUT/rank*.json.
 
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import megaopd.verifiers.synthetic  # noqa: F401: registered first, so the rank-dependent verifier replaces it
-from megaopd.megatron.cpu_launch import main
-from megaopd.objectives import GRPO
+from megaopd.models.megatron.cpu_launch import main
+from megaopd.objectives.losses import GRPO
 from megaopd.verifiers import register
 
 RANK = int(os.environ["RANK"])

@@ -52,7 +52,7 @@ def model_dir(root, vocab: int):
     """The tiny Qwen3 (H = 64) at another vocabulary size, random weights: ``root/v<vocab>``."""
     from transformers import AutoModelForCausalLM
 
-    from megaopd.embedded import build_model_config, build_tokenizer
+    from megaopd.models.embedded import build_model_config, build_tokenizer
 
     tokenizer = build_tokenizer()
     config = build_model_config("qwen3-tiny", vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
@@ -64,7 +64,7 @@ def model_dir(root, vocab: int):
 
 def planned_vocab_bytes(cfg) -> float:
     """The plan's logits/KL workspace less its hidden-state chunk (rows x H, not vocabulary-wide)."""
-    from megaopd.plan import BYTES, build_plan, resolve_arch
+    from megaopd.run.plan import BYTES, build_plan, resolve_arch
 
     item = next(i for i in build_plan(cfg).items if i.component.startswith("logits/KL workspace"))
     rows = int(item.component.split("(")[1].split()[0])

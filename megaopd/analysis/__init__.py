@@ -1,5 +1,5 @@
 """The study analysis behind ``megaopd report``: every number and verdict, as functions on loaded run data and on
-numbers; ``megaopd/report.py`` renders them (markdown, plots, report.json).
+numbers; ``megaopd/analysis/report.py`` renders them (markdown, plots, report.json).
 
 - ``runs``: a study directory's runs (``Stage``) and their bootstrap resample;
 - ``curves``: FLOPs-to-target on smoothed curves and the E1-E7 numbers of one seed (``analyse``);

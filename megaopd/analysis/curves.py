@@ -13,7 +13,7 @@ import numpy as np
 from megaopd.analysis.controls import control_pairs
 from megaopd.analysis.findings import findings
 from megaopd.analysis.runs import Stage
-from megaopd.flops import COMPONENTS
+from megaopd.accounting.flops import COMPONENTS
 
 TOTALS = ("stage", "with_teachers", "with_cold_start", "external")
 OPD_VS_GRPO = ("opd_external", "opd_external_grpo", "opd_self")
@@ -116,7 +116,7 @@ def compare_stages(stage: Stage, ref: Stage, metric: str, fraction: float, windo
     out = {s: stage.name, r: ref.name, "method": stage.method, "domain": domain, "base": base,
            "teacher": teacher, "teacher_cost_ratio": max(stage.teacher_cost.values(), default=None), "targets": {},
            "stopped": {s: stage.stopped, r: ref.stopped}}
-    if stage.teacher_check:  # an external teacher's (megaopd/teacher_check.py): a target above it is not measured
+    if stage.teacher_check:  # an external teacher's (megaopd/teachers/check.py): a target above it is not measured
         out["teacher_check"] = {"accuracy": stage.teacher_accuracy(domain),
                                 "below_student": bool(stage.teacher_check.get("allowed_weaker"))}
     if not ao or not ag:

@@ -1,8 +1,8 @@
 """A study directory's runs as the analysis reads them: one ``Stage`` per run directory, and its bootstrap resample.
 
-A study directory holds ``study.yaml`` and one run directory per stage (``megaopd/study.py``): ``metrics.jsonl``
+A study directory holds ``study.yaml`` and one run directory per stage (``megaopd/run/study.py``): ``metrics.jsonl``
 (curves, FLOPs, response lengths), ``summary.json``, ``config.yaml`` and ``evals/*.json`` (per-prompt results,
-``megaopd/evaluate.py``). Several study directories of the same layout are the seeds of one study.
+``megaopd/run/evaluate.py``). Several study directories of the same layout are the seeds of one study.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import numpy as np
 import yaml
 
 from megaopd.errors import StudyError, require_file
-from megaopd.flops import ModelShape
-from megaopd.metrics import read_metrics
-from megaopd.teacher_check import CHECK_FILE
+from megaopd.accounting.flops import ModelShape
+from megaopd.accounting.metrics import read_metrics
+from megaopd.teachers.check import CHECK_FILE
 from megaopd.analysis.stats import mean_and_se, resample
 
 
@@ -33,10 +33,10 @@ class Stage:
     domain: str = ""
     algorithm: str = ""
     lines: list[dict] = field(default_factory=list)
-    records: dict = field(default_factory=dict)  # eval step or "final" -> per-prompt results (megaopd/evaluate.py)
+    records: dict = field(default_factory=dict)  # eval step or "final" -> per-prompt results (megaopd/run/evaluate.py)
     teacher_cost: dict[str, float] = field(default_factory=dict)  # OPD: domain -> teacher/student FLOPs per token
     form: str = ""  # the objective as objectives.form_label names it, e.g. opd:topk(K=16,reverse)
-    stop: dict = field(default_factory=dict)  # why the run ended (megaopd/stopping.py); {} for older runs
+    stop: dict = field(default_factory=dict)  # why the run ended (megaopd/run/stopping.py); {} for older runs
     max_staleness: int | None = None  # rollout.max_staleness of its config.yaml (0: synchronous); None if not recorded
     # model.path and data.train of its config.yaml: a teacher-free control controls the OPD stages with both equal
     starts_from: str = ""
@@ -44,7 +44,7 @@ class Stage:
     # optim and opd.form of its config.yaml: whether a control's comparison is fair (analysis/controls.py)
     optim: dict = field(default_factory=dict)
     opd_form: str = ""
-    teacher_check: dict = field(default_factory=dict)  # an external teacher's check (megaopd/teacher_check.py)
+    teacher_check: dict = field(default_factory=dict)  # an external teacher's check (megaopd/teachers/check.py)
 
     @property
     def final(self) -> dict:
@@ -128,7 +128,7 @@ class Stage:
 
     @property
     def stopped(self) -> str:
-        """Why the stage ended, in words (its `stop` record, megaopd/stopping.py)."""
+        """Why the stage ended, in words (its `stop` record, megaopd/run/stopping.py)."""
         return stop_text(self.stop)
 
 
@@ -184,7 +184,7 @@ def _config(run_dir: Path) -> dict:
 
 
 def _teacher_cost(run_dir: Path, cfg: dict) -> dict[str, float]:
-    """Teacher FLOPs per token over the student's (2 x matmul parameters each, megaopd/flops.py) for an OPD stage."""
+    """Teacher FLOPs per token over the student's (2 x matmul parameters each, megaopd/accounting/flops.py) for an OPD stage."""
     teachers = (cfg.get("opd") or {}).get("teachers") or {}
     started_in = _started_in(run_dir, cfg.get("run_dir"))
     student = _matmul_params(started_in, (cfg.get("model") or {}).get("path"))

@@ -26,7 +26,7 @@ MIN_SEEDS = 3
 # the resamples where it happens to exist: they are not a sample of the number.
 MAX_UNDEFINED = 0.05
 NOT_MEASURED = "not measured in this study"
-# A target above the external teacher's own validation accuracy (megaopd/teacher_check.py): OPD could never reach
+# A target above the external teacher's own validation accuracy (megaopd/teachers/check.py): OPD could never reach
 # it, so the check would measure the teacher, not the method.
 TEACHER_BELOW = "not measured (teacher below target)"
 

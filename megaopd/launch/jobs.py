@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megaopd.config import load_config
 from megaopd.launch.slurm import LaunchConfig, for_stage, load_launch
-from megaopd.study import StudyConfig, accuracy_flops_table, build_assets, seed_studies, stage_finished
+from megaopd.run.study import StudyConfig, accuracy_flops_table, build_assets, seed_studies, stage_finished
 
 
 def report_job(study: StudyConfig, launch: LaunchConfig) -> str:
@@ -28,7 +28,7 @@ def report_job(study: StudyConfig, launch: LaunchConfig) -> str:
                if not stage_finished(one, s, for_stage(launch, s.name).overrides)]
     if missing:  # afterok should make this impossible; say so rather than print a partial table
         raise SystemExit(f"megaopd: stages not finished: {', '.join(missing)}")
-    from megaopd import report
+    from megaopd.analysis import report
 
     table = accuracy_flops_table(run_dirs)
     (Path(study.out) / "report.txt").write_text(table + "\n")

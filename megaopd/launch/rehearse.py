@@ -7,9 +7,9 @@ node counts), tensor x pipeline parallel divides each stage's GPUs, and where a 
 here its heads and layers split over TP and PP. Then a local Slurm cluster (``local_cluster``: one network
 namespace per node) with as many nodes as the largest stage is brought up, and the study runs on it through
 `megaopd submit`, the path a real submission takes, with the same node layout: trainer nodes running torchrun
-of megatron-core (TP/PP as in the launch file, gloo on CPU via ``megaopd.megatron.cpu_launch``), SGLang CPU
+of megatron-core (TP/PP as in the launch file, gloo on CPU via ``megaopd.models.megatron.cpu_launch``), SGLang CPU
 servers on the rollout and teacher nodes. What differs, and why:
-- models: the embedded tiny ones (``megaopd.embedded``) stand in for each model outside the study (the student
+- models: the embedded tiny ones (``megaopd.models.embedded``) stand in for each model outside the study (the student
   and external teachers; same family), built by the study's assets job; synthetic data stands in for the data
   files, one synthetic domain per data directory;
 - a few steps per stage (``--steps``), small batches, float32 on CPU, no FP8;
@@ -34,19 +34,19 @@ import sys
 import time
 from pathlib import Path
 
-from megaopd import environment
+from megaopd.run import environment
 from megaopd.config import ConfigError, load_config, save_config
 from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_splits
 from megaopd.errors import UserError
-from megaopd.flops import attention_heads
+from megaopd.accounting.flops import attention_heads
 from megaopd.launch.local_cluster import LocalCluster, check_name_and_subnet
 from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_arguments, for_stage, plan,
                                   study_and_launch)
-from megaopd.methods import method
-from megaopd.serving.sglang_cpu import cpu_server_args, cpu_server_env
-from megaopd.shapes import REAL_SHAPES, RealShape
-from megaopd.study import AssetsConfig, StudyConfig, stage_overrides
+from megaopd.objectives.methods import method
+from megaopd.rollout.serving.sglang_cpu import cpu_server_args, cpu_server_env
+from megaopd.accounting.shapes import REAL_SHAPES, RealShape
+from megaopd.run.study import AssetsConfig, StudyConfig, stage_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 # Launch fields that belong to the real site: replaced by the local cluster's, and reported as not rehearsed.
@@ -212,7 +212,7 @@ def rehearsal_launch(study: StudyConfig, launch: LaunchConfig, cap: int, sglang_
     local = dict(partition="", account="", qos="", container_image="", container_mounts=[], venv=sys.prefix,
                  workdir=str(ROOT), setup=[], sbatch=[], mem="", cpus_per_task=1, socket_ifname="", ib_hca="",
                  cpu_bind="", sglang_tp=1,
-                 trainer_module="megaopd.megatron.cpu_launch", sglang_python=sglang_python,
+                 trainer_module="megaopd.models.megatron.cpu_launch", sglang_python=sglang_python,
                  sglang_args=cpu_server_args(), server_start_timeout_s=900,
                  sglang_env=cpu_server_env())
     base = dataclasses.replace(launch, **local, gpus_per_node=min(launch.gpus_per_node, cap),

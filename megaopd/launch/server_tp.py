@@ -3,7 +3,7 @@ when the model's attention heads or KV heads do not split over it.
 
     python3 megaopd/launch/server_tp.py MODEL_DIR GPUS_PER_NODE [SGLANG_TP]   # prints the size, or says why not
 
-Standard library only (with ``megaopd.flops``, the one reader of a model's heads, which is too):
+Standard library only (with ``megaopd.accounting.flops``, the one reader of a model's heads, which is too):
 slurm/stage_multinode.sbatch runs it in the batch shell (outside any container or venv), because a stage's model is
 often written by an earlier job; ``megaopd submit`` checks the models that already exist when it renders the scripts.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 if not __package__:  # run as a script by the batch shell: import megaopd from the checkout it is in
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from megaopd.flops import attention_heads  # noqa: E402
+from megaopd.accounting.flops import attention_heads  # noqa: E402
 
 
 def server_tp(model_dir: str | Path, gpus: int, requested: int = 0) -> int:

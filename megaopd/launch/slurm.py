@@ -23,9 +23,9 @@ from pathlib import Path
 
 from megaopd.config import ConfigError, RunConfig, from_dict, load_config, save_config, to_dict
 from megaopd.launch.server_tp import server_tp
-from megaopd.methods import method
-from megaopd.resolve import resolve_stage
-from megaopd.study import (StageConfig, StudyConfig, dependencies, seed_studies, stage_config, stage_finished,
+from megaopd.objectives.methods import method
+from megaopd.run.resolve import resolve_stage
+from megaopd.run.study import (StageConfig, StudyConfig, dependencies, seed_studies, stage_config, stage_finished,
                            stage_overrides, submission_order)
 
 # The templates live beside the package in a source checkout (also the layout inside the Docker images).
@@ -57,7 +57,7 @@ class LaunchConfig:
     sglang_port: int = 30000
     master_port: int = 29500
     # The multi-node script's parts a site may need to change (docs/cluster.md, "Site settings").
-    trainer_module: str = "megaopd.megatron.launch"  # torchrun -m this on each trainer node
+    trainer_module: str = "megaopd.models.megatron.launch"  # torchrun -m this on each trainer node
     sglang_python: str = ""  # the Python of SGLang's environment on the server nodes; empty: the job's `python`
     sglang_args: list[str] = field(default_factory=list)  # more sglang.launch_server flags
     sglang_env: dict[str, str] = field(default_factory=dict)  # more environment of the servers
@@ -195,7 +195,7 @@ def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -
                   " (or launch teacher_servers=false: in-process teachers)" if teachers else "")
     train_args = [stage.config, *args, f"run_dir={study.out}/{stage.name}"]
 
-    # The megatron backend always runs under torchrun (megaopd.megatron.launch), even on one GPU.
+    # The megatron backend always runs under torchrun (megaopd.models.megatron.launch), even on one GPU.
     multi = (launch.nodes > 1 or launch.gpus_per_node > 1 or rollout_nodes or teachers
              or cfg.model.backend == "megatron")
     if not multi:
@@ -250,7 +250,7 @@ def _check_servers(launch: LaunchConfig, stage: str, models: list[str]) -> None:
     servers' tensor-parallel size (for the models that exist already; the job checks the others)."""
     if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", launch.trainer_module):
         raise ConfigError(f"stage {stage}: trainer_module={launch.trainer_module!r} is not a module name "
-                          "(e.g. megaopd.megatron.launch)")
+                          "(e.g. megaopd.models.megatron.launch)")
     for model in models:
         if (Path(model) / "config.json").exists():
             try:

@@ -9,7 +9,7 @@ checkpoint, and for that it still needs its rollout and teacher servers:
 - ``server`` runs a module as ``python -m`` would, deaf to SIGTERM: a handler the module installs for it later
   (uvicorn's graceful shutdown) is not installed, and its subprocesses inherit the ignored signal. The servers stop
   when the batch script ends (it kills their srun, which kills the step), or by SIGKILL when the grace time is over.
-- ``trainer`` runs torchrun and exits with its status, or with 75 (megaopd.trainer.PREEMPTED_EXIT) when a
+- ``trainer`` runs torchrun and exits with its status, or with 75 (megaopd.run.trainer.PREEMPTED_EXIT) when a
   preemption signal reached the step and torchrun then failed: its workers checkpointed and exited 75, but torchrun
   itself exits 1 after a signal. The batch shell may not have been signalled at all, so this status is what tells
   it to requeue. (In Python, not bash: bash 5.2 loses the status of a child that exits while a trap runs.)
@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 
-PREEMPTED_EXIT = 75  # megaopd.trainer.PREEMPTED_EXIT, which this file cannot import
+PREEMPTED_EXIT = 75  # megaopd.run.trainer.PREEMPTED_EXIT, which this file cannot import
 _install = signal.signal
 
 

@@ -4,7 +4,7 @@ Renders one batch script per stage (see ``megaopd.launch.slurm``), writes them t
 them with ``sbatch --parsable`` in dependency order, each with ``--dependency=afterok:<ids of its upstream
 stages>``; prints ``<job> <job id>`` per line. ``--dry-run`` prints the sbatch commands and scripts instead.
 Submitting again after a failure re-queues only the stages that have not finished (under the step cap each job
-would train to: ``megaopd.finished``; a raised ``train.steps`` queues its stage again, to train on).
+would train to: ``megaopd.run.finished``; a raised ``train.steps`` queues its stage again, to train on).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megaopd.errors import UserError
 from megaopd.launch.slurm import Job, LaunchConfig, add_study_arguments, plan, study_and_launch, write_job_inputs
-from megaopd.study import StudyConfig, link_shared_stages
+from megaopd.run.study import StudyConfig, link_shared_stages
 
 
 def sbatch_command(job: Job, script: Path, ids: dict[str, str]) -> list[str]:

@@ -3,7 +3,7 @@ torchrun worker reports where it runs, over gloo, and rank 0 prints one ``placem
 
 Each worker: its rank, local rank, host name, Slurm node, its torchrun agent (parent PID), whether it reached
 the rollout servers of MEGAOPD_ROLLOUT_URLS, the network and CPU settings its step gave it and the address the
-weight sync would give the servers (both as the trainer reads them: through megaopd.environment); plus an
+weight sync would give the servers (both as the trainer reads them: through megaopd.run.environment); plus an
 all_reduce of the ranks, checked against its expected sum.
 """
 
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megaopd.config import SGLangConfig
-from megaopd.environment import sglang_servers
-from megaopd.serving.weight_sync import sync_address
+from megaopd.run.environment import sglang_servers
+from megaopd.rollout.serving.weight_sync import sync_address
 
 
 def reaches(urls: list[str]) -> bool:

@@ -1,0 +1,1 @@
+"""Samples and scores to a loss: the training algorithms (methods) and the per-token losses."""

@@ -1,0 +1,83 @@
+"""A run's settings derived and refused in one place: ``resolve_run`` turns a loaded config into the run that
+``megaopd train`` does (``config.yaml`` holds its config). ``megaopd plan``, ``megaopd submit`` and ``megaopd study``
+resolve every stage too, so a config the trainer would refuse is refused before it is queued, in the same line.
+
+A refusal that reads the config only runs everywhere. One that reads the run's inputs (its data files and the splits
+the stop rule reads, a teacher's or a cover partner's finished run, the model directory and the device the memory
+plan checks, the tokenizers that tell a teacher of another vocabulary) runs where they exist (``inputs_exist``: the
+trainer): a study's later stages start from the models and data that its assets job and its earlier stages make,
+so at submission they are not there yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megaopd.models import shared_prompt
+from megaopd.teachers.cross_tokenizer import alignment_tokenizers
+from megaopd.config import DataConfig, RunConfig
+from megaopd.data.rows import Row, load_split
+from megaopd.errors import DataError, UserError, require_file
+from megaopd.objectives.methods import Method, method
+from megaopd.objectives.losses import check_is_correction, check_opd, check_opsa, check_temperature, resolve_tis
+from megaopd.run.plan import Plan, check_chunk_rows, check_run, chunk_rows
+from megaopd.run.stopping import StopRule, check_stop
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: list[Row]
+    validation: list[Row]
+    eval: list[Row]
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    cfg: RunConfig  # what the run does
+    method: Method
+    aligned: dict[str, str]  # route -> tokenizer directory of each teacher of another tokenizer
+    # Read from the run's inputs (None without them):
+    splits: Splits | None = None
+    stop: StopRule | None = None
+    plan: Plan | None = None  # the memory plan checked against the device (None on CPU too)
+
+
+def resolve_run(cfg: RunConfig, *, inputs_exist: bool = True) -> ResolvedRun:
+    """The run ``cfg`` describes, or the first refusal (a ``UserError``) of what it asks for; with
+    ``inputs_exist=False`` the checks that read the run's inputs are left to the run."""
+    spec = method(cfg.train.algorithm)
+    cfg = shared_prompt.resolve(resolve_tis(cfg, spec))
+    check_is_correction(cfg, spec)
+    check_temperature(cfg, spec)
+    aligned = alignment_tokenizers(cfg.model.path, cfg.opd, inputs_exist) if spec.teacher_term else {}
+    if spec.teacher_term:
+        check_opd(cfg.opd, cfg.model.backend, aligned)
+    if spec.self_term:
+        check_opsa(cfg.opsa, cfg.train.recompute_old_logprobs)
+    check_stop(cfg.train.stop, spec.teachers(cfg.opd))
+    check_chunk_rows(cfg.train)
+    if not inputs_exist:
+        return ResolvedRun(cfg, spec, aligned)
+    splits = read_splits(cfg.data)
+    train_domains = sorted({r.domain for r in splits.train})
+    stop = StopRule(cfg.train.stop, cfg.train.steps, spec.teachers(cfg.opd), train_domains,
+                    sorted({r.domain for r in splits.validation}), 0.0 if spec.rollouts else cfg.sft.stop_at_accuracy)
+    # Refuses a run that cannot fit the device it is planned for; sizes the logit chunks.
+    plan = check_run(cfg)
+    cfg = replace(cfg, train=replace(cfg.train, logit_chunk_rows=chunk_rows(cfg, plan)))
+    return ResolvedRun(cfg, spec, aligned, splits, stop, plan)
+
+
+def resolve_stage(cfg: RunConfig, stage: str, hint: str = "") -> ResolvedRun:
+    """A study stage's run before its upstream stages have made its inputs; a refusal names the stage (and ends with
+    ``hint``: what the launcher added that could be dropped instead)."""
+    try:
+        return resolve_run(cfg, inputs_exist=False)
+    except UserError as e:
+        raise type(e)(f"stage {stage}: {e}{hint}") from None
+
+
+def read_splits(data: DataConfig) -> Splits:
+    for path in data.train + data.validation + data.eval:  # every file refused before any is read
+        require_file(path, "data file", DataError)
+    return Splits(*(load_split(files, data.strict) for files in (data.train, data.validation, data.eval)))
