@@ -333,6 +333,27 @@ def test_a_teacher_of_another_tokenizer_scores_its_own_tokens(assets, rollouts, 
     assert 0 < float(exact.mean()) < 1  # whole teacher tokens where a byte token is one; split inside merges
 
 
+def test_billing_a_scored_sample_reads_the_scoring_pass_token_counts(assets, rollouts, bpe_teacher, monkeypatch):
+    """The scoring pass converts each sample once (chat template, re-tokenisation) and billing reads its counts back:
+    the same numbers as a fresh conversion, no second conversion; a sample it did not score is converted anew."""
+    import dataclasses
+
+    student, samples = rollouts
+    router = TeacherRouter({"*": str(bpe_teacher)}, local_teachers(ModelConfig()), student.tokenizer,
+                           teacher_tokenizers={"*": str(bpe_teacher)})
+    cross = router.aligners["*"]
+    fresh = [(len(t.prompt_ids), len(t.response_ids)) for t, _ in map(cross.teacher_sample, samples)]
+    calls = []
+    convert = cross.teacher_sample
+    monkeypatch.setattr(cross, "teacher_sample", lambda s: calls.append(s) or convert(s))
+    router.score(collate(samples, student.pad_id), samples, "sampled", micro_batch_size=3)
+    assert len(calls) == len(samples)
+    prompts, responses = router.token_counts(samples, 1)
+    assert list(zip(prompts, responses)) == fresh and len(calls) == len(samples)  # read back, not converted again
+    copy = dataclasses.replace(samples[0])
+    assert cross.token_counts(copy) == fresh[0] and calls[-1] is copy  # not scored: converted here
+
+
 def test_the_teachers_of_another_tokenizer_are_found_and_their_kl_forms_refused(assets, bpe_teacher, tmp_path):
     """Found from each teacher's directory (another vocabulary) or named; the KL forms, and a name for a route that
     does not exist, refused before any model loads; a router never scores another vocabulary unaligned."""

@@ -16,7 +16,11 @@ from typing import Any
 LETTERS = "ABCDEFGHIJ"
 
 
-BOX = re.compile(r"\\(?:boxed|fbox)")
+# LaTeX's math delimiters, each opening to its closing, and the commands that box an answer: spelled here once for
+# the extractor and the math verifier (``megaopd.verifiers.extract``, ``megaopd.verifiers.math``).
+LATEX_DELIMITERS = {"$": "$", "$$": "$$", "\\(": "\\)", "\\[": "\\]"}
+BOX_COMMANDS = ("boxed", "fbox")
+BOX = re.compile(r"\\(?:" + "|".join(BOX_COMMANDS) + ")")
 _BOX_SEPARATOR = re.compile(r"\b(?:and|or)\b|,|;")
 
 

@@ -64,6 +64,16 @@ def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
 
 
+def weighted_clipped_loss(logp: torch.Tensor, mb: TokenBatch, clip_low: float, clip_high: float,
+                          weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped surrogate of ``mb.advantages`` against ``mb.old_logprobs``, times the IS weights when given (the
+    one block GRPO, OPD's sampled form and OPSA share). Returns (loss, clipped flag)."""
+    loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)
+    if weights is not None:
+        loss = loss * weights
+    return loss, clipped
+
+
 def _log_ratio(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
                level: str) -> torch.Tensor:
     """log p_trainer / p_rollout per token (``token``), or summed over the response and broadcast to its tokens
@@ -315,9 +325,7 @@ class GRPO:
 
     def surrogate(self, logp, mb: TokenBatch, weights: torch.Tensor | None):
         """The clipped surrogate of ``mb.advantages``, times the IS weights when given, plus the k3 KL."""
-        loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip_low, self.cfg.clip_high)
-        if weights is not None:
-            loss = loss * weights
+        loss, clipped = weighted_clipped_loss(logp, mb, self.cfg.clip_low, self.cfg.clip_high, weights)
         metrics = {"clip_fraction": clipped}
         if self.cfg.kl_coef > 0:
             kl = k3_kl(logp, mb.ref_logprobs)
@@ -344,9 +352,7 @@ class OPD:
     def token_loss(self, logp, vocab, mb: TokenBatch):
         if self.vocab_term is not None:
             return vocab, {f"{self.cfg.kl}_kl": vocab.detach()}
-        loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip, self.cfg.clip)
-        if mb.is_weights is not None:
-            loss = loss * mb.is_weights
+        loss, clipped = weighted_clipped_loss(logp, mb, self.cfg.clip, self.cfg.clip, mb.is_weights)
         return loss, {"clip_fraction": clipped, "reverse_kl_k1": -mb.advantages}
 
 
@@ -464,9 +470,7 @@ class OPSA:
                           "opsa_selected_advantage": float(batch.advantages.sum() / chosen)}
 
     def token_loss(self, logp, vocab, mb: TokenBatch):
-        loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, self.cfg.clip, self.cfg.clip)
-        if mb.is_weights is not None:
-            loss = loss * mb.is_weights
+        loss, clipped = weighted_clipped_loss(logp, mb, self.cfg.clip, self.cfg.clip, mb.is_weights)
         return loss, {"clip_fraction": clipped}
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import bisect
 import re
+import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,6 +208,12 @@ class CrossTokenizer:
         self.student_stop, self.teacher_stop = student_tokenizer.eos_token_id, teacher_tokenizer.eos_token_id
         self.teacher_pad = teacher_tokenizer.pad_token_id if teacher_tokenizer.pad_token_id is not None \
             else self.teacher_stop
+        # The teacher's token counts of the samples its last two scoring passes converted (this step's, and the
+        # next step's when the rollout pipeline's thread scored it ahead), read back by ``token_counts`` so billing
+        # a sample does not convert it again: {id(sample): (sample, (prompt, response))}, the sample kept to tell a
+        # reused id from the same object.
+        self._scored: deque[dict[int, tuple[Sample, tuple[int, int]]]] = deque(maxlen=2)
+        self._scored_lock = threading.Lock()
 
     def teacher_sample(self, sample: Sample) -> tuple[Sample, Alignment]:
         """The sample in the teacher's tokens (its chat template's prompt, its tokens of the response) and how the
@@ -227,7 +235,13 @@ class CrossTokenizer:
                       sample.weight_version), alignment
 
     def token_counts(self, sample: Sample) -> tuple[int, int]:
-        """The teacher's own prompt and response token counts for this sample (what its scoring pass costs)."""
+        """The teacher's own prompt and response token counts for this sample (what its scoring pass costs): those of
+        its scoring pass when ``score`` converted this very sample, else converted here."""
+        with self._scored_lock:
+            for scored in self._scored:
+                kept = scored.get(id(sample))
+                if kept is not None and kept[0] is sample:
+                    return kept[1]
         teacher_sample, _ = self.teacher_sample(sample)
         return len(teacher_sample.prompt_ids), len(teacher_sample.response_ids)
 
@@ -236,6 +250,9 @@ class CrossTokenizer:
         """The teacher's credit for each student response token [B, S-1] (0 elsewhere), and where it is exact
         (1.0; 0 where a teacher unit was split): ``teacher`` scores its own tokens of ``samples`` (``batch``)."""
         converted = [self.teacher_sample(s) for s in samples]
+        with self._scored_lock:
+            self._scored.append({id(s): (s, (len(t.prompt_ids), len(t.response_ids)))
+                                 for s, (t, _) in zip(samples, converted)})
         teacher_batch = collate([s for s, _ in converted], self.teacher_pad)
         scored = teacher.logprobs(teacher_batch, micro_batch_size, temperature=temperature, top_p=top_p)
         credit, exact = torch.zeros_like(batch.response_mask), torch.zeros_like(batch.response_mask)

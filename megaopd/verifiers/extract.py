@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from megaopd.data.answers import BOX, boxed_answer
+from megaopd.data.answers import BOX, BOX_COMMANDS, LATEX_DELIMITERS, boxed_answer
 
 LATEX, NUMBER, EXPR = "latex", "number", "expr"
 STRICT, FLEXIBLE = "strict", "flexible"
@@ -193,8 +193,8 @@ class _Spans:
         regions, opened = [], None
         for m in re.finditer(r"(?<!\\)(?:\$\$?|\\[(\[)\]])", self.text):
             delimiter = m.group()
-            if opened is None and delimiter in ("$", "$$", "\\(", "\\["):
-                opened = m.start(), {"$": "$", "$$": "$$", "\\(": "\\)", "\\[": "\\]"}[delimiter]
+            if opened is None and delimiter in LATEX_DELIMITERS:
+                opened = m.start(), LATEX_DELIMITERS[delimiter]
             elif opened is not None and delimiter == opened[1]:
                 regions.append((opened[0], m.end()))
                 opened = None
@@ -339,7 +339,7 @@ def _sentences(text: str, spans: _Spans) -> list[Hit]:
     return hits
 
 
-_EMPTY_BOX = re.compile(r"(\\(?:boxed|fbox))\s*+\{\s*+\}")
+_EMPTY_BOX = re.compile(r"(\\(?:" + "|".join(BOX_COMMANDS) + r"))\s*+\{\s*+\}")
 _EMPTY = "\x00"  # stands for an empty box's content while the boxes are joined
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
+from megaopd.data.answers import BOX_COMMANDS, LATEX_DELIMITERS
 from megaopd.verifiers import register
 from megaopd.verifiers.expr import MAX_LENGTH
 from megaopd.verifiers.extract import FLEXIBLE, NUMBER, STRICT, Candidate, bare, candidates
@@ -36,7 +37,7 @@ DEFAULT_PRECISION = 6  # decimal places a decimal answer is rounded to before it
 # The slow checks run in killable worker processes: a hard wall-clock limit, from any thread, under any load.
 _pool = KillablePool("megaopd.verifiers.math_grade:grade", size=2)
 
-_DELIMITERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
+_DELIMITERS = (*LATEX_DELIMITERS, *("\\" + command for command in BOX_COMMANDS))
 
 
 def reference_candidates(gold: str) -> list[Candidate]:
@@ -45,7 +46,9 @@ def reference_candidates(gold: str) -> list[Candidate]:
 
 
 def extract_answer(response: str, extraction: str = FLEXIBLE) -> str | None:
-    """The text of the first answer a response states (its first part), or None when it states none."""
+    """The text of the answer the reference grader's extraction order finds in a response (``extract.candidates``:
+    the last box, the answer sentence, ``####``, ...; its first part), or None when it states none; not the synthetic
+    verifier's ``last_answer_number``."""
     found = candidates(response, extraction)
     return found[0][0].text if found else None
 
