@@ -18,6 +18,7 @@ import yaml
 
 from megaopd.errors import StudyError, require_file
 from megaopd.accounting.flops import ModelShape
+from megaopd.accounting.ledger import SUMMARY
 from megaopd.accounting.metrics import read_metrics
 from megaopd.teachers.check import CHECK_FILE
 from megaopd.analysis.stats import mean_and_se, resample
@@ -218,7 +219,7 @@ def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
     stages = []
     for s in study.get("stages") or []:
         run_dir = study_dir / s["name"]
-        summary = _json(run_dir / "summary.json")
+        summary = _json(run_dir / SUMMARY)
         cfg = _config(run_dir)
         stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
                             summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),

@@ -46,6 +46,7 @@ from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_a
 from megaopd.objectives.methods import method
 from megaopd.rollout.serving.sglang_cpu import cpu_server_args, cpu_server_env
 from megaopd.accounting.shapes import REAL_SHAPES, RealShape
+from megaopd.run.finished import SUMMARY
 from megaopd.run.study import AssetsConfig, StudyConfig, stage_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -273,7 +274,7 @@ def stage_report(log: str, run_dir: Path) -> dict:
     servers = [(role.replace(" ", ":"), host, model) for role, host, model in
                re.findall(r"SGLang (rollout|teacher \S+) server on (\S+) at \S+: (\S+)", log)]
     versions = sorted({int(v) for v in re.findall(r"weights v(\d+) verified", log)})
-    summary = run_dir / "summary.json"
+    summary = run_dir / SUMMARY
     steps = json.loads(summary.read_text())["steps"] if summary.exists() else None
     return {"nodes": nodes[1] if nodes else "?", "ranks": ranks, "servers": servers, "steps": steps,
             "versions": versions}

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megaopd.accounting.ledger import SUMMARY
+
 FINAL_DIR = "final"  # the exported HF model directory, with the ledger beside the weights
-SUMMARY = "summary.json"
 
 
 def finished_summary(run_dir: str | Path, steps: int) -> dict | None:
