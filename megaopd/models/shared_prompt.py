@@ -352,7 +352,7 @@ def problem(cfg) -> str | None:
     """Why ``train.shared_prompt`` cannot apply to the run ``cfg`` describes (None: it can)."""
     from megaopd.objectives.methods import method
 
-    if method(cfg.train.algorithm).samples_per_prompt(cfg.rollout) < 2:
+    if not method(cfg.train.algorithm).shares_prompts(cfg.rollout):
         return "one sample per prompt, so no prompt is shared"
     if cfg.model.backend == "megatron":
         from megaopd.models.megatron.fp8 import use_te_spec

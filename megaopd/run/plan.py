@@ -276,7 +276,8 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     tokens = rows_per_mb * seq
     in_flight = min(pp, math.ceil(t.prompts_per_step * n / (rows_per_mb * dp))) if megatron else 1
     checkpointed = m.activation_checkpointing and not megatron
-    if t.shared_prompt and n > 1:  # whole groups per micro-batch (a group larger than one: in parts)
+    # whole groups per micro-batch (a group larger than one: in parts)
+    if t.shared_prompt and spec.shares_prompts(cfg.rollout):
         groups = max(1, rows_per_mb // n)
         rows_per_mb = min(groups * n, rows_per_mb)
         tokens = groups * p.prompt_tokens + rows_per_mb * r.max_new_tokens
