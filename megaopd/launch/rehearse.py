@@ -39,7 +39,7 @@ from megaopd.config import ConfigError, load_config, save_config
 from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_splits
 from megaopd.errors import UserError
-from megaopd.accounting.flops import attention_heads
+from megaopd.accounting.flops import attention_heads, read_hf_config
 from megaopd.launch.local_cluster import LocalCluster, check_name_and_subnet
 from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_arguments, for_stage, plan,
                                   study_and_launch)
@@ -96,7 +96,7 @@ def shape_problems(model: str, tp: int, pp: int) -> list[str]:
     """Heads and layers that do not split over TP and PP, from the model's config.json or, where that is not
     readable here (the cluster's /models), the published shape its directory is named after (none if neither)."""
     try:
-        config = json.loads((Path(model) / "config.json").read_text())
+        config = read_hf_config(model)
         (heads, kv_heads), layers = attention_heads(config), config.get("num_hidden_layers", 0)
     except (OSError, ValueError):
         shape = published_shape(model)

@@ -37,7 +37,6 @@ plan.peak_tflops on every trainer GPU for them plus the teachers' forced re-runs
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -171,9 +170,8 @@ class Arch:
 
 def resolve_arch(path: str, aliases: dict[str, str] | None = None) -> Arch:
     path = (aliases or {}).get(path.rstrip("/"), path)
-    config = Path(path) / "config.json"
-    if config.exists():
-        return Arch.from_hf(json.loads(config.read_text()))
+    if (Path(path) / flops.HF_CONFIG).exists():
+        return Arch.from_hf(flops.read_hf_config(path))
     name = Path(path.rstrip("/")).name.lower()
     shape = real_shape(name)
     if shape is None:
