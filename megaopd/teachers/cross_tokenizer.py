@@ -33,6 +33,7 @@ import torch
 from megaopd.data.batch import Sample, TokenBatch, collate
 from megaopd.models.chat import chat_prompt_ids
 from megaopd.errors import ModelError
+from megaopd.accounting.flops import HF_CONFIG
 
 _ESCAPED = re.compile("([\udc80-\udcff])")  # bytes that are not UTF-8, as `surrogateescape` decodes them
 
@@ -264,10 +265,10 @@ def alignment_tokenizers(student_path: str, opd, read_models: bool = True) -> di
         return tokenizers[path]
 
     out = dict(opd.teacher_tokenizer)
-    if not read_models or not (Path(student_path) / "config.json").exists():
+    if not read_models or not (Path(student_path) / HF_CONFIG).exists():
         return out
     for route, path in opd.teachers.items():
-        if (route not in out and (Path(path) / "config.json").exists()
+        if (route not in out and (Path(path) / HF_CONFIG).exists()
                 and other_vocabulary(tokenizer(student_path), tokenizer(path))):
             out[route] = path
     return out
