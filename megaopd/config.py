@@ -33,6 +33,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 FP8Recipe = Literal["none", "hybrid", "e4m3"]  # model.megatron.fp8; hybrid: E4M3 forward, E5M2 gradients
 OPSAScope = Literal["response", "batch"]  # opsa.scope: the tokens the lowest fraction is taken among
 OPSAScale = Literal["none", "entropy"]  # opsa.scale: one advantage for every selected token, or by its entropy
+WeightSync = Literal["disk", "tensor", "distributed"]  # rollout.sglang.sync: megaopd.rollout.serving.weight_sync
 
 
 def choices(literal: Any) -> tuple:
@@ -105,7 +106,7 @@ class SGLangConfig:
     request_timeout_s: float = 600.0
     retries: int = 2  # per request, after which a launched server is restarted once, then dropped
     # disk (HF export + /update_weights_from_disk) | tensor (colocated GPU) | distributed (NCCL)
-    sync: Literal["disk", "tensor", "distributed"] = "disk"
+    sync: WeightSync = "disk"
     # sync=distributed: the address at which the servers reach trainer rank 0 for the NCCL group (a multi-node job
     # sets its node's); "": this host's address on the route to the first server.
     sync_address: str = ""

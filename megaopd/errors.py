@@ -32,6 +32,11 @@ class ModelError(UserError):
     what = "model error"
 
 
+class ModelImportError(ModelError):
+    """A model that cannot be imported as asked (``megaopd import-model``: a packaged checkpoint or a GGUF file): the
+    message says what is missing and the command that fixes it."""
+
+
 class StudyError(UserError):
     what = "study error"
 

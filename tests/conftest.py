@@ -166,7 +166,8 @@ def imported(name: str, tmp_path_factory) -> Path:
     used as they are (local reruns of the tier; CI imports afresh)."""
     from megaopd.cli import main
     from megaopd.models.model_import import require_gguf
-    from megaopd.models.packaged_models import ModelImportError, part_files
+    from megaopd.errors import ModelImportError
+    from megaopd.models.packaged_models import part_files
 
     earlier = Path(os.environ.get("MEGAOPD_IMPORTED_MODELS", "/nonexistent")) / name
     if (earlier / "config.json").exists():

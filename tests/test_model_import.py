@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from gguf_files import CHATML, HIDDEN, SPECIAL, write_gguf
-from megaopd.models.packaged_models import PACKAGED, ModelImportError, packaged_gguf, part_files, sha256_of
+from megaopd.errors import ModelImportError
+from megaopd.models.packaged_models import PACKAGED, packaged_gguf, part_files, sha256_of
 from test_user_errors import LINE, megaopd
 
 pytest.importorskip("gguf", reason="the real extra: pip install -e '.[real]'")

@@ -26,7 +26,8 @@ from megaopd.models.chat import chat_prompt_ids
 from megaopd.config import ModelConfig
 from megaopd.data.word_problems import build_word_problems, word_split
 from megaopd.models.hf_policy import HFPolicy
-from megaopd.models.model_import import ModelImportError, end_of_turn_token, import_model, set_stop_tokens
+from megaopd.errors import ModelImportError
+from megaopd.models.model_import import end_of_turn_token, import_model, set_stop_tokens
 from megaopd.rollout.local import LocalEngine
 from megaopd.rollout.pipeline import RolloutPipeline
 from megaopd.run.trainer import Trainer

@@ -44,14 +44,18 @@ All functions are pure and return Python ints (exact integer arithmetic). No tor
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Union
 
 __all__ = [
     "COMPONENTS",
     "ModelShape",
+    "HF_CONFIG",
+    "read_hf_config",
     "attention_heads",
     "forward_flops",
     "train_flops",
@@ -147,6 +151,15 @@ class ModelShape:
             vocab_size=req("vocab_size"),
             gated_mlp=gated_mlp,
         )
+
+
+HF_CONFIG = "config.json"  # an HF model directory's architecture, what ``ModelShape.from_hf_config`` reads
+
+
+def read_hf_config(model_dir: Union[str, Path]) -> dict:
+    """The ``config.json`` of the HF model directory ``model_dir``, parsed: the one place a model's config is read
+    (OSError where the file cannot be read, ValueError where it is not JSON)."""
+    return json.loads((Path(model_dir) / HF_CONFIG).read_text())
 
 
 def _config_getter(cfg: Union[Mapping[str, Any], Any]):

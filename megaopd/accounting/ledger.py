@@ -24,6 +24,7 @@ from megaopd.config import CountsAs, choices
 from megaopd.accounting.flops import COMPONENTS
 
 LEDGER_FILE = "megaopd_ledger.json"
+SUMMARY = "summary.json"  # a run's end (its stop, final evals and this ledger), in the run directory; run.finished reads it
 
 
 class Ledger:

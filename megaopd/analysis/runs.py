@@ -17,7 +17,8 @@ import numpy as np
 import yaml
 
 from megaopd.errors import StudyError, require_file
-from megaopd.accounting.flops import ModelShape
+from megaopd.accounting.flops import HF_CONFIG, ModelShape, read_hf_config
+from megaopd.accounting.ledger import SUMMARY
 from megaopd.accounting.metrics import read_metrics
 from megaopd.teachers.check import CHECK_FILE
 from megaopd.analysis.stats import mean_and_se, resample
@@ -204,10 +205,9 @@ def _started_in(run_dir: Path, recorded: str | None) -> Path:
 
 
 def _matmul_params(started_in: Path, model_dir: str | None) -> int | None:
-    config = started_in / (model_dir or "") / "config.json"
-    if not model_dir or not config.exists():
+    if not model_dir or not (started_in / model_dir / HF_CONFIG).exists():
         return None
-    return ModelShape.from_hf_config(json.loads(config.read_text())).matmul_params
+    return ModelShape.from_hf_config(read_hf_config(started_in / model_dir)).matmul_params
 
 
 def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
@@ -218,7 +218,7 @@ def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
     stages = []
     for s in study.get("stages") or []:
         run_dir = study_dir / s["name"]
-        summary = _json(run_dir / "summary.json")
+        summary = _json(run_dir / SUMMARY)
         cfg = _config(run_dir)
         stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
                             summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),

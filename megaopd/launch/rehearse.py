@@ -39,13 +39,14 @@ from megaopd.config import ConfigError, load_config, save_config
 from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_splits
 from megaopd.errors import UserError
-from megaopd.accounting.flops import attention_heads
+from megaopd.accounting.flops import attention_heads, read_hf_config
 from megaopd.launch.local_cluster import LocalCluster, check_name_and_subnet
 from megaopd.launch.slurm import (Job, LaunchConfig, absolute_study, add_study_arguments, for_stage, plan,
                                   study_and_launch)
 from megaopd.objectives.methods import method
 from megaopd.rollout.serving.sglang_cpu import cpu_server_args, cpu_server_env
 from megaopd.accounting.shapes import REAL_SHAPES, RealShape
+from megaopd.run.finished import SUMMARY
 from megaopd.run.study import AssetsConfig, StudyConfig, stage_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +96,7 @@ def shape_problems(model: str, tp: int, pp: int) -> list[str]:
     """Heads and layers that do not split over TP and PP, from the model's config.json or, where that is not
     readable here (the cluster's /models), the published shape its directory is named after (none if neither)."""
     try:
-        config = json.loads((Path(model) / "config.json").read_text())
+        config = read_hf_config(model)
         (heads, kv_heads), layers = attention_heads(config), config.get("num_hidden_layers", 0)
     except (OSError, ValueError):
         shape = published_shape(model)
@@ -273,7 +274,7 @@ def stage_report(log: str, run_dir: Path) -> dict:
     servers = [(role.replace(" ", ":"), host, model) for role, host, model in
                re.findall(r"SGLang (rollout|teacher \S+) server on (\S+) at \S+: (\S+)", log)]
     versions = sorted({int(v) for v in re.findall(r"weights v(\d+) verified", log)})
-    summary = run_dir / "summary.json"
+    summary = run_dir / SUMMARY
     steps = json.loads(summary.read_text())["steps"] if summary.exists() else None
     return {"nodes": nodes[1] if nodes else "?", "ranks": ranks, "servers": servers, "steps": steps,
             "versions": versions}

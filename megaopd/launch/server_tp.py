@@ -10,22 +10,21 @@ often written by an earlier job; ``megaopd submit`` checks the models that alrea
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 if not __package__:  # run as a script by the batch shell: import megaopd from the checkout it is in
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from megaopd.accounting.flops import attention_heads  # noqa: E402
+from megaopd.accounting.flops import HF_CONFIG, attention_heads, read_hf_config  # noqa: E402
 
 
 def server_tp(model_dir: str | Path, gpus: int, requested: int = 0) -> int:
     tp = requested or gpus
     if not 1 <= tp <= gpus:
         raise ValueError(f"sglang_tp={tp}: a server runs on one node, which has {gpus} GPU(s)")
-    path = Path(model_dir) / "config.json"
+    path = Path(model_dir) / HF_CONFIG
     try:
-        config = json.loads(path.read_text())
+        config = read_hf_config(model_dir)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot read the model's config ({e})") from None
     heads, kv_heads = attention_heads(config)

@@ -21,6 +21,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megaopd.accounting.flops import HF_CONFIG
 from megaopd.config import ConfigError, RunConfig, from_dict, load_config, save_config, to_dict
 from megaopd.launch.server_tp import server_tp
 from megaopd.objectives.methods import method
@@ -252,7 +253,7 @@ def _check_servers(launch: LaunchConfig, stage: str, models: list[str]) -> None:
         raise ConfigError(f"stage {stage}: trainer_module={launch.trainer_module!r} is not a module name "
                           "(e.g. megaopd.models.megatron.launch)")
     for model in models:
-        if (Path(model) / "config.json").exists():
+        if (Path(model) / HF_CONFIG).exists():
             try:
                 server_tp(model, launch.gpus_per_node, launch.sglang_tp)
             except ValueError as e:

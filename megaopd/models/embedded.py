@@ -17,6 +17,7 @@ import torch
 
 from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_splits
+from megaopd.accounting.flops import HF_CONFIG
 from megaopd.accounting.shapes import REAL_SHAPES, real_model_config, real_shape
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def make_embedded(out: str | Path, presets: list[str], domains: list[str] | None
                   validation_rows: int = 200) -> None:
     out = Path(out)
     for preset in presets:
-        if not (out / "models" / preset / "config.json").exists():
+        if not (out / "models" / preset / HF_CONFIG).exists():
             build_model(preset, out / "models" / preset, seed)
     build_data(out / "data", domains, train_rows, heldout_rows, difficulty, seed, heldout_percent, verbosity,
                validation_rows)

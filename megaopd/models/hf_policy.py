@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from megaopd.data.batch import TokenBatch
 from megaopd.config import ConfigError, ModelConfig, OptimConfig
 from megaopd.errors import ModelError
-from megaopd.accounting.flops import ModelShape
+from megaopd.accounting.flops import HF_CONFIG, ModelShape
 from megaopd.models.policy_protocol import TokenizerIds
 from megaopd.models.distributions import TAIL_FLOOR, WholeVocab, entropy, nucleus, topk_view
 from megaopd.models.shared_prompt import PromptGroups, group_rows, hf_attention, hf_attention_problem, saved_flops
@@ -57,7 +57,7 @@ class HFPolicy(TokenizerIds):
                  shared_prompt: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if not (Path(cfg.path) / "config.json").exists():
+        if not (Path(cfg.path) / HF_CONFIG).exists():
             raise ModelError(f"model.path={cfg.path!r} is not an HF model directory (no config.json); point it at one "
                              "(megaopd make-embedded --out DIR builds tiny ones)")
         self.device = torch.device(cfg.device)

@@ -22,7 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaopd.models.packaged_models import PACKAGED, ModelImportError, check_sha256, packaged, packaged_gguf
+from megaopd.errors import ModelImportError
+from megaopd.models.packaged_models import PACKAGED, check_sha256, packaged, packaged_gguf
 
 log = logging.getLogger(__name__)
 

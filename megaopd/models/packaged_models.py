@@ -13,13 +13,9 @@ import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaopd.errors import ModelError
+from megaopd.errors import ModelImportError
 
 _BLOCK = 1 << 24  # bytes read at a time while joining and hashing
-
-
-class ModelImportError(ModelError):
-    """A model that cannot be imported as asked: the message says what is missing and the command that fixes it."""
 
 
 @dataclass(frozen=True)

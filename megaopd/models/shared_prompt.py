@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from megaopd.accounting.flops import HF_CONFIG
+
 log = logging.getLogger(__name__)
 
 KWARG = "megaopd_prompt_groups"  # the model forward's keyword that carries the layout down to the attention
@@ -352,7 +354,7 @@ def problem(cfg) -> str | None:
     """Why ``train.shared_prompt`` cannot apply to the run ``cfg`` describes (None: it can)."""
     from megaopd.objectives.methods import method
 
-    if method(cfg.train.algorithm).samples_per_prompt(cfg.rollout) < 2:
+    if not method(cfg.train.algorithm).shares_prompts(cfg.rollout):
         return "one sample per prompt, so no prompt is shared"
     if cfg.model.backend == "megatron":
         from megaopd.models.megatron.fp8 import use_te_spec
@@ -360,7 +362,7 @@ def problem(cfg) -> str | None:
         if use_te_spec(cfg.model.megatron):
             return ("the Transformer Engine layer spec: its fused attention is not routed per segment (use "
                     "model.megatron.transformer_engine=false)")
-    config = Path(cfg.model.path) / "config.json"
+    config = Path(cfg.model.path) / HF_CONFIG
     if config.exists():
         from transformers import AutoConfig
 

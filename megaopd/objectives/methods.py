@@ -46,6 +46,11 @@ class Method:
     def samples_per_prompt(self, rollout: RolloutConfig) -> int:
         return rollout.samples_per_prompt if self.rollouts else 1
 
+    def shares_prompts(self, rollout: RolloutConfig) -> bool:
+        """Whether a prompt has two samples or more, so ``train.shared_prompt`` has a prompt to share (the rule
+        ``megaopd.models.shared_prompt.problem`` refuses by and the memory plan lays micro-batches out by)."""
+        return self.samples_per_prompt(rollout) >= 2
+
     def uses_reference(self, grpo: GRPOConfig) -> bool:
         """A frozen copy of the initial policy for GRPO's KL penalty."""
         return self.group_term and grpo.kl_coef > 0

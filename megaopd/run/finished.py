@@ -12,15 +12,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megaopd.accounting.flops import HF_CONFIG
+from megaopd.accounting.ledger import SUMMARY
+
 FINAL_DIR = "final"  # the exported HF model directory, with the ledger beside the weights
-SUMMARY = "summary.json"
 
 
 def finished_summary(run_dir: str | Path, steps: int) -> dict | None:
     """The summary of the run in `run_dir` if it ended under the step cap `steps`, else None (it has not ended, or
     ended under another cap)."""
     run_dir = Path(run_dir)
-    if not ((run_dir / FINAL_DIR / "config.json").exists() and (run_dir / SUMMARY).exists()):
+    if not ((run_dir / FINAL_DIR / HF_CONFIG).exists() and (run_dir / SUMMARY).exists()):
         return None
     summary = json.loads((run_dir / SUMMARY).read_text())
     return summary if summary.get("stop", {}).get("cap") == steps else None

@@ -37,7 +37,6 @@ plan.peak_tflops on every trainer GPU for them plus the teachers' forced re-runs
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -63,26 +62,46 @@ class PlanError(UserError):
 
 @dataclass(frozen=True)
 class Arch:
-    """What memory depends on, from an HF config.json (Qwen2/Qwen3/Llama dense decoders)."""
+    """What memory depends on (Qwen2/Qwen3/Llama dense decoders): the model's shape as ``flops.ModelShape`` reads it
+    from an HF config.json (the one reader of a model's shape), and the parameters the matmul count leaves out."""
 
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
+    shape: flops.ModelShape
     tied: bool
     qk_norm: bool  # Qwen3's per-head q/k RMSNorm
     attn_bias: bool  # Qwen2's q/k/v biases
 
     @classmethod
     def from_hf(cls, c: dict) -> "Arch":
-        """The shape as ``flops.ModelShape`` reads it (the one reader of a model's shape), and what memory adds."""
-        s = flops.ModelShape.from_hf_config(c)
-        return cls(s.n_layers, s.d_model, s.n_heads, s.n_kv_heads, s.head_dim, s.d_ff, s.vocab_size,
-                   bool(c.get("tie_word_embeddings", False)), c.get("model_type") == "qwen3",
-                   bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
+        return cls(flops.ModelShape.from_hf_config(c), bool(c.get("tie_word_embeddings", False)),
+                   c.get("model_type") == "qwen3", bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
+
+    @property
+    def layers(self) -> int:
+        return self.shape.n_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.shape.d_model
+
+    @property
+    def heads(self) -> int:
+        return self.shape.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.shape.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape.head_dim
+
+    @property
+    def ffn(self) -> int:
+        return self.shape.d_ff
+
+    @property
+    def vocab(self) -> int:
+        return self.shape.vocab_size
 
     @property
     def q(self) -> int:
@@ -146,15 +165,13 @@ class Arch:
         return positions * self.layers * 2 * self.kv * b
 
     def flop_shape(self) -> flops.ModelShape:
-        return flops.ModelShape(self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.ffn,
-                                self.vocab)
+        return self.shape
 
 
 def resolve_arch(path: str, aliases: dict[str, str] | None = None) -> Arch:
     path = (aliases or {}).get(path.rstrip("/"), path)
-    config = Path(path) / "config.json"
-    if config.exists():
-        return Arch.from_hf(json.loads(config.read_text()))
+    if (Path(path) / flops.HF_CONFIG).exists():
+        return Arch.from_hf(flops.read_hf_config(path))
     name = Path(path.rstrip("/")).name.lower()
     shape = real_shape(name)
     if shape is None:
@@ -276,7 +293,8 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     tokens = rows_per_mb * seq
     in_flight = min(pp, math.ceil(t.prompts_per_step * n / (rows_per_mb * dp))) if megatron else 1
     checkpointed = m.activation_checkpointing and not megatron
-    if t.shared_prompt and n > 1:  # whole groups per micro-batch (a group larger than one: in parts)
+    # whole groups per micro-batch (a group larger than one: in parts)
+    if t.shared_prompt and spec.shares_prompts(cfg.rollout):
         groups = max(1, rows_per_mb // n)
         rows_per_mb = min(groups * n, rows_per_mb)
         tokens = groups * p.prompt_tokens + rows_per_mb * r.max_new_tokens

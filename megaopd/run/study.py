@@ -26,6 +26,7 @@ from megaopd.run import allocator
 from megaopd.config import ConfigError, RunConfig, load_config, save_config
 from megaopd.models.embedded import make_embedded
 from megaopd.errors import StudyError
+from megaopd.accounting.flops import HF_CONFIG
 from megaopd.run.finished import finished_summary
 from megaopd.objectives.methods import method
 from megaopd.accounting.metrics import read_metrics
@@ -161,7 +162,7 @@ def build_assets(study: StudyConfig) -> None:
                       a.seed, a.train_rows, a.heldout_rows, a.difficulty, a.heldout_percent, a.verbosity,
                       a.validation_rows)
     for name in map(study.substitute, a.imported):
-        if not (out / "models" / name / "config.json").exists():
+        if not (out / "models" / name / HF_CONFIG).exists():
             from megaopd.models.model_import import import_model
 
             import_model(name, None, str(out / "models" / name))

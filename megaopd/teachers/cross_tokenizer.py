@@ -35,6 +35,7 @@ import torch
 from megaopd.data.batch import Sample, TokenBatch, collate
 from megaopd.models.chat import chat_prompt_ids
 from megaopd.errors import ModelError
+from megaopd.accounting.flops import HF_CONFIG
 
 _ESCAPED = re.compile("([\udc80-\udcff])")  # bytes that are not UTF-8, as `surrogateescape` decodes them
 
@@ -273,17 +274,32 @@ def alignment_tokenizers(student_path: str, opd, read_models: bool = True) -> di
     loader to refuse."""
     from transformers import AutoTokenizer
 
-    vocabularies: dict[str, dict] = {}
+    tokenizers: dict[str, object] = {}
 
-    def vocabulary(path: str) -> dict:
-        if path not in vocabularies:
-            vocabularies[path] = AutoTokenizer.from_pretrained(path).get_vocab()
-        return vocabularies[path]
+    def tokenizer(path: str):
+        if path not in tokenizers:
+            tokenizers[path] = AutoTokenizer.from_pretrained(path)
+        return tokenizers[path]
 
     out = dict(opd.teacher_tokenizer)
-    if not read_models or not (Path(student_path) / "config.json").exists():
+    if not read_models or not (Path(student_path) / HF_CONFIG).exists():
         return out
     for route, path in opd.teachers.items():
-        if route not in out and (Path(path) / "config.json").exists() and vocabulary(path) != vocabulary(student_path):
+        if (route not in out and (Path(path) / HF_CONFIG).exists()
+                and other_vocabulary(tokenizer(student_path), tokenizer(path))):
             out[route] = path
     return out
+
+
+def other_vocabulary(student_tokenizer, teacher_tokenizer) -> bool:
+    """Whether a teacher's tokenizer has another vocabulary than the student's: such a teacher scores its own tokens
+    through the alignment (``alignment_tokenizers`` names it) or is refused (``refuse_unaligned``)."""
+    return teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab()
+
+
+def refuse_unaligned(route: str, path: str, student_tokenizer, teacher_tokenizer) -> None:
+    """Refuse the teacher of route ``route`` (directory ``path``) if its vocabulary is not the student's and it has
+    no alignment (no tokenizer named for it)."""
+    if other_vocabulary(student_tokenizer, teacher_tokenizer):
+        raise ModelError(f"teacher {path} has a different vocabulary from the student's and no alignment: "
+                         f"name its tokenizer in teacher_tokenizers (opd.teacher_tokenizer.{route}=DIR)")

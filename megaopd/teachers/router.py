@@ -28,10 +28,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from megaopd.teachers.cross_tokenizer import CrossTokenizer
+from megaopd.teachers.cross_tokenizer import CrossTokenizer, refuse_unaligned
 from megaopd.data.batch import Sample, TokenBatch
 from megaopd.config import ANY_DOMAIN, ConfigError, ModelConfig
-from megaopd.errors import ModelError
 from megaopd.accounting.flops import ModelShape, recompute_flops
 from megaopd.models.hf_policy import HFPolicy
 
@@ -94,12 +93,10 @@ class TeacherRouter:
             if named is not None:
                 tokenizer = teacher.tokenizer if named == path else AutoTokenizer.from_pretrained(named)
                 self.aligners[route] = CrossTokenizer(student_tokenizer, tokenizer, teacher.shape.vocab_size)
-            elif teacher.tokenizer.get_vocab() != student_tokenizer.get_vocab():  # align.alignment_tokenizers' job
-                raise ModelError(f"teacher {path} has a different vocabulary from the student's and no alignment: "
-                                 f"name its tokenizer in teacher_tokenizers (opd.teacher_tokenizer.{route}=DIR)")
+                continue
+            refuse_unaligned(route, path, student_tokenizer, teacher.tokenizer)  # alignment_tokenizers' job
             # The teacher scores the prompt as the student's chat template renders it; its own template is unused.
-            elif getattr(teacher.tokenizer, "chat_template", None) != getattr(student_tokenizer, "chat_template",
-                                                                                None):
+            if getattr(teacher.tokenizer, "chat_template", None) != getattr(student_tokenizer, "chat_template", None):
                 log.warning("teacher %s has another chat template than the student: it scores prompts in the "
                             "student's format", path)
         self.teachers = {domain: loaded[path] for domain, path in self.paths.items()}

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint as recomputed
 from megaopd.data.batch import TokenBatch
 from megaopd.models.checkpoint import load_state
 from megaopd.config import ModelConfig, OptimConfig
-from megaopd.accounting.flops import ModelShape, train_flops
+from megaopd.accounting.flops import HF_CONFIG, ModelShape, train_flops
 from megaopd.models.megatron import bridge as hf_bridge
 from megaopd.models.megatron import checkpoint
 from megaopd.models.megatron.fp8 import fp8_overrides, use_te_spec
@@ -72,7 +72,7 @@ class MegatronPolicy(TokenizerIds):
         from transformers import AutoTokenizer
 
         mcfg = cfg.megatron
-        if not (Path(cfg.path) / "config.json").exists():
+        if not (Path(cfg.path) / HF_CONFIG).exists():
             raise FileNotFoundError(f"model.path={cfg.path!r} is not an HF model directory (no config.json)")
         overrides = fp8_overrides(mcfg)  # fails here, before any process group, if FP8 cannot run
         init_model_parallel(mcfg.tp, mcfg.pp, seed)

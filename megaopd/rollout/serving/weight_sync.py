@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from megaopd.config import WeightSync, choices
 from megaopd.rollout.serving.leader import is_leader, on_leader
 from megaopd.rollout.serving.server import ServerError, free_port
 
@@ -30,8 +31,9 @@ BUCKET_BYTES = 512 << 20  # tensors per /update_weights_from_distributed call: b
 
 
 def for_method(method: str) -> Callable:
-    if method not in ("disk", "tensor", "distributed"):
-        raise ValueError(f"rollout.sglang.sync must be disk, tensor or distributed, got {method!r}")
+    if method not in choices(WeightSync):
+        *others, last = choices(WeightSync)
+        raise ValueError(f"rollout.sglang.sync must be {', '.join(others)} or {last}, got {method!r}")
     if method != "disk" and not torch.cuda.is_available():
         raise RuntimeError(f"rollout.sglang.sync={method} moves weights between GPUs (CUDA IPC / NCCL) and this "
                            "machine has no CUDA device; use rollout.sglang.sync=disk")
