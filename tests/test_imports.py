@@ -9,13 +9,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(statements=lambda tree: ast.walk(tree)) -> dict[str, set[str]]:
+    """Module -> the megaopd modules it imports, from the import statements `statements(tree)` yields (default:
+    every one, at module level or inside a function)."""
     files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
              for p in (ROOT / "megaopd").rglob("*.py")}
     graph = {}
     for name, path in files.items():
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in statements(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -106,35 +108,24 @@ def stage(module: str) -> str:
     return module.split(".")[1] if "." in module else module
 
 
+def top_statements(body):
+    """The statements a module runs when it is imported: at module level (under ``if``/``try`` too), not inside a
+    function and not under ``if TYPE_CHECKING``."""
+    for node in body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from top_statements(node.orelse)
+        elif isinstance(node, (ast.If, ast.Try)):
+            yield from top_statements(node.body)
+            yield from top_statements(node.orelse)
+            for handler in getattr(node, "handlers", []):
+                yield from top_statements(handler.body)
+        else:
+            yield node
+
+
 def module_level_graph() -> dict[str, set[str]]:
-    """Like import_graph, but only the imports a module runs when it is imported: statements at module level (under
-    ``if``/``try`` too), not inside a function and not under ``if TYPE_CHECKING``."""
-    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in (ROOT / "megaopd").rglob("*.py")}
-
-    def top_statements(body):
-        for node in body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                yield from top_statements(node.orelse)
-            elif isinstance(node, (ast.If, ast.Try)):
-                yield from top_statements(node.body)
-                yield from top_statements(node.orelse)
-                for handler in getattr(node, "handlers", []):
-                    yield from top_statements(handler.body)
-            else:
-                yield node
-
-    graph = {}
-    for name, path in files.items():
-        targets = set()
-        for node in top_statements(ast.parse(path.read_text()).body):
-            if isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                subs = {f"{node.module}.{a.name}" for a in node.names} & files.keys()
-                targets |= subs if len(subs) == len(node.names) else subs | {node.module}
-        graph[name] = {t for t in targets if t in files and t != name}
-    return graph
+    """Like import_graph, but only the imports a module runs when it is imported (``top_statements``)."""
+    return import_graph(lambda tree: top_statements(tree.body))
 
 
 def stage_graph(graph: dict[str, set[str]], skip: set[tuple[str, str]] = frozenset()) -> dict[str, set[str]]:
