@@ -156,6 +156,13 @@ class GRPOConfig:
 ANY_DOMAIN = "*"  # the opd.teachers route that serves every domain
 
 
+def teacher_route(teachers: dict[str, str], domain: str) -> str | None:
+    """The opd.teachers route that serves `domain`: its own, else ANY_DOMAIN; None when neither is there."""
+    if domain in teachers:
+        return domain
+    return ANY_DOMAIN if ANY_DOMAIN in teachers else None
+
+
 @dataclass
 class OPDConfig:
     form: OPDForm = "full_vocab"

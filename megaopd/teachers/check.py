@@ -16,7 +16,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from megaopd.config import ANY_DOMAIN, RunConfig
+from megaopd.config import RunConfig, teacher_route
 from megaopd.data.rows import Row
 from megaopd.errors import UserError
 from megaopd.accounting.metrics import per_domain_means
@@ -30,11 +30,11 @@ class WeakTeacher(UserError):
 
 
 def teacher_domains(teachers: dict[str, str], domains: list[str]) -> dict[str, list[str]]:
-    """Route -> the trained domains it serves (a domain's own route first, as ``TeacherRouter.route``)."""
+    """Route -> the trained domains it serves (``config.teacher_route``, as the router routes them)."""
     served: dict[str, list[str]] = {}
     for domain in domains:
-        route = domain if domain in teachers else ANY_DOMAIN
-        if route in teachers:
+        route = teacher_route(teachers, domain)
+        if route is not None:
             served.setdefault(route, []).append(domain)
     return served
 

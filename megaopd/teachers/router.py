@@ -30,7 +30,7 @@ import torch
 
 from megaopd.teachers.cross_tokenizer import CrossTokenizer, refuse_unaligned
 from megaopd.data.batch import Sample, TokenBatch
-from megaopd.config import ANY_DOMAIN, ConfigError, ModelConfig
+from megaopd.config import ConfigError, ModelConfig, teacher_route
 from megaopd.accounting.flops import ModelShape, recompute_flops
 from megaopd.models.hf_policy import HFPolicy
 
@@ -103,10 +103,9 @@ class TeacherRouter:
         self.routes = sorted(self.teachers)  # TokenBatch.teacher_route indexes this list
 
     def route(self, domain: str) -> str:
-        if domain in self.teachers:
-            return domain
-        if ANY_DOMAIN in self.teachers:
-            return ANY_DOMAIN
+        route = teacher_route(self.teachers, domain)
+        if route is not None:
+            return route
         raise KeyError(f"no teacher for domain {domain!r}; opd.teachers routes {sorted(self.teachers)} "
                        f"(add opd.teachers.{domain}=<dir> or a '*' entry)")
 
