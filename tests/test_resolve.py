@@ -117,7 +117,7 @@ def test_config_yaml_holds_the_resolved_run(assets, tmp_path):
         trainer.close()
 
 # What resolve_run derives and refuses: called in the package from megaopd/run/resolve.py only.
-CHECKS = ("resolve_tis", "shared_prompt.resolve", "check_is_correction", "check_temperature", "alignment_tokenizers",
+CHECKS = ("resolve_tis", "resolve_shared_prompt", "check_is_correction", "check_temperature", "alignment_tokenizers",
           "check_opd", "check_opsa", "check_stop", "check_chunk_rows", "StopRule", "check_run", "chunk_rows")
 
 

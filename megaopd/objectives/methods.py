@@ -48,7 +48,7 @@ class Method:
 
     def shares_prompts(self, rollout: RolloutConfig) -> bool:
         """Whether a prompt has two samples or more, so ``train.shared_prompt`` has a prompt to share (the rule
-        ``megaopd.models.shared_prompt.problem`` refuses by and the memory plan lays micro-batches out by)."""
+        ``megaopd.run.resolve.shared_prompt_problem`` refuses by and the memory plan lays micro-batches out by)."""
         return self.samples_per_prompt(rollout) >= 2
 
     def uses_reference(self, grpo: GRPOConfig) -> bool:
