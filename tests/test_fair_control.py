@@ -40,8 +40,8 @@ def sweep_study(root):
     stage(root, "opd_hi", "opd", [0, 10, 20, 30], [0.2, 0.4, OPD_FINAL, OPD_FINAL], 1e-4, 0.55)
     stage(root, "opd_lo", "opd", [0, 10, 20, 30], [0.2, 0.3, 0.4, 0.5], 3e-5, 0.45)
     stage(root, "opd_full", "opd", [0, 10, 20], [0.2, 0.5, 0.7], 1e-4, 0.65, form="full_vocab")
-    stage(root, "control_hi", "opsa", [0, 100, 200, 300], [0.2, 0.3, 0.5, 0.7], 1e-4, 0.30)
-    stage(root, "control_lo", "opsa", [0, 100, 200, 300], [0.2, 0.25, 0.35, 0.45], 3e-5, 0.40)
+    stage(root, "control_hi", "fixed_advantage", [0, 100, 200, 300], [0.2, 0.3, 0.5, 0.7], 1e-4, 0.30)
+    stage(root, "control_lo", "fixed_advantage", [0, 100, 200, 300], [0.2, 0.25, 0.35, 0.45], 3e-5, 0.40)
     return study(root, [("opd_hi", "opd_external"), ("opd_lo", "opd_external"), ("opd_full", "opd_external"),
                         ("control_hi", "teacher_free"), ("control_lo", "teacher_free")])
 
@@ -91,7 +91,7 @@ def test_an_unfair_pair_is_marked_and_not_counted(tmp_path):
     root = tmp_path / "study"
     root.mkdir()
     stage(root, "opd", "opd", [0, 10, 20], [0.2, 0.4, OPD_FINAL], 1e-4, 0.55)
-    stage(root, "control", "opsa", [0, 100, 200], [0.2, 0.25, 0.3], 3e-5, 0.3)
+    stage(root, "control", "fixed_advantage", [0, 100, 200], [0.2, 0.25, 0.3], 3e-5, 0.3)
     report = write_report(study(root, [("opd", "opd_external"), ("control", "teacher_free")]), window=1,
                           replicates=0)
     seed = report["seeds"][0]

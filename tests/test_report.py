@@ -135,13 +135,35 @@ def make_study(root, opd_self_scale=1.0, ext_that_wins=False, control=False):
                     lengths=[10, 10])
         stages.append(("opd_ext2", "opd_external_grpo", "grpo", ""))
     if control:
-        write_stage(root, "control", "opsa", mean_curve([0, 100, 200, 300], [0.2, 0.25, 0.35, 0.45]), {"mean": 0.45},
+        write_stage(root, "control", "fixed_advantage", mean_curve([0, 100, 200, 300], [0.2, 0.25, 0.35, 0.45]), {"mean": 0.45},
                     lengths=[10, 10, 10], config=on_data("add.jsonl"))
         stages.append(("control", "teacher_free", "", ""))
     study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
                                                       "compare_with": c, "domain": d} for n, m, c, d in stages]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
     return root
+
+
+def test_a_control_recorded_under_its_old_name_reads_under_the_new_one(tmp_path):
+    """A run directory written before the control's rename (train.algorithm=opsa and an opsa: section in its
+    config.yaml, opsa in its summary.json) still loads, as the new spelling, and reports: fixed_advantage in the
+    stage table, still the control of the OPD stages of its base and data."""
+    from megaopd.config import load_config
+
+    root = make_study(tmp_path / "study", control=True)
+    run = root / "control"
+    (run / "config.yaml").write_text(yaml.safe_dump({**on_data("add.jsonl"), "train": {"algorithm": "opsa"},
+                                                     "opsa": {"fraction": 0.3, "scale": "none"}}))
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps(summary | {"algorithm": "opsa", "form": "opsa"}))
+    cfg = load_config(run / "config.yaml")
+    assert cfg.train.algorithm == "fixed_advantage" and cfg.fixed_advantage.fraction == 0.3
+    report = write_report(root, target_fraction=0.5, window=1, length_window=1)
+    seed = report["seeds"][0]
+    assert seed["stages"]["control"]["algorithm"] == "fixed_advantage"
+    assert [(c["opd"], c["control"]) for c in seed["teacher_free"]] == [("opd_self", "control"),
+                                                                         ("opd_ext", "control")]
+    assert "opsa" not in (root / "report" / "report.md").read_text()
 
 
 def verdicts(report):
@@ -625,7 +647,7 @@ def test_a_report_from_runs_whose_every_optional_number_is_missing(tmp_path):
     write_stage(root, "grpo", "grpo", mean_curve([0, 100, 200], [0.3, 0.2, 0.25]), {"mean": 0.25})
     write_stage(root, "opd_ext", "opd", mean_curve([0, 50], [0.1, 0.15]), {"mean": 0.15}, config=on_data("a.jsonl"))
     write_stage(root, "expert_add", "grpo", mean_curve([0, 100], [0.3, 0.35]), {"mean": 0.35})
-    write_stage(root, "control", "opsa", mean_curve([0, 10], [0.1, 0.1]), {"mean": 0.1}, config=on_data("a.jsonl"))
+    write_stage(root, "control", "fixed_advantage", mean_curve([0, 10], [0.1, 0.1]), {"mean": 0.1}, config=on_data("a.jsonl"))
     stages = [("grpo", "grpo", "", ""), ("opd_ext", "opd_external", "grpo", ""),
               ("expert_add", "expert", "", "arith_add"), ("control", "teacher_free", "", "")]
     study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,

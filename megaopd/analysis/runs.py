@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from megaopd.config import renamed_value
 from megaopd.errors import StudyError, require_file
 from megaopd.accounting.flops import HF_CONFIG, ModelShape, read_hf_config
 from megaopd.accounting.ledger import SUMMARY
@@ -210,6 +211,12 @@ def _matmul_params(started_in: Path, model_dir: str | None) -> int | None:
     return ModelShape.from_hf_config(read_hf_config(started_in / model_dir)).matmul_params
 
 
+def _algorithm(name: str) -> str:
+    """An algorithm (or the form label of one without a teacher, its name) as it is spelled now: a run recorded before
+    a rename (train.algorithm=opsa, now fixed_advantage) reads under the new name."""
+    return renamed_value("TrainConfig", "algorithm", name)
+
+
 def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
     """study.yaml and every stage that has a run directory; a stage without `method` counts as `other`."""
     study_dir = Path(study_dir)
@@ -221,8 +228,8 @@ def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
         summary = _json(run_dir / SUMMARY)
         cfg = _config(run_dir)
         stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
-                            summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),
-                            _teacher_cost(run_dir, cfg), summary.get("form", ""), summary.get("stop") or {},
+                            _algorithm(summary.get("algorithm", "")), read_metrics(run_dir), _records(run_dir),
+                            _teacher_cost(run_dir, cfg), _algorithm(summary.get("form", "")), summary.get("stop") or {},
                             (cfg.get("rollout") or {}).get("max_staleness"), (cfg.get("model") or {}).get("path", ""),
                             tuple((cfg.get("data") or {}).get("train") or ()), optim=cfg.get("optim") or {},
                             opd_form=(cfg.get("opd") or {}).get("form", ""), teacher_check=_json(run_dir / CHECK_FILE)))

@@ -22,7 +22,8 @@ from megaopd.config import DataConfig, RunConfig
 from megaopd.data.rows import Row, load_split
 from megaopd.errors import DataError, UserError, require_file
 from megaopd.objectives.methods import Method, method
-from megaopd.objectives.losses import check_is_correction, check_opd, check_opsa, check_temperature, resolve_tis
+from megaopd.objectives.losses import (check_fixed_advantage, check_is_correction, check_opd, check_temperature,
+                                      resolve_tis)
 from megaopd.run.plan import Plan, check_chunk_rows, check_run, chunk_rows
 from megaopd.run.stopping import StopRule, check_stop
 
@@ -58,7 +59,7 @@ def resolve_run(cfg: RunConfig, *, inputs_exist: bool = True) -> ResolvedRun:
     if spec.teacher_term:
         check_opd(cfg.opd, cfg.model.backend, aligned)
     if spec.self_term:
-        check_opsa(cfg.opsa, cfg.train.recompute_old_logprobs)
+        check_fixed_advantage(cfg.fixed_advantage, cfg.train.recompute_old_logprobs)
     check_stop(cfg.train.stop, spec.teachers(cfg.opd))
     check_chunk_rows(cfg.train)
     if not inputs_exist:
