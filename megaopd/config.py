@@ -387,6 +387,8 @@ RENAMED_KEYS: dict[tuple[str, str], str] = {
 RENAMED_VALUES: dict[tuple[str, str, Any], Any] = {
     # the paper's fixed-advantage control, which is not its OPSA (that is fixed_advantage.scale=entropy)
     ("TrainConfig", "algorithm", "opsa"): "fixed_advantage",
+    # a study stage's label (megaopd.run.study.STAGE_LABELS): the control of OPD, named for its role
+    ("StageConfig", "method", "teacher_free"): "control",
 }
 
 log = logging.getLogger(__name__)

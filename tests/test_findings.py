@@ -67,7 +67,7 @@ def control(opd_flops: float, control_flops: float | None, control_spent: float 
 
 def seed(comparisons=(), mts=(), splits=(), controls=()) -> dict:
     return {"comparisons": list(comparisons), "multi_teacher": list(mts), "split_vs_joint": list(splits),
-            "teacher_free": list(controls)}
+            "controls": list(controls)}
 
 
 def judged(finding_id: str, r: dict, interval: list[float] | None = None) -> dict:

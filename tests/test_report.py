@@ -137,7 +137,7 @@ def make_study(root, opd_self_scale=1.0, ext_that_wins=False, control=False):
     if control:
         write_stage(root, "control", "fixed_advantage", mean_curve([0, 100, 200, 300], [0.2, 0.25, 0.35, 0.45]), {"mean": 0.45},
                     lengths=[10, 10, 10], config=on_data("add.jsonl"))
-        stages.append(("control", "teacher_free", "", ""))
+        stages.append(("control", "control", "", ""))
     study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
                                                       "compare_with": c, "domain": d} for n, m, c, d in stages]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
@@ -145,12 +145,16 @@ def make_study(root, opd_self_scale=1.0, ext_that_wins=False, control=False):
 
 
 def test_a_control_recorded_under_its_old_name_reads_under_the_new_one(tmp_path):
-    """A run directory written before the control's rename (train.algorithm=opsa and an opsa: section in its
-    config.yaml, opsa in its summary.json) still loads, as the new spelling, and reports: fixed_advantage in the
-    stage table, still the control of the OPD stages of its base and data."""
+    """A study directory written before the control's renames (its study.yaml labelling the stage teacher_free;
+    train.algorithm=opsa and an opsa: section in the run's config.yaml, opsa in its summary.json) still loads, as
+    the new spelling, and reports: fixed_advantage and control in the stage table, still the control of the OPD
+    stages of its base and data."""
     from megaopd.config import load_config
 
     root = make_study(tmp_path / "study", control=True)
+    study = (root / "study.yaml").read_text()
+    assert "method: control\n" in study
+    (root / "study.yaml").write_text(study.replace("method: control\n", "method: teacher_free\n"))
     run = root / "control"
     (run / "config.yaml").write_text(yaml.safe_dump({**on_data("add.jsonl"), "train": {"algorithm": "opsa"},
                                                      "opsa": {"fraction": 0.3, "scale": "none"}}))
@@ -161,7 +165,8 @@ def test_a_control_recorded_under_its_old_name_reads_under_the_new_one(tmp_path)
     report = write_report(root, target_fraction=0.5, window=1, length_window=1)
     seed = report["seeds"][0]
     assert seed["stages"]["control"]["algorithm"] == "fixed_advantage"
-    assert [(c["opd"], c["control"]) for c in seed["teacher_free"]] == [("opd_self", "control"),
+    assert seed["stages"]["control"]["method"] == "control"
+    assert [(c["opd"], c["control"]) for c in seed["controls"]] == [("opd_self", "control"),
                                                                          ("opd_ext", "control")]
     assert "opsa" not in (root / "report" / "report.md").read_text()
 
@@ -207,13 +212,13 @@ def test_synthetic_study_numbers_and_findings(tmp_path):
     assert "![accuracy_mean.png](accuracy_mean.png)" in md
 
 
-def test_each_opd_stage_against_the_teacher_free_control_of_its_base_and_data(tmp_path):
+def test_each_opd_stage_against_the_control_of_its_base_and_data(tmp_path):
     """(g1)/(g2), window 1: opd_self reaches its final 0.6 at 20 FLOPs, the control never (best 0.45 at 300 FLOPs):
     the control/OPD ratio is more than 300/20 = 15, a bound that settles (g2); opd_ext reaches its 0.4 at 400, the
     control at 250 (0.625): one pair fails, so the finding. multi trains on other data: no pair."""
     report = write_report(make_study(tmp_path / "study", control=True), target_fraction=0.5, window=1,
                           length_window=1)
-    pairs = {(c["opd"], c["control"]): c for c in report["seeds"][0]["teacher_free"]}
+    pairs = {(c["opd"], c["control"]): c for c in report["seeds"][0]["controls"]}
     assert list(pairs) == [("opd_self", "control"), ("opd_ext", "control")]
     own = pairs["opd_self", "control"]["targets"]
     assert own["teacher"]["target"] == pytest.approx(0.6) and own["teacher"]["opd_flops"] == pytest.approx(20.0)
@@ -234,7 +239,7 @@ def test_each_opd_stage_against_the_teacher_free_control_of_its_base_and_data(tm
     assert {label: c["verdict"] for label, c in g1["checks"].items()} == {
         "opd_self vs control": "reproduced", "opd_ext vs control": "not reproduced"}
     out = tmp_path / "study" / "report"
-    assert "teacher_free.png" in report["plots"] and (out / "teacher_free.png").stat().st_size > 10_000
+    assert "controls.png" in report["plots"] and (out / "controls.png").stat().st_size > 10_000
     md = (out / "report.md").read_text()
     assert "| opd_self | control | mean | OPD final | 0.600 | 2.000e+01 | not reached (best smoothed 0.450) | > 15 |" \
         in md
@@ -649,7 +654,7 @@ def test_a_report_from_runs_whose_every_optional_number_is_missing(tmp_path):
     write_stage(root, "expert_add", "grpo", mean_curve([0, 100], [0.3, 0.35]), {"mean": 0.35})
     write_stage(root, "control", "fixed_advantage", mean_curve([0, 10], [0.1, 0.1]), {"mean": 0.1}, config=on_data("a.jsonl"))
     stages = [("grpo", "grpo", "", ""), ("opd_ext", "opd_external", "grpo", ""),
-              ("expert_add", "expert", "", "arith_add"), ("control", "teacher_free", "", "")]
+              ("expert_add", "expert", "", "arith_add"), ("control", "control", "", "")]
     study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
                                                       "compare_with": c, "domain": d} for n, m, c, d in stages]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))

@@ -77,14 +77,14 @@ def test_compared_stages_cover_their_partners_which_run_first():
 
 @pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.stem)
 def test_every_control_shares_the_optimizer_settings_of_an_opd_stage_of_its_base_and_data(path, monkeypatch):
-    """(g) compares a teacher-free control with the OPD stages of its base and data (docs/opd.md, "The fair
+    """(g) compares a control with the OPD stages of its base and data (docs/opd.md, "The fair
     control"): it runs at the optimizer settings of one of them, else the report leaves it out; in a sweep
     (fair_control) each control covers every OPD stage of the grid, whichever rate wins."""
     monkeypatch.chdir(ROOT)
     study = load_config(path, ["out=/o", "seeds=[]"], cls=StudyConfig)
     cfgs = {stage.name: (stage, stage_config(study, stage)) for stage in study.stages}
     for stage, cfg in cfgs.values():
-        if stage.method != "teacher_free":
+        if stage.method != "control":
             continue
         opds = [(s.name, c) for s, c in cfgs.values() if s.method.startswith(("opd", "multi_teacher")) and
                 (c.model.path, c.data.train) == (cfg.model.path, cfg.data.train)]
@@ -173,3 +173,18 @@ def test_imported_models_take_vars(tmp_path, monkeypatch):
                         [f"out={tmp_path}", "vars.teacher=qwen2.5-coder-1.5b-instruct"], cls=StudyConfig)
     build_assets(study)
     assert imported == ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"] and set(imported) <= set(PACKAGED)
+
+
+def test_the_old_stage_label_reads_as_control_with_a_deprecation_line(tmp_path, caplog):
+    """method: teacher_free (the label before this release) loads as control, one deprecation line naming it."""
+    import logging
+
+    study = {"out": str(tmp_path), "stages": [{"name": "a", "method": "teacher_free"},
+                                               {"name": "b", "method": "teacher_free"}]}
+    (tmp_path / "study.yaml").write_text(__import__("yaml").safe_dump(study))
+    with caplog.at_level(logging.WARNING, logger="megaopd.config"):
+        loaded = load_config(tmp_path / "study.yaml", cls=StudyConfig)
+    assert [s.method for s in loaded.stages] == ["control", "control"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "stages.method=teacher_free is deprecated, renamed stages.method=control: write stages.method=control (the "
+        "old name is read for one release)"]

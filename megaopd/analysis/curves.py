@@ -156,9 +156,9 @@ def compare_same_method(stage: Stage, ref: Stage, metric: str, fraction: float, 
 
 
 def controlled(stages: list[Stage]) -> list[tuple[Stage, Stage]]:
-    """(teacher-free control, OPD stage) for every OPD stage that starts from the control's model and trains on its
+    """(control, OPD stage) for every OPD stage that starts from the control's model and trains on its
     data (as their config.yaml say): what the control takes away from that stage is its teacher."""
-    return [(c, s) for c in stages if c.method == "teacher_free" and c.trains_on for s in stages
+    return [(c, s) for c in stages if c.method == "control" and c.trains_on for s in stages
             if s.method in OPD_METHODS and (s.starts_from, s.trains_on) == (c.starts_from, c.trains_on)]
 
 
@@ -206,7 +206,6 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
                    for s, ref in pairs if s.method not in OPD_VS_GRPO]
     controls = [compare_control(c, opd, metric, target_fraction, window, x, length_window, pairing)
                 for c, opd, pairing in control_pairs(controlled(stages))]
-    teacher_free = [c for c in controls if not c["pairing"]["set_aside"]]
     experts = [s for s in stages if s.method == "expert" and s.domain]
     mts = [multi_teacher(s, experts, metric, window) for s in stages if s.method == "multi_teacher_opd"]
     splits = []
@@ -232,8 +231,8 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
                       "max_staleness": s.max_staleness, "wall_clock": s.wall_clock()} for s in stages}
     result = {"study_dir": str(study_dir), "seed": study.get("seed"), "stages": table, "comparisons": comparisons,
               "stage_comparisons": same_method, "multi_teacher": mts, "split_vs_joint": splits,
-              "teacher_free": teacher_free,
-              "teacher_free_set_aside": [c for c in controls if c["pairing"]["set_aside"]],
+              "controls": [c for c in controls if not c["pairing"]["set_aside"]],
+              "controls_set_aside": [c for c in controls if c["pairing"]["set_aside"]],
               "teacher_checks": {s.name: s.teacher_check for s in stages if s.teacher_check}}
     result["findings"] = findings(result)
     result["headline"] = headline(result)

@@ -59,9 +59,11 @@ class AssetsConfig:
 
 
 # What a stage is, for the report: its curves, targets and comparisons are chosen by these labels.
-# teacher_free: the teacher-free control of the OPD stages that start from its model and train on its data.
+# control: the control of the OPD stages that start from its model and train on its data (OPD's settings without the
+# teacher: train.algorithm=fixed_advantage, in either form), named for its role, as the other labels are; until this
+# release teacher_free, still read for one release with a deprecation line (config.RENAMED_VALUES).
 STAGE_LABELS = ("base", "teacher_sft", "grpo", "expert", "joint_grpo", "opd_external", "opd_external_grpo",
-                "opd_self", "multi_teacher_opd", "teacher_free", "other")
+                "opd_self", "multi_teacher_opd", "control", "other")
 
 
 EXTERNAL_TEACHER = ("opd_external", "opd_external_grpo")  # the stages whose teacher is checked before they train
@@ -76,7 +78,7 @@ class StageConfig:
     # For opd_self / opd_external*: the GRPO stage it is compared with (E1-E3); for any other method, a stage it is
     # compared with as another setting of one method (the report's "Stage vs stage"; e.g. K=1 vs K=0).
     compare_with: str = ""
-    # For expert: the domain it owns; for teacher_free: the domain it is compared with its OPD stages on (else the
+    # For expert: the domain it owns; for control: the domain it is compared with its OPD stages on (else the
     # mean of the domains).
     domain: str = ""
     # With seeds: one run for all of them, in the first seed's directory, which the other seeds' {out}/<name> links
