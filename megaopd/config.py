@@ -383,12 +383,13 @@ REMOVED_KEYS = {"sft.batch_size": "the rows of one SFT step are train.prompts_pe
 # line (logging.warning) naming it. Keys: (dataclass, old key) -> new key; values: (dataclass, key, old) -> new.
 RENAMED_KEYS: dict[tuple[str, str], str] = {
     ("RunConfig", "opsa"): "fixed_advantage",  # the section of the control below
+    ("StageConfig", "method"): "role",  # a study stage's label: what the stage is in the study, not a method
 }
 RENAMED_VALUES: dict[tuple[str, str, Any], Any] = {
     # the paper's fixed-advantage control, which is not its OPSA (that is fixed_advantage.scale=entropy)
     ("TrainConfig", "algorithm", "opsa"): "fixed_advantage",
     # a study stage's label (megaopd.run.study.STAGE_LABELS): the control of OPD, named for its role
-    ("StageConfig", "method", "teacher_free"): "control",
+    ("StageConfig", "role", "teacher_free"): "control",
 }
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ def stage(root, name: str, algorithm: str, flops: list, acc: list, lr: float, va
 def study(root, stages: list[tuple[str, str]]):
     root.mkdir(parents=True, exist_ok=True)
     (root / "study.yaml").write_text(yaml.safe_dump({"out": str(root), "seed": 0, "stages": [
-        {"name": n, "config": "x.yaml", "overrides": [], "method": m} for n, m in stages]}))
+        {"name": n, "config": "x.yaml", "overrides": [], "role": m} for n, m in stages]}))
     return root
 
 

@@ -94,7 +94,7 @@ def censoring(c: dict, t: dict, roles: tuple[str, ...]) -> str:
 
 def _pairs(r: dict, self_teacher: bool) -> list[dict]:
     """The E1-E3 comparisons with a target: the self-GRPO teacher's (E3) or the external teachers' (E1/E2)."""
-    return [c for c in r["comparisons"] if (c["method"] == "opd_self") == self_teacher and "teacher" in c["targets"]]
+    return [c for c in r["comparisons"] if (c["role"] == "opd_self") == self_teacher and "teacher" in c["targets"]]
 
 
 def teacher_note(c: dict) -> str:

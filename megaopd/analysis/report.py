@@ -56,7 +56,7 @@ def _plot_accuracy(seeds: list[tuple[dict, list[Stage]]], domain: str, metric: s
             color = colors.setdefault(s.name, f"C{len(colors) % 10}")
             f, a, err = zip(*pts)
             ax.errorbar(f, a, yerr=err, fmt=styles[k % 4], marker="o", ms=3, color=color, elinewidth=0.6, capsize=1.5,
-                        label=f"{s.name} ({s.method})" if k == 0 else None)
+                        label=f"{s.name} ({s.role})" if k == 0 else None)
     ax.set_xscale("log")
     ax.set_xlabel(f"cumulative training FLOPs (flops/total_{x}, log scale)")
     ax.set_ylabel(f"held-out accuracy ({metric}, fraction correct)")
@@ -119,7 +119,7 @@ def _plot_length(seeds: list[tuple[dict, list[Stage]]], path: Path) -> bool:
                 continue
             drawn = True
             color = colors.setdefault(s.name, f"C{len(colors) % 10}")
-            label = f"{s.name} ({s.method})" if k == 0 else None
+            label = f"{s.name} ({s.role})" if k == 0 else None
             by_step.plot(steps, lengths, color=color, lw=1, label=label)
             by_flops.plot(fx, lengths, color=color, lw=1, label=label)
     by_step.set_xlabel("training step")
@@ -376,7 +376,7 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
     for i, c in enumerate(r["comparisons"]):
         for name, t in c["targets"].items():
             label = "GRPO final" if name == "teacher" else f"base + {fraction} x GRPO gain (base {c['base']:.3f})"
-            md.append(f"| {c['opd']} ({c['method']}) | {c['grpo']} | {_f(c['teacher_cost_ratio'], '.2f')}x | {label} "
+            md.append(f"| {c['opd']} ({c['role']}) | {c['grpo']} | {_f(c['teacher_cost_ratio'], '.2f')}x | {label} "
                       + _target_cells(r, ("comparisons", i, "targets", name), t, ("grpo", "opd")))
     md += [f"\n{_matched(r, c, ('comparisons', i, 'matched'), ('grpo', 'opd'))}."
            for i, c in enumerate(r["comparisons"]) if "matched" in c]
@@ -410,12 +410,12 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
         md.append("- no joint_grpo stage (with a multi_teacher_opd stage) in this study")
     md += _control_markdown(r, fraction)
     md += ["", "#### FLOPs ledger, wall-clock and response length per stage", "",
-           "| stage | method | steps | stopped | final mean acc | stage | + teachers | + cold start | external | "
+           "| stage | role | steps | stopped | final mean acc | stage | + teachers | + cold start | external | "
            + " | ".join(COMPONENTS) + " | length first | length last | K | s / step | train s | rollout wait |",
            "|---" * (15 + len(COMPONENTS)) + "|"]
     for name, s in r["stages"].items():
         form = f" {s['form']}" if s.get("form") and s["form"] != s["algorithm"] else ""  # the OPD form, labelled
-        md.append(f"| {name} | {s['method']}{form} | {s['steps']} | {stop_text(s['stop'])} | "
+        md.append(f"| {name} | {s['role']}{form} | {s['steps']} | {stop_text(s['stop'])} | "
                   f"{_f(s['final_mean_acc'], '.3f')}"
                   f"{_ci(r, ('stages', name, 'final_mean_acc'), '.3f')} | "
                   + " | ".join(_f(s["totals"][k]) for k in TOTALS) + " | "

@@ -74,8 +74,11 @@ class StageConfig:
     name: str = ""
     config: str = ""  # the stage's run config (YAML); overrides below apply on top
     overrides: list[str] = field(default_factory=list)
-    method: str = "other"  # one of STAGE_LABELS
-    # For opd_self / opd_external*: the GRPO stage it is compared with (E1-E3); for any other method, a stage it is
+    # What the stage is in the study, one of STAGE_LABELS: the report picks its curves, targets and comparisons by
+    # it (the algorithm is the config's train.algorithm). The key was `method` until this release, still read for
+    # one release with a deprecation line (config.RENAMED_KEYS).
+    role: str = "other"
+    # For opd_self / opd_external*: the GRPO stage it is compared with (E1-E3); for any other role, a stage it is
     # compared with as another setting of one method (the report's "Stage vs stage"; e.g. K=1 vs K=0).
     compare_with: str = ""
     # For expert: the domain it owns; for control: the domain it is compared with its OPD stages on (else the
@@ -130,16 +133,16 @@ def stage_overrides(study: StudyConfig, stage: StageConfig) -> list[str]:
     """The overrides a stage's config runs with, here and on Slurm: the study's seed, an external teacher's check
     (``megaopd.teachers.check``), then the stage's own."""
     check = ["opd.check_teacher=true", f"opd.allow_weaker_teacher={str(stage.allow_weaker_teacher).lower()}"]
-    return ([f"train.seed={study.seed}"] + (check if stage.method in EXTERNAL_TEACHER else [])
+    return ([f"train.seed={study.seed}"] + (check if stage.role in EXTERNAL_TEACHER else [])
             + [study.substitute(o) for o in stage.overrides])
 
 
 def stage_config(study: StudyConfig, stage: StageConfig, launch_overrides: list[str] = ()) -> RunConfig:
     """The stage's run config as its job loads it: its config file, the study's overrides, then (on a cluster) the
     launch file's ``overrides`` for that stage."""
-    if stage.method not in STAGE_LABELS:
-        raise StudyError(f"stage {stage.name!r}: method must be one of {', '.join(STAGE_LABELS)}, got "
-                         f"{stage.method!r}; set one of them")
+    if stage.role not in STAGE_LABELS:
+        raise StudyError(f"stage {stage.name!r}: role must be one of {', '.join(STAGE_LABELS)}, got "
+                         f"{stage.role!r}; set one of them")
     cfg = load_config(stage.config, stage_overrides(study, stage) + list(launch_overrides)
                       + [f"run_dir={study.out}/{stage.name}"])
     method(cfg.train.algorithm)  # a name the algorithm table lacks is refused here, before any stage runs
