@@ -3,7 +3,8 @@
     cfg = load_config("configs/embedded/grpo.yaml", ["train.steps=50", "grpo.clip_high=0.28"])
 
 An unknown key anywhere (file or override) is an error naming the key and the closest valid one; so is a value of
-an enumerated setting (a ``Literal`` field) that is not one of its choices. Every run
+an enumerated setting (a ``Literal`` field) that is not one of its choices. A spelling renamed in the last release
+(``RENAMED_KEYS``, ``RENAMED_VALUES``) still reads, as the new one, with one deprecation line naming it. Every run
 directory gets the resolved config as ``config.yaml`` so that a run can be repeated exactly.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,8 +33,10 @@ ISLevel = Literal["none", "token", "sequence"]  # train.tis, train.is_mask: per 
 CountsAs = Literal["training", "cold_start", "external"]  # docs/flops.md, "Totals"
 DType = Literal["float32", "bfloat16", "float16"]
 FP8Recipe = Literal["none", "hybrid", "e4m3"]  # model.megatron.fp8; hybrid: E4M3 forward, E5M2 gradients
-OPSAScope = Literal["response", "batch"]  # opsa.scope: the tokens the lowest fraction is taken among
-OPSAScale = Literal["none", "entropy"]  # opsa.scale: one advantage for every selected token, or by its entropy
+# fixed_advantage.scope: the tokens the lowest fraction is taken among
+FixedAdvantageScope = Literal["response", "batch"]
+# fixed_advantage.scale: one advantage for every selected token (the paper's control), or by its entropy (its OPSA)
+FixedAdvantageScale = Literal["none", "entropy"]
 WeightSync = Literal["disk", "tensor", "distributed"]  # rollout.sglang.sync: megaopd.rollout.serving.weight_sync
 
 
@@ -195,21 +199,22 @@ class OPDConfig:
 
 
 @dataclass
-class OPSAConfig:
-    """train.algorithm=opsa, the teacher-free control (docs/opd.md): the student's own lowest-logprob tokens pushed
-    down by a fixed advantage, no teacher, no reward, no reference. Defaults: the paper's fixed-negative control."""
+class FixedAdvantageConfig:
+    """train.algorithm=fixed_advantage, OPD's control without the teacher (docs/opd.md): the student's own
+    lowest-logprob tokens pushed down by a fixed advantage, no teacher, no reward, no reference. Defaults: the paper's
+    fixed-negative control; scale=entropy: the paper's OPSA."""
 
     fraction: float = 0.2  # the lowest-logprob share of the tokens that get the advantage: max(1, floor(f * N))
     advantage: float = -0.5  # the fixed advantage of those tokens (the others: 0)
     # response: the lowest of each response's tokens (the paper's text); batch: of all the step's response tokens
     # pooled (the paper's code pools a data-parallel rank's batch; here the step's whole batch, any layout)
-    scope: OPSAScope = "response"
+    scope: FixedAdvantageScope = "response"
     clip: float = 0.2  # clip of the importance ratio in the policy-gradient surrogate
     # none: `advantage` on every selected token (the paper's fixed-negative control). entropy: the paper's OPSA,
     # linear in the selected tokens' min-max normalised entropy (the policy's before the step, at the run's
     # temperature; min and max over the selected tokens of the scope's pool): `advantage` at the lowest entropy,
     # `entropy_advantage` at the highest (all equal: `entropy_advantage`, as the paper's code)
-    scale: OPSAScale = "none"
+    scale: FixedAdvantageScale = "none"
     entropy_advantage: float = -1.0
 
 
@@ -254,7 +259,8 @@ class StopConfig:
 @dataclass
 class TrainConfig:
     # A row of the algorithm table, ``megaopd.objectives.methods.METHODS``, which checks the name where a run starts (sft, grpo,
-    # opd, grpo_opd: GRPO's advantage plus opd.coef times the OPD term; opsa: the teacher-free control)
+    # opd, grpo_opd: GRPO's advantage plus opd.coef times the OPD term; fixed_advantage: OPD's control without the
+    # teacher; opsa, its old name, reads as fixed_advantage for one release: RENAMED_VALUES)
     algorithm: str = "grpo"
     steps: int = 100
     prompts_per_step: int = 16
@@ -353,7 +359,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     opd: OPDConfig = field(default_factory=OPDConfig)
-    opsa: OPSAConfig = field(default_factory=OPSAConfig)
+    fixed_advantage: FixedAdvantageConfig = field(default_factory=FixedAdvantageConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -370,6 +376,73 @@ class ConfigError(UserError):
 
 # Keys that once parsed but did nothing: a config that sets one is refused with what to set instead.
 REMOVED_KEYS = {"sft.batch_size": "the rows of one SFT step are train.prompts_per_step"}
+
+
+# Spellings renamed, read for one release as the new ones: a config (its file, an override, a study's stage
+# overrides, a run directory's config.yaml) that uses one loads as if it had the new spelling, with one deprecation
+# line (logging.warning) naming it. Keys: (dataclass, old key) -> new key; values: (dataclass, key, old) -> new.
+RENAMED_KEYS: dict[tuple[str, str], str] = {
+    ("RunConfig", "opsa"): "fixed_advantage",  # the section of the control below
+    ("StageConfig", "method"): "role",  # a study stage's label: what the stage is in the study, not a method
+}
+RENAMED_VALUES: dict[tuple[str, str, Any], Any] = {
+    # the paper's fixed-advantage control, which is not its OPSA (that is fixed_advantage.scale=entropy)
+    ("TrainConfig", "algorithm", "opsa"): "fixed_advantage",
+    # a study stage's label (megaopd.run.study.STAGE_LABELS): the control of OPD, named for its role
+    ("StageConfig", "role", "teacher_free"): "control",
+}
+
+log = logging.getLogger(__name__)
+_pending: list[str] | None = None  # while load_config runs: its deprecation lines, logged once each at its end
+
+
+def _deprecated(line: str) -> None:
+    if _pending is None:
+        log.warning(line)
+    elif line not in _pending:
+        _pending.append(line)
+
+
+def renamed_value(cls: str, key: str, value: Any) -> Any:
+    """The current spelling of a value of ``cls``'s ``key`` (itself where it was not renamed); no deprecation line:
+    for what a finished run recorded (its summary.json), read back by the report."""
+    try:
+        return RENAMED_VALUES.get((cls, key, value), value)
+    except TypeError:  # an unhashable value (a list, a mapping) was never renamed
+        return value
+
+
+def _new_key(cls: type, key: str, where: str) -> str:
+    new = RENAMED_KEYS.get((cls.__name__, key))
+    if new is None:
+        return key
+    _deprecated(f"config key {where + key!r} is deprecated, renamed {where + new!r}: write {where + new!r} (the old "
+                "name is read for one release)")
+    return new
+
+
+def _new_value(cls: type, key: str, value: Any, where: str) -> Any:
+    new = renamed_value(cls.__name__, key, value)
+    if new != value:
+        _deprecated(f"{where + key}={value} is deprecated, renamed {where + key}={new}: write {where + key}={new} "
+                    "(the old name is read for one release)")
+    return new
+
+
+def _adopt_renamed(node: dict[str, Any], cls: type, where: str) -> dict[str, Any]:
+    """``node`` (a mapping read for ``cls``) with its renamed keys under their new names; where both spellings are
+    there (an old config.yaml, an override in the new one) the new one's settings win, key by key."""
+    for (owner, old), new in RENAMED_KEYS.items():
+        if owner != cls.__name__ or old not in node:
+            continue
+        value = node.pop(old)
+        _new_key(cls, old, where)
+        if isinstance(value, dict) and isinstance(node.get(new), dict):
+            value = {**value, **node[new]}
+        elif new in node:
+            value = node[new]
+        node[new] = value
+    return node
 
 
 def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
@@ -426,10 +499,10 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
-    for key, value in data.items():
+    for key, value in _adopt_renamed(dict(data), cls, where).items():
         if key not in hints:
             raise _unknown_key(key, names, where)
-        kwargs[key] = _coerce(value, hints[key], f"{where}{key}.")
+        kwargs[key] = _coerce(_new_value(cls, key, value, where), hints[key], f"{where}{key}.")
     return cls(**kwargs)
 
 
@@ -453,6 +526,8 @@ def apply_override(data: dict[str, Any], override: str, cls: type = RunConfig) -
         last = i == len(parts) - 1
         if dataclasses.is_dataclass(tp):
             hints = typing.get_type_hints(tp)
+            _adopt_renamed(node, tp, where)  # an old spelling already in the mapping moves under the new one
+            part = _new_key(tp, part, where)
             if part not in hints:
                 raise _unknown_key(part, list(hints), where)
             tp = hints[part]
@@ -468,6 +543,17 @@ def apply_override(data: dict[str, Any], override: str, cls: type = RunConfig) -
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), cls: type = RunConfig) -> Any:
+    global _pending
+    outer, _pending = _pending, []
+    try:
+        return _load(path, overrides, cls)
+    finally:
+        lines, _pending = _pending, outer
+        for line in lines:
+            _deprecated(line)
+
+
+def _load(path: str | Path | None, overrides: list[str], cls: type) -> Any:
     data: dict[str, Any] = {}
     if path:
         require_file(path, "config file", ConfigError)

@@ -27,11 +27,11 @@ from megatron.core import parallel_state as mpu  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from megaopd.data.batch import TokenBatch  # noqa: E402
-from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig, OptimConfig, OPSAConfig  # noqa: E402
+from megaopd.config import GRPOConfig, MegatronConfig, ModelConfig, OPDConfig, OptimConfig, FixedAdvantageConfig  # noqa: E402
 from megaopd.models.distributions import tail_logprob  # noqa: E402
 from megaopd.models.hf_policy import HFPolicy  # noqa: E402
 from megaopd.models.megatron.policy import MegatronPolicy, megatron_teachers  # noqa: E402
-from megaopd.objectives.losses import GRPO, OPD, OPSA  # noqa: E402
+from megaopd.objectives.losses import GRPO, OPD, FixedAdvantage  # noqa: E402
 from megaopd.teachers.router import TeacherRouter  # noqa: E402
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1), "tp1": (1, 1)}
@@ -120,7 +120,7 @@ def set_teacher_targets(batch, teacher, topk: int) -> None:
 
 
 def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
-    """GRPO, OPD (top-16 + tail for Qwen3, sampled-token for Llama), then the teacher-free control (OPSA) on both
+    """GRPO, OPD (top-16 + tail for Qwen3, sampled-token for Llama), then the fixed-advantage control on both
     backends from the same state."""
     results = {}
     teacher = AutoModelForCausalLM.from_pretrained(assets / "models" / "qwen3-tiny-seed1", dtype=torch.float32)
@@ -130,7 +130,7 @@ def check_steps(assets: Path, tp: int, pp: int, out_dir: Path, tag: str) -> dict
         hf = hf_reference(assets, name)
         steps = []
         objectives = {"grpo": GRPO(GRPOConfig(), group_size=3), form: OPD(OPDConfig(form=form, topk=TOPK)),
-                      "opsa": OPSA(OPSAConfig())}
+                      "fixed_advantage": FixedAdvantage(FixedAdvantageConfig())}
         for step, (label, objective) in enumerate(objectives.items()):
             batch = make_batch(259, seed=10 + step)
             old = hf.logprobs(batch, MBS)

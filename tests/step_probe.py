@@ -1,5 +1,5 @@
 """What one trainer step's numbers are, read where the trainer hands them on (tests/test_temperature.py and
-tests/test_opsa.py, on the HF backend in process and on Megatron under torchrun, tests/step_worker.py): the
+tests/test_fixed_advantage.py, on the HF backend in process and on Megatron under torchrun, tests/step_worker.py): the
 behaviour policy's logprobs (the engine's), the student's old ones, the teacher's and the loss's, as the largest gap
 of each from the old ones over the response tokens; and the entropy and advantages an objective prepared from."""
 

@@ -1,5 +1,5 @@
-"""Megatron side of tests/test_temperature.py and tests/test_opsa.py: one step of each saved config under torchrun
-(TP=2, CPU, gloo).
+"""Megatron side of tests/test_temperature.py and tests/test_fixed_advantage.py: one step of each saved config under
+torchrun (TP=2, CPU, gloo).
 
     torchrun --nproc-per-node 2 tests/step_worker.py DIR sampled topk
 

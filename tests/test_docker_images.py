@@ -168,7 +168,7 @@ def test_a_broken_dockerfile_fails(cpu_image, base, tmp_path, line):
 def test_cpu_image_runs_the_documented_commands(cpu_image, tmp_path):
     assert_starts(cpu_image)
     study = yaml.safe_load((ROOT / "configs/studies/self_teacher.yaml").read_text())
-    grpo = next(s for s in study["stages"] if s["method"] == "grpo")
+    grpo = next(s for s in study["stages"] if s["role"] == "grpo")
     grpo["overrides"] = ["model.path={out}/models/{student}", *grpo["overrides"][1:], "train.steps=3",
                          "train.prompts_per_step=4", "train.micro_batch_size=16", "rollout.max_new_tokens=12",
                          "rollout.samples_per_prompt=4", "eval.every=1", "eval.prompts_per_domain=6",

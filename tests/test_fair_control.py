@@ -28,7 +28,7 @@ def stage(root, name: str, algorithm: str, flops: list, acc: list, lr: float, va
 def study(root, stages: list[tuple[str, str]]):
     root.mkdir(parents=True, exist_ok=True)
     (root / "study.yaml").write_text(yaml.safe_dump({"out": str(root), "seed": 0, "stages": [
-        {"name": n, "config": "x.yaml", "overrides": [], "method": m} for n, m in stages]}))
+        {"name": n, "config": "x.yaml", "overrides": [], "role": m} for n, m in stages]}))
     return root
 
 
@@ -40,10 +40,10 @@ def sweep_study(root):
     stage(root, "opd_hi", "opd", [0, 10, 20, 30], [0.2, 0.4, OPD_FINAL, OPD_FINAL], 1e-4, 0.55)
     stage(root, "opd_lo", "opd", [0, 10, 20, 30], [0.2, 0.3, 0.4, 0.5], 3e-5, 0.45)
     stage(root, "opd_full", "opd", [0, 10, 20], [0.2, 0.5, 0.7], 1e-4, 0.65, form="full_vocab")
-    stage(root, "control_hi", "opsa", [0, 100, 200, 300], [0.2, 0.3, 0.5, 0.7], 1e-4, 0.30)
-    stage(root, "control_lo", "opsa", [0, 100, 200, 300], [0.2, 0.25, 0.35, 0.45], 3e-5, 0.40)
+    stage(root, "control_hi", "fixed_advantage", [0, 100, 200, 300], [0.2, 0.3, 0.5, 0.7], 1e-4, 0.30)
+    stage(root, "control_lo", "fixed_advantage", [0, 100, 200, 300], [0.2, 0.25, 0.35, 0.45], 3e-5, 0.40)
     return study(root, [("opd_hi", "opd_external"), ("opd_lo", "opd_external"), ("opd_full", "opd_external"),
-                        ("control_hi", "teacher_free"), ("control_lo", "teacher_free")])
+                        ("control_hi", "control"), ("control_lo", "control")])
 
 
 def by_id(report, fid: str) -> dict:
@@ -53,7 +53,7 @@ def by_id(report, fid: str) -> dict:
 def test_a_sweep_of_both_arms_is_judged_at_each_arms_best_on_validation_and_shown_at_each_rate(tmp_path):
     report = write_report(sweep_study(tmp_path / "study"), window=1, replicates=0)
     seed = report["seeds"][0]
-    [best] = seed["teacher_free"]
+    [best] = seed["controls"]
     assert (best["opd"], best["control"]) == ("opd_hi", "control_lo")
     assert best["pairing"]["basis"] == "each arm's best on validation"
     assert best["pairing"]["setting"] == "control lr 3e-05, OPD lr 0.0001"  # betas equal: not swept
@@ -64,15 +64,15 @@ def test_a_sweep_of_both_arms_is_judged_at_each_arms_best_on_validation_and_show
     assert by_id(report, "g1")["verdict"] == by_id(report, "g2")["verdict"] == "reproduced"
     assert all(list(by_id(report, g)["checks"]) == ["opd_hi vs control_lo"] for g in ("g1", "g2"))
     # Each shared rate and the other estimator: shown with their numbers, not in the verdict.
-    aside = {(c["opd"], c["control"]): c["pairing"]["set_aside"] for c in seed["teacher_free_set_aside"]}
+    aside = {(c["opd"], c["control"]): c["pairing"]["set_aside"] for c in seed["controls_set_aside"]}
     assert aside == {
         ("opd_hi", "control_hi"): "one rate of the sweep (lr 0.0001): the verdict reads each arm's best",
         ("opd_lo", "control_lo"): "one rate of the sweep (lr 3e-05): the verdict reads each arm's best",
         ("opd_full", "control_hi"): "other estimator (full_vocab): the control's partner is the sampled-token OPD",
         ("opd_full", "control_lo"): "other estimator (full_vocab): the control's partner is the sampled-token OPD"}
-    at_hi = next(c for c in seed["teacher_free_set_aside"] if c["control"] == "control_hi")
+    at_hi = next(c for c in seed["controls_set_aside"] if c["control"] == "control_hi")
     assert at_hi["targets"]["teacher"]["ratio"] == pytest.approx(250 / 20)
-    assert "teacher_free.png" in report["plots"]  # a panel per control, its shared rate's OPD and the best
+    assert "controls.png" in report["plots"]  # a panel per control, its shared rate's OPD and the best
     md = (tmp_path / "study" / "report" / "report.md").read_text()
     assert ("- opd_hi vs control_lo: each arm's best on validation (control lr 3e-05, OPD lr 0.0001); sampled-token "
             "OPD, the control's estimator: the pair differs in the teacher\n"
@@ -91,12 +91,12 @@ def test_an_unfair_pair_is_marked_and_not_counted(tmp_path):
     root = tmp_path / "study"
     root.mkdir()
     stage(root, "opd", "opd", [0, 10, 20], [0.2, 0.4, OPD_FINAL], 1e-4, 0.55)
-    stage(root, "control", "opsa", [0, 100, 200], [0.2, 0.25, 0.3], 3e-5, 0.3)
-    report = write_report(study(root, [("opd", "opd_external"), ("control", "teacher_free")]), window=1,
+    stage(root, "control", "fixed_advantage", [0, 100, 200], [0.2, 0.25, 0.3], 3e-5, 0.3)
+    report = write_report(study(root, [("opd", "opd_external"), ("control", "control")]), window=1,
                           replicates=0)
     seed = report["seeds"][0]
-    assert seed["teacher_free"] == []
-    [pair] = seed["teacher_free_set_aside"]
+    assert seed["controls"] == []
+    [pair] = seed["controls_set_aside"]
     assert pair["pairing"]["set_aside"] == "unfair: lr 3e-05 vs 0.0001"
     assert by_id(report, "g1")["verdict"] == by_id(report, "g2")["verdict"] == "not measured in this study"
     md = (root / "report" / "report.md").read_text()

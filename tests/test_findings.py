@@ -25,7 +25,7 @@ def pair(method: str, grpo_flops: float, opd_flops: float | None, opd_length=(10
     targets = {"teacher": target(0.5, grpo_flops, opd_flops)}
     if fraction is not None:
         targets["fraction"] = target(0.45, *fraction)
-    return {"opd": method, "grpo": "grpo", "method": method, "targets": targets,
+    return {"opd": method, "grpo": "grpo", "role": method, "targets": targets,
             "stopped": {"opd": "plateau (teacher_gap) at 70", "grpo": "plateau (arith_add) at 90"},
             "length": {"opd": {**dict(zip(("first", "last"), opd_length)), "truncated": 0.0},
                        "grpo": {**dict(zip(("first", "last"), grpo_length)), "truncated": 0.0},
@@ -67,7 +67,7 @@ def control(opd_flops: float, control_flops: float | None, control_spent: float 
 
 def seed(comparisons=(), mts=(), splits=(), controls=()) -> dict:
     return {"comparisons": list(comparisons), "multi_teacher": list(mts), "split_vs_joint": list(splits),
-            "teacher_free": list(controls)}
+            "controls": list(controls)}
 
 
 def judged(finding_id: str, r: dict, interval: list[float] | None = None) -> dict:

@@ -89,10 +89,8 @@ TOP_LEVEL = {"cli.py", "config.py", "errors.py", "data", "models", "rollout", "t
 MAX_TOP_LEVEL = 13  # besides __init__.py
 
 # Imports that still run back up between stages: all inside a function (none at module level), each named here so a
-# new one fails and a removed one must be struck off (issue 54 item 3 removes the first two).
+# new one fails and a removed one must be struck off (issue 54 item 3 removes the first).
 BACK_EDGES = {
-    # the applicability rule of train.shared_prompt reads the method's row (moves into resolve_run)
-    ("megaopd.models.shared_prompt", "megaopd.objectives.methods"),
     # the KL metric reuses the loss's k3 estimator (imported late so the report reads metrics without torch)
     ("megaopd.accounting.metrics", "megaopd.objectives.losses"),
     # torchrun's entry point for a Megatron trainer rank starts the run's trainer

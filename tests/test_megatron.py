@@ -3,7 +3,7 @@
 One torchrun launch (tests/megatron_worker.py) runs the layouts TP=2, PP=2 (micro-batches) and DP=2 (TP=1, the
 distributed optimizer) in turn and writes what it measured; the tests below read those numbers. Checks per layout:
 logits of both families, tied and untied, against HF; one GRPO, one OPD (top-16 + tail for Qwen3, sampled-token
-for Llama) and one OPSA step (the teacher-free control) against HFPolicy from the same state; shared-prompt passes
+for Llama) and one step of the fixed-advantage control against HFPolicy from the same state; shared-prompt passes
 against unshared ones; export after the steps reloaded by transformers; a distributed checkpoint written at the
 previous layout resumed here. DP=2 also hosts a TP=2 teacher beside the TP=1 student; TP=2 a negative control (a
 gate/up swap must show).
@@ -78,11 +78,11 @@ def test_a_mapping_bug_is_detected(results):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_grpo_opd_and_opsa_steps_match_the_hf_backend(results, layout):
+def test_grpo_opd_and_fixed_advantage_steps_match_the_hf_backend(results, layout):
     for model in ("qwen3-tiny", "llama-tiny"):
         train = results[layout]["train"][model]
         opd = "topk" if model == "qwen3-tiny" else "sampled"
-        assert [s["form"] for s in train["steps"]] == ["grpo", opd, "opsa"]
+        assert [s["form"] for s in train["steps"]] == ["grpo", opd, "fixed_advantage"]
         for step in train["steps"]:
             assert step["grad_norm_hf"] > 1e-2, "a step with no gradient would prove nothing"
             assert step["loss"] < TOL and step["grad_norm"] < TOL, f"{layout} {model} {step}"

@@ -12,7 +12,8 @@ from megaopd.run.plan import build_plan
 from tests.conftest import run_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"sft": "sft.yaml", "grpo": "grpo.yaml", "opd": "opd.yaml", "grpo_opd": "opd.yaml", "opsa": "opd.yaml"}
+CONFIGS = {"sft": "sft.yaml", "grpo": "grpo.yaml", "opd": "opd.yaml", "grpo_opd": "opd.yaml",
+           "fixed_advantage": "opd.yaml"}
 
 
 def method_overrides(assets, name: str) -> dict:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megaopd.data.batch import Sample, collate
-from megaopd.config import GRPOConfig, ModelConfig, OPDConfig, OptimConfig, OPSAConfig
-from megaopd.objectives.losses import (GRPO, OPD, OPSA, clipped_pg_loss, full_vocab_kl, group_advantages, k3_kl,
+from megaopd.config import GRPOConfig, ModelConfig, OPDConfig, OptimConfig, FixedAdvantageConfig
+from megaopd.objectives.losses import (GRPO, OPD, FixedAdvantage, clipped_pg_loss, full_vocab_kl, group_advantages, k3_kl,
                                 truncated_is_weights)
 
 
@@ -108,7 +108,7 @@ class OneTeacher:
         return self.teacher.full_rows(mb)
 
 
-@pytest.mark.parametrize("objective_name", ["grpo", "opd_sampled", "opd_full", "opsa"])
+@pytest.mark.parametrize("objective_name", ["grpo", "opd_sampled", "opd_full", "fixed_advantage"])
 def test_gradient_accumulation_matches_one_big_batch(assets, objective_name):
     """Token-mean over the whole minibatch: micro-batches of 2 give the same update as one batch of 8."""
     from megaopd.models.hf_policy import HFPolicy
@@ -122,8 +122,8 @@ def test_gradient_accumulation_matches_one_big_batch(assets, objective_name):
         batch.old_logprobs = policy.logprobs(batch) + 0.05 * batch.response_mask  # ratio != 1: clipping active
         if objective_name == "grpo":
             objective = GRPO(GRPOConfig(), group_size=4)
-        elif objective_name == "opsa":
-            objective = OPSA(OPSAConfig(scope="batch"))  # the pool spans micro-batches
+        elif objective_name == "fixed_advantage":
+            objective = FixedAdvantage(FixedAdvantageConfig(scope="batch"))  # the pool spans micro-batches
         else:
             teacher = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny-seed1")))
             objective = OPD(OPDConfig(form="full_vocab" if objective_name == "opd_full" else "sampled"),

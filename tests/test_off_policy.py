@@ -105,7 +105,7 @@ def test_settings_that_compare_like_with_like_pass():
     ("grpo", ["rollout.max_staleness=1"], "token"),  # rollouts a version old: corrected unless told otherwise
     ("grpo_opd", ["rollout.max_staleness=2", "opd.form=topk", "opd.topk=4"], "token"),  # its GRPO term
     ("opd", ["rollout.max_staleness=1", "opd.form=sampled"], "token"),
-    ("opsa", ["rollout.max_staleness=1"], "token"),  # its fixed advantage weights sampled tokens too
+    ("fixed_advantage", ["rollout.max_staleness=1"], "token"),  # its fixed advantage weights sampled tokens too
     ("grpo", [], "none"),  # K=0: the synchronous loop as it was
     ("opd", ["rollout.max_staleness=1"], "none"),  # full_vocab: no sampled-token term to weight, nothing refused
     ("sft", ["rollout.max_staleness=1"], "none"),

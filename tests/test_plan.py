@@ -110,11 +110,12 @@ def test_shared_prompt_activations_match_autograds_saved_tensors(preset, dtype, 
     GPU's, run here on CPU)."""
     from transformers import AutoModelForCausalLM
 
-    from megaopd.models import shared_prompt
-    from megaopd.models.shared_prompt import PromptGroups, hf_attention
+    from megaopd.models import hf_shared_prompt
+    from megaopd.models.hf_shared_prompt import hf_attention
+    from megaopd.models.shared_prompt import PromptGroups
 
     if per_group:
-        monkeypatch.setattr(shared_prompt, "PER_GROUP_DEVICES", ("cpu",))
+        monkeypatch.setattr(hf_shared_prompt, "PER_GROUP_DEVICES", ("cpu",))
 
     tok = build_tokenizer()
     config = build_model_config(preset, len(tok), tok.eos_token_id, tok.pad_token_id)

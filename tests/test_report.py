@@ -135,13 +135,42 @@ def make_study(root, opd_self_scale=1.0, ext_that_wins=False, control=False):
                     lengths=[10, 10])
         stages.append(("opd_ext2", "opd_external_grpo", "grpo", ""))
     if control:
-        write_stage(root, "control", "opsa", mean_curve([0, 100, 200, 300], [0.2, 0.25, 0.35, 0.45]), {"mean": 0.45},
+        write_stage(root, "control", "fixed_advantage", mean_curve([0, 100, 200, 300], [0.2, 0.25, 0.35, 0.45]), {"mean": 0.45},
                     lengths=[10, 10, 10], config=on_data("add.jsonl"))
-        stages.append(("control", "teacher_free", "", ""))
-    study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
+        stages.append(("control", "control", "", ""))
+    study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "role": m,
                                                       "compare_with": c, "domain": d} for n, m, c, d in stages]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
     return root
+
+
+def test_a_control_recorded_under_its_old_name_reads_under_the_new_one(tmp_path):
+    """A study directory written before the renames (its study.yaml's stages labelled under the key method, the
+    control teacher_free;
+    train.algorithm=opsa and an opsa: section in the run's config.yaml, opsa in its summary.json) still loads, as
+    the new spelling, and reports: fixed_advantage and control in the stage table, still the control of the OPD
+    stages of its base and data."""
+    from megaopd.config import load_config
+
+    root = make_study(tmp_path / "study", control=True)
+    study = (root / "study.yaml").read_text()
+    assert "role: control\n" in study and "role: grpo\n" in study
+    (root / "study.yaml").write_text(study.replace("role: control\n", "method: teacher_free\n")
+                                     .replace("role: grpo\n", "method: grpo\n"))
+    run = root / "control"
+    (run / "config.yaml").write_text(yaml.safe_dump({**on_data("add.jsonl"), "train": {"algorithm": "opsa"},
+                                                     "opsa": {"fraction": 0.3, "scale": "none"}}))
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps(summary | {"algorithm": "opsa", "form": "opsa"}))
+    cfg = load_config(run / "config.yaml")
+    assert cfg.train.algorithm == "fixed_advantage" and cfg.fixed_advantage.fraction == 0.3
+    report = write_report(root, target_fraction=0.5, window=1, length_window=1)
+    seed = report["seeds"][0]
+    assert seed["stages"]["control"]["algorithm"] == "fixed_advantage"
+    assert seed["stages"]["control"]["role"] == "control"
+    assert [(c["opd"], c["control"]) for c in seed["controls"]] == [("opd_self", "control"),
+                                                                         ("opd_ext", "control")]
+    assert "opsa" not in (root / "report" / "report.md").read_text()
 
 
 def verdicts(report):
@@ -185,13 +214,13 @@ def test_synthetic_study_numbers_and_findings(tmp_path):
     assert "![accuracy_mean.png](accuracy_mean.png)" in md
 
 
-def test_each_opd_stage_against_the_teacher_free_control_of_its_base_and_data(tmp_path):
+def test_each_opd_stage_against_the_control_of_its_base_and_data(tmp_path):
     """(g1)/(g2), window 1: opd_self reaches its final 0.6 at 20 FLOPs, the control never (best 0.45 at 300 FLOPs):
     the control/OPD ratio is more than 300/20 = 15, a bound that settles (g2); opd_ext reaches its 0.4 at 400, the
     control at 250 (0.625): one pair fails, so the finding. multi trains on other data: no pair."""
     report = write_report(make_study(tmp_path / "study", control=True), target_fraction=0.5, window=1,
                           length_window=1)
-    pairs = {(c["opd"], c["control"]): c for c in report["seeds"][0]["teacher_free"]}
+    pairs = {(c["opd"], c["control"]): c for c in report["seeds"][0]["controls"]}
     assert list(pairs) == [("opd_self", "control"), ("opd_ext", "control")]
     own = pairs["opd_self", "control"]["targets"]
     assert own["teacher"]["target"] == pytest.approx(0.6) and own["teacher"]["opd_flops"] == pytest.approx(20.0)
@@ -212,7 +241,7 @@ def test_each_opd_stage_against_the_teacher_free_control_of_its_base_and_data(tm
     assert {label: c["verdict"] for label, c in g1["checks"].items()} == {
         "opd_self vs control": "reproduced", "opd_ext vs control": "not reproduced"}
     out = tmp_path / "study" / "report"
-    assert "teacher_free.png" in report["plots"] and (out / "teacher_free.png").stat().st_size > 10_000
+    assert "controls.png" in report["plots"] and (out / "controls.png").stat().st_size > 10_000
     md = (out / "report.md").read_text()
     assert "| opd_self | control | mean | OPD final | 0.600 | 2.000e+01 | not reached (best smoothed 0.450) | > 15 |" \
         in md
@@ -250,15 +279,15 @@ def test_one_of_two_pairs_failing_means_not_reproduced(tmp_path):
     assert e2["targets"]["teacher"]["ratio"] == pytest.approx(6.0)
 
 
-def test_stages_without_method_are_not_measured(tmp_path):
+def test_stages_without_a_role_are_not_measured(tmp_path):
     study = make_study(tmp_path / "study")
     doc = yaml.safe_load((study / "study.yaml").read_text())
     for s in doc["stages"]:
-        del s["method"]
+        del s["role"]
     (study / "study.yaml").write_text(yaml.safe_dump(doc))
     report = write_report(study)
     assert set(verdicts(report).values()) == {"not measured in this study"}
-    assert report["seeds"][0]["stages"]["grpo"]["method"] == "other"
+    assert report["seeds"][0]["stages"]["grpo"]["role"] == "other"
 
 
 def test_targets_come_from_the_smoothed_curves_not_the_final_eval(tmp_path):
@@ -313,7 +342,7 @@ def make_e6_study(root, trace_student: list[int]):
     write_records(root / "multi", {"final": students})
     stages = [("expert_add", "expert", "arith_add"), ("expert_trace", "expert", "prog_trace"),
               ("multi", "multi_teacher_opd", "")]
-    study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
+    study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "role": m,
                                                       "domain": d} for n, m, d in stages]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
     return root
@@ -361,8 +390,8 @@ def make_e3_curves(root, opd_acc: list[int]):
         write_records(root / name, {**{10 * i: {"arith_add": correct(a)} for i, a in enumerate(acc)},
                                     "final": {"arith_add": correct(acc[-1])}})
     study = {"out": str(root), "seed": 0, "stages": [
-        {"name": "grpo", "config": "x.yaml", "method": "grpo"},
-        {"name": "opd_self", "config": "x.yaml", "method": "opd_self", "compare_with": "grpo"}]}
+        {"name": "grpo", "config": "x.yaml", "role": "grpo"},
+        {"name": "opd_self", "config": "x.yaml", "role": "opd_self", "compare_with": "grpo"}]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
 
 
@@ -402,8 +431,8 @@ def make_length_point(root, length: float, opd_flops_to_target: float):
     final = json.loads(lines[-1]) | {"final/arith_add/response_length": length}
     (root / "grpo" / "metrics.jsonl").write_text("\n".join(lines[:-1] + [json.dumps(final)]) + "\n")
     study = {"out": str(root), "seed": 0, "stages": [
-        {"name": "grpo", "config": "x.yaml", "method": "grpo"},
-        {"name": "opd_self", "config": "x.yaml", "method": "opd_self", "compare_with": "grpo"}]}
+        {"name": "grpo", "config": "x.yaml", "role": "grpo"},
+        {"name": "opd_self", "config": "x.yaml", "role": "opd_self", "compare_with": "grpo"}]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
     return root
 
@@ -518,7 +547,7 @@ def budget_study(root):
                                        ((0, 0.3), (10, 0.5), (20, 0.7), (30, 0.8))], {"arith_add": 0.8, "mean": 0.8})
     write_stage(root, "joint", "grpo", mean_curve([0, 2000, 4000, 6000], [0.3, 0.4, 0.5, 0.6]), {"mean": 0.6})
     stages = [("expert_add", "expert", "arith_add"), ("multi", "multi_teacher_opd", ""), ("joint", "joint_grpo", "")]
-    study = {"out": str(root), "stages": [{"name": n, "config": "x.yaml", "method": m, "domain": d}
+    study = {"out": str(root), "stages": [{"name": n, "config": "x.yaml", "role": m, "domain": d}
                                           for n, m, d in stages]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
     return root
@@ -569,8 +598,8 @@ def make_k_study(root, k1: list[list[int]]):
                                     "final": {"arith_add": vectors[-1]}})
         (root / name / "config.yaml").write_text(yaml.safe_dump({"rollout": {"max_staleness": k}}))
     study = {"out": str(root), "seed": 0, "stages": [
-        {"name": "expert_k0", "config": "x.yaml", "method": "expert", "domain": "arith_add"},
-        {"name": "expert_k1", "config": "x.yaml", "method": "expert", "domain": "arith_add",
+        {"name": "expert_k0", "config": "x.yaml", "role": "expert", "domain": "arith_add"},
+        {"name": "expert_k1", "config": "x.yaml", "role": "expert", "domain": "arith_add",
          "compare_with": "expert_k0"}]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
     return root
@@ -625,10 +654,10 @@ def test_a_report_from_runs_whose_every_optional_number_is_missing(tmp_path):
     write_stage(root, "grpo", "grpo", mean_curve([0, 100, 200], [0.3, 0.2, 0.25]), {"mean": 0.25})
     write_stage(root, "opd_ext", "opd", mean_curve([0, 50], [0.1, 0.15]), {"mean": 0.15}, config=on_data("a.jsonl"))
     write_stage(root, "expert_add", "grpo", mean_curve([0, 100], [0.3, 0.35]), {"mean": 0.35})
-    write_stage(root, "control", "opsa", mean_curve([0, 10], [0.1, 0.1]), {"mean": 0.1}, config=on_data("a.jsonl"))
+    write_stage(root, "control", "fixed_advantage", mean_curve([0, 10], [0.1, 0.1]), {"mean": 0.1}, config=on_data("a.jsonl"))
     stages = [("grpo", "grpo", "", ""), ("opd_ext", "opd_external", "grpo", ""),
-              ("expert_add", "expert", "", "arith_add"), ("control", "teacher_free", "", "")]
-    study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "method": m,
+              ("expert_add", "expert", "", "arith_add"), ("control", "control", "", "")]
+    study = {"out": str(root), "seed": 0, "stages": [{"name": n, "config": "x.yaml", "overrides": [], "role": m,
                                                       "compare_with": c, "domain": d} for n, m, c, d in stages]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
     report = write_report(root)

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GRPO, OPD = "configs/embedded/grpo.yaml", "configs/embedded/opd.yaml"
 TEACHER = "opd.teachers.*=teacher"
 MEGATRON_OPD = [TEACHER, "opd.form=sampled", "model.backend=megatron"]
+CONTROL = "train.algorithm=fixed_advantage"
 
 # Every refusal of resolve_run that reads the config only: (the run config, the overrides, a piece of its line).
 REFUSALS = {
@@ -45,11 +46,13 @@ REFUSALS = {
     "megatron_teacher_dtype": (OPD, [*MEGATRON_OPD, "opd.teacher_dtype=bfloat16"],
                                "opd.teacher_dtype=bfloat16 applies to HF and SGLang teachers"),
     "megatron_full_vocab": (OPD, [TEACHER, "model.backend=megatron"], "computes the top-k OPD form, not full_vocab"),
-    "opsa_fraction": (GRPO, ["train.algorithm=opsa", "opsa.fraction=0"], "opsa.fraction must be in (0, 1]"),
-    "opsa_advantage": (GRPO, ["train.algorithm=opsa", "opsa.advantage=0"], "opsa.advantage=0 trains nothing"),
-    "opsa_clip": (GRPO, ["train.algorithm=opsa", "opsa.clip=0"], "opsa.clip must be > 0"),
-    "opsa_entropy": (GRPO, ["train.algorithm=opsa", "opsa.scale=entropy", "train.recompute_old_logprobs=false"],
-                     "opsa.scale=entropy reads each position's entropy"),
+    "fixed_advantage_fraction": (GRPO, [CONTROL, "fixed_advantage.fraction=0"],
+                                 "fixed_advantage.fraction must be in (0, 1]"),
+    "fixed_advantage_advantage": (GRPO, [CONTROL, "fixed_advantage.advantage=0"],
+                                  "fixed_advantage.advantage=0 trains nothing"),
+    "fixed_advantage_clip": (GRPO, [CONTROL, "fixed_advantage.clip=0"], "fixed_advantage.clip must be > 0"),
+    "fixed_advantage_entropy": (GRPO, [CONTROL, "fixed_advantage.scale=entropy", "train.recompute_old_logprobs=false"],
+                                "fixed_advantage.scale=entropy reads each position's entropy"),
     "cover_without_plateau": (GRPO, ["train.stop.cover=[{run: partner}]"],
                               "train.stop.cover holds back the plateau rule"),
     "teacher_gap_without_teachers": (GRPO, ["train.stop.rule=plateau", "train.stop.metric=teacher_gap"],
@@ -117,8 +120,8 @@ def test_config_yaml_holds_the_resolved_run(assets, tmp_path):
         trainer.close()
 
 # What resolve_run derives and refuses: called in the package from megaopd/run/resolve.py only.
-CHECKS = ("resolve_tis", "shared_prompt.resolve", "check_is_correction", "check_temperature", "alignment_tokenizers",
-          "check_opd", "check_opsa", "check_stop", "check_chunk_rows", "StopRule", "check_run", "chunk_rows")
+CHECKS = ("resolve_tis", "resolve_shared_prompt", "check_is_correction", "check_temperature", "alignment_tokenizers",
+          "check_opd", "check_fixed_advantage", "check_stop", "check_chunk_rows", "StopRule", "check_run", "chunk_rows")
 
 
 def test_resolve_run_is_the_only_caller_of_the_refusals():

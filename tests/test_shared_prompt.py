@@ -22,7 +22,7 @@ from megaopd.data.rows import load_rows
 from megaopd.objectives.losses import OPD, clipped_pg_loss
 from megaopd.models.hf_policy import HFPolicy, _group_cuts
 from megaopd.rollout.local import LocalEngine
-from megaopd.models import shared_prompt
+from megaopd.models import hf_shared_prompt, shared_prompt
 from megaopd.models.shared_prompt import PromptGroups
 from megaopd.teachers.router import TeacherRouter, local_teachers
 
@@ -51,9 +51,9 @@ def rollout(assets):
 @pytest.fixture(params=["one masked call", "per group"])
 def sdpa_form(request, monkeypatch):
     """SDPA's two forms for the responses' attention: one masked call (the CPU's) and one maskless call per group (a
-    GPU's, ``shared_prompt.PER_GROUP_DEVICES``), both run here on CPU."""
+    GPU's, ``hf_shared_prompt.PER_GROUP_DEVICES``), both run here on CPU."""
     if request.param == "per group":
-        monkeypatch.setattr(shared_prompt, "PER_GROUP_DEVICES", ("cpu",))
+        monkeypatch.setattr(hf_shared_prompt, "PER_GROUP_DEVICES", ("cpu",))
     return request.param
 
 
@@ -203,11 +203,15 @@ def test_the_switch_is_off_with_its_reason_where_it_cannot_apply(assets, tmp_pat
 
     from conftest import run_config
     from megaopd.errors import ModelError
-    from megaopd.models.shared_prompt import resolve
+    from megaopd.objectives.methods import method
+    from megaopd.run.resolve import resolve_shared_prompt
+
+    def resolve(cfg):
+        return resolve_shared_prompt(cfg, method(cfg.train.algorithm))
 
     on = {"train.shared_prompt": True}
     assert resolve(run_config(assets, tmp_path / "grpo", **on)).train.shared_prompt
-    with caplog.at_level(logging.INFO, logger="megaopd.models.shared_prompt"):
+    with caplog.at_level(logging.INFO, logger="megaopd.run.resolve"):
         single = resolve(run_config(assets, tmp_path / "opd", "opd", **on, **{
             "rollout.samples_per_prompt": 1, "opd.teachers.*": assets / "models" / "qwen3-tiny-seed1"}))
     assert not single.train.shared_prompt
@@ -229,7 +233,7 @@ def test_logprobs_equal_the_unshared_pass_under_a_dispatch_mode(assets, rollout,
     the boolean mask that stands in gives the same logprobs."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    monkeypatch.setattr(shared_prompt, "PER_GROUP_DEVICES", ("cpu",))
+    monkeypatch.setattr(hf_shared_prompt, "PER_GROUP_DEVICES", ("cpu",))
     _, batch = rollout
     plain, shared = policies(assets, "qwen3-tiny")
     expected = plain.logprobs(batch, 64)

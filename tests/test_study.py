@@ -33,7 +33,7 @@ def _write_study(tmp_path: Path, out: Path, workers: int = 1, seeds: tuple[int, 
     study["assets"].update(train_rows=120, heldout_rows=24, validation_rows=24)
     for stage in study["stages"]:
         stage["config"] = str(ROOT / stage["config"])
-        stage["overrides"] += SMALL + (["rollout.samples_per_prompt=4"] if stage["method"] == "grpo" else [])
+        stage["overrides"] += SMALL + (["rollout.samples_per_prompt=4"] if stage["role"] == "grpo" else [])
         # A reduced teacher is no stronger than its student: the check runs (and is reported) without refusing.
         stage["allow_weaker_teacher"] = True
     path = tmp_path / f"{out.name}.yaml"

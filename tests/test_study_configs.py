@@ -38,7 +38,7 @@ def test_study_resolves(path, monkeypatch):
     names = [s.name for s in study.stages]
     assert len(names) == len(set(names))
     for stage in study.stages:
-        assert stage.method in STAGE_LABELS
+        assert stage.role in STAGE_LABELS
         if stage.compare_with:
             assert stage.compare_with in names, f"{stage.name} compares with unknown {stage.compare_with}"
         cfg = stage_config(study, stage)
@@ -49,10 +49,10 @@ def test_study_resolves(path, monkeypatch):
         for cover in cfg.train.stop.cover:  # a partner stage of the study, which runs first
             assert cfg.train.stop.rule == "plateau"
             assert Path(cover.run).name in dependencies(study)[stage.name], f"{stage.name} covers {cover.run}"
-        if stage.method in ("opd_self", "opd_external", "opd_external_grpo", "multi_teacher_opd"):
+        if stage.role in ("opd_self", "opd_external", "opd_external_grpo", "multi_teacher_opd"):
             assert cfg.train.algorithm == "opd" and cfg.opd.teachers
-        if stage.method == "multi_teacher_opd":
-            experts = {s.domain for s in study.stages if s.method == "expert"}
+        if stage.role == "multi_teacher_opd":
+            experts = {s.domain for s in study.stages if s.role == "expert"}
             assert set(cfg.opd.teachers) == experts
     assert sorted(submission_order(study)) == sorted(names)
 
@@ -77,16 +77,16 @@ def test_compared_stages_cover_their_partners_which_run_first():
 
 @pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.stem)
 def test_every_control_shares_the_optimizer_settings_of_an_opd_stage_of_its_base_and_data(path, monkeypatch):
-    """(g) compares a teacher-free control with the OPD stages of its base and data (docs/opd.md, "The fair
+    """(g) compares a control with the OPD stages of its base and data (docs/opd.md, "The fair
     control"): it runs at the optimizer settings of one of them, else the report leaves it out; in a sweep
     (fair_control) each control covers every OPD stage of the grid, whichever rate wins."""
     monkeypatch.chdir(ROOT)
     study = load_config(path, ["out=/o", "seeds=[]"], cls=StudyConfig)
     cfgs = {stage.name: (stage, stage_config(study, stage)) for stage in study.stages}
     for stage, cfg in cfgs.values():
-        if stage.method != "teacher_free":
+        if stage.role != "control":
             continue
-        opds = [(s.name, c) for s, c in cfgs.values() if s.method.startswith(("opd", "multi_teacher")) and
+        opds = [(s.name, c) for s, c in cfgs.values() if s.role.startswith(("opd", "multi_teacher")) and
                 (c.model.path, c.data.train) == (cfg.model.path, cfg.data.train)]
         assert cfg.optim in [c.optim for _, c in opds], f"{stage.name}: {cfg.optim} is no OPD stage's"
         if path.stem == "fair_control":
@@ -173,3 +173,28 @@ def test_imported_models_take_vars(tmp_path, monkeypatch):
                         [f"out={tmp_path}", "vars.teacher=qwen2.5-coder-1.5b-instruct"], cls=StudyConfig)
     build_assets(study)
     assert imported == ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"] and set(imported) <= set(PACKAGED)
+
+
+def test_the_old_stage_key_and_label_read_as_role_and_control_with_a_deprecation_line(tmp_path, caplog):
+    """A stage's `method:` key and its label teacher_free (the spellings before this release) load as `role:` and
+    control, one deprecation line for each spelling (however many stages use it) naming the new one."""
+    import logging
+
+    import yaml
+
+    def load(stages):
+        (tmp_path / "study.yaml").write_text(yaml.safe_dump({"out": str(tmp_path), "stages": stages}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megaopd.config"):
+            return load_config(tmp_path / "study.yaml", cls=StudyConfig)
+
+    new = load([{"name": "a", "role": "control"}, {"name": "b", "role": "grpo"}])
+    assert caplog.records == []
+    old = load([{"name": "a", "method": "teacher_free"}, {"name": "b", "method": "grpo"}])
+    assert old == new and [s.role for s in old.stages] == ["control", "grpo"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "config key 'stages.method' is deprecated, renamed 'stages.role': write 'stages.role' (the old name is read "
+        "for one release)",
+        "stages.role=teacher_free is deprecated, renamed stages.role=control: write stages.role=control (the old name "
+        "is read for one release)"]
+    assert load([{"name": "a", "role": "teacher_free"}]).stages[0].role == "control" and len(caplog.records) == 1

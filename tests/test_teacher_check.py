@@ -40,11 +40,11 @@ def _study(tmp_path: Path, assets: Path, allow: bool) -> Path:
     files = [f"data.train=[{data / 'train.jsonl'}]", f"data.eval=[{data / 'test.jsonl'}]",
              f"data.validation=[{validation(assets)['data.validation'].strip('[]').split(', ')[0]}]"]
     study = {"out": str(tmp_path / f"study_{allow}"), "stages": [
-        {"name": "base", "method": "base", "config": str(ROOT / "configs/embedded/sft.yaml"),
+        {"name": "base", "role": "base", "config": str(ROOT / "configs/embedded/sft.yaml"),
          "overrides": [f"model.path={assets / 'models' / 'qwen3-tiny'}", *files, *SMALL]},
-        {"name": "grpo", "method": "grpo", "config": str(ROOT / "configs/embedded/grpo.yaml"),
+        {"name": "grpo", "role": "grpo", "config": str(ROOT / "configs/embedded/grpo.yaml"),
          "overrides": ["model.path={out}/base/final", *files, *SMALL]},
-        {"name": "opd", "method": "opd_external", "compare_with": "grpo", "allow_weaker_teacher": allow,
+        {"name": "opd", "role": "opd_external", "compare_with": "grpo", "allow_weaker_teacher": allow,
          "config": str(ROOT / "configs/embedded/opd.yaml"),
          "overrides": ["model.path={out}/base/final", f"opd.teachers.*={assets / 'models' / 'qwen3-tiny-seed1'}",
                        *files, *SMALL]}]}

@@ -100,7 +100,7 @@ def control_pairs(candidates: list[tuple[Stage, Stage]]) -> list[tuple[Stage, St
     out = []
     for same_data in _group(candidates, lambda p: (p[0].starts_from, p[0].trains_on)):
         has_sampled = any(o.opd_form == SAMPLED for _, o in same_data)
-        for arm in _group(same_data, lambda p: (p[1].method, p[1].opd_form)):
+        for arm in _group(same_data, lambda p: (p[1].role, p[1].opd_form)):
             form = arm[0][1].opd_form or "unknown"
             if form == SAMPLED:
                 out += _arm(arm, "sampled-token OPD, the control's estimator: the pair differs in the teacher")

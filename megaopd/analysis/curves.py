@@ -113,7 +113,7 @@ def compare_stages(stage: Stage, ref: Stage, metric: str, fraction: float, windo
     fg, ag = ref.curve(domain, metric, x)
     teacher = smooth(ag, window)[-1] if ag else None
     base = ag[0] if ag else None  # the reference's step-0 eval: the accuracy both stages start from
-    out = {s: stage.name, r: ref.name, "method": stage.method, "domain": domain, "base": base,
+    out = {s: stage.name, r: ref.name, "role": stage.role, "domain": domain, "base": base,
            "teacher": teacher, "teacher_cost_ratio": max(stage.teacher_cost.values(), default=None), "targets": {},
            "stopped": {s: stage.stopped, r: ref.stopped}}
     if stage.teacher_check:  # an external teacher's (megaopd/teachers/check.py): a target above it is not measured
@@ -156,10 +156,10 @@ def compare_same_method(stage: Stage, ref: Stage, metric: str, fraction: float, 
 
 
 def controlled(stages: list[Stage]) -> list[tuple[Stage, Stage]]:
-    """(teacher-free control, OPD stage) for every OPD stage that starts from the control's model and trains on its
+    """(control, OPD stage) for every OPD stage that starts from the control's model and trains on its
     data (as their config.yaml say): what the control takes away from that stage is its teacher."""
-    return [(c, s) for c in stages if c.method == "teacher_free" and c.trains_on for s in stages
-            if s.method in OPD_METHODS and (s.starts_from, s.trains_on) == (c.starts_from, c.trains_on)]
+    return [(c, s) for c in stages if c.role == "control" and c.trains_on for s in stages
+            if s.role in OPD_METHODS and (s.starts_from, s.trains_on) == (c.starts_from, c.trains_on)]
 
 
 def compare_control(control: Stage, opd: Stage, metric: str, fraction: float, window: int, x: str,
@@ -201,16 +201,15 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
     by_name = {s.name: s for s in stages}
     pairs = [(s, by_name[s.compare_with]) for s in stages if s.compare_with in by_name]
     comparisons = [compare_stages(s, ref, metric, target_fraction, window, x, length_window)
-                   for s, ref in pairs if s.method in OPD_VS_GRPO]
+                   for s, ref in pairs if s.role in OPD_VS_GRPO]
     same_method = [compare_same_method(s, ref, metric, target_fraction, window, x, length_window)
-                   for s, ref in pairs if s.method not in OPD_VS_GRPO]
+                   for s, ref in pairs if s.role not in OPD_VS_GRPO]
     controls = [compare_control(c, opd, metric, target_fraction, window, x, length_window, pairing)
                 for c, opd, pairing in control_pairs(controlled(stages))]
-    teacher_free = [c for c in controls if not c["pairing"]["set_aside"]]
-    experts = [s for s in stages if s.method == "expert" and s.domain]
-    mts = [multi_teacher(s, experts, metric, window) for s in stages if s.method == "multi_teacher_opd"]
+    experts = [s for s in stages if s.role == "expert" and s.domain]
+    mts = [multi_teacher(s, experts, metric, window) for s in stages if s.role == "multi_teacher_opd"]
     splits = []
-    for joint in (s for s in stages if s.method == "joint_grpo"):
+    for joint in (s for s in stages if s.role == "joint_grpo"):
         # The multi-teacher stage over the same domains as joint GRPO (the 2-domain mix), else the first one.
         mt = next((m for m in mts if sorted(m["domains"]) == joint.domains(metric)), mts[0] if mts else None)
         joint_f, joint_a = joint.curve("mean", metric, "stage")
@@ -223,7 +222,7 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
                        "stopped": by_name[mt["stage"]].stopped,
                        **split_vs_joint([e.total("stage") for e in mt_experts], merge_f, merge_a, joint_f, joint_a,
                                         target, window, [flops_to_own_final(e, metric, window) for e in mt_experts])})
-    table = {s.name: {"method": s.method, "algorithm": s.algorithm, "form": s.form, "steps": s.lines[-1]["step"],
+    table = {s.name: {"role": s.role, "algorithm": s.algorithm, "form": s.form, "steps": s.lines[-1]["step"],
                       "stop": s.stop,
                       "final_mean_acc": s.final_acc("mean", metric),
                       "totals": {k: s.total(k) for k in TOTALS},
@@ -232,8 +231,8 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
                       "max_staleness": s.max_staleness, "wall_clock": s.wall_clock()} for s in stages}
     result = {"study_dir": str(study_dir), "seed": study.get("seed"), "stages": table, "comparisons": comparisons,
               "stage_comparisons": same_method, "multi_teacher": mts, "split_vs_joint": splits,
-              "teacher_free": teacher_free,
-              "teacher_free_set_aside": [c for c in controls if c["pairing"]["set_aside"]],
+              "controls": [c for c in controls if not c["pairing"]["set_aside"]],
+              "controls_set_aside": [c for c in controls if c["pairing"]["set_aside"]],
               "teacher_checks": {s.name: s.teacher_check for s in stages if s.teacher_check}}
     result["findings"] = findings(result)
     result["headline"] = headline(result)

@@ -31,7 +31,7 @@ FINDING_RULES = ("each finding is checked per pair (per domain for (d)) as a num
                  "token cap) > 0, each arm's truncated share beside it; (c) as (a) for the self-GRPO teacher, > 1; (d) "
                  "student - expert final accuracy >= -tolerance; (e) distillation / specialist FLOPs <= the "
                  "small-share bound; (f) 1 - split/joint FLOPs to joint GRPO's final accuracy > 0; (g1) the "
-                 "teacher-free control's best smoothed accuracy - OPD's final < 0 (it never attains OPD's accuracy); "
+                 "control's (OPD without the teacher) best smoothed accuracy - OPD's final < 0 (it never attains OPD's accuracy); "
                  "(g2) control/OPD FLOPs to OPD's final accuracy > 1. A check whose arms need no FLOPs to a target "
                  "(their first eval meets it) is not measured; an (a) or (c) check whose target lies above the OPD "
                  "stage's teacher's greedy validation accuracy (its teacher check) is not measured (teacher below "
@@ -94,7 +94,7 @@ def censoring(c: dict, t: dict, roles: tuple[str, ...]) -> str:
 
 def _pairs(r: dict, self_teacher: bool) -> list[dict]:
     """The E1-E3 comparisons with a target: the self-GRPO teacher's (E3) or the external teachers' (E1/E2)."""
-    return [c for c in r["comparisons"] if (c["method"] == "opd_self") == self_teacher and "teacher" in c["targets"]]
+    return [c for c in r["comparisons"] if (c["role"] == "opd_self") == self_teacher and "teacher" in c["targets"]]
 
 
 def teacher_note(c: dict) -> str:
@@ -202,14 +202,14 @@ def split_saving(r: dict) -> Iterator[Check]:
 
 
 def _controls(r: dict) -> Iterator[tuple[dict, dict]]:
-    for c in r["teacher_free"]:
+    for c in r["controls"]:
         t = c["targets"].get("teacher")
         if t is not None and t["opd_flops"] != 0:  # OPD's first eval already at its final accuracy: no gain
             yield c, t
 
 
 def control_attainment(r: dict) -> Iterator[Check]:
-    """(g1) the teacher-free control's best smoothed accuracy minus OPD's final, per OPD stage and its control; a
+    """(g1) the control's best smoothed accuracy minus OPD's final, per OPD stage and its control; a
     control that stopped short of OPD's accuracy before spending OPD's FLOPs to it could still have attained it:
     the difference is then bounded from below only."""
     for c, t in _controls(r):
@@ -221,7 +221,7 @@ def control_attainment(r: dict) -> Iterator[Check]:
 
 
 def control_flops_ratio(r: dict) -> Iterator[Check]:
-    """(g2) the teacher-free control's FLOPs over OPD's to OPD's final accuracy, per OPD stage and its control; a
+    """(g2) the control's FLOPs over OPD's to OPD's final accuracy, per OPD stage and its control; a
     control that never reached it bounds the ratio from below by its FLOPs over OPD's."""
     for c, t in _controls(r):
         yield Check(f"{c['opd']} vs {c['control']}", ratio(needed(t, "control"), needed(t, "opd")),
@@ -243,10 +243,10 @@ FINDINGS = (
             SMALL_SHARE, "0.052 (2 domains) / 0.080 (4 domains)", log=True),
     Finding("f", "split-then-merge uses fewer total FLOPs than joint GRPO to reach its accuracy (E7)", split_saving,
             ">", 0.0, "0.42 (42.0% fewer)"),
-    Finding("g1", "OPD's accuracy needs the teacher: its teacher-free control never attains it", control_attainment,
-            "<", 0.0, "the control falls short (arXiv 2608.31046)"),
-    Finding("g2", "OPD's gain needs the teacher: OPD reaches its accuracy with fewer FLOPs than its teacher-free "
-            "control", control_flops_ratio, ">", 1.0, "the control needs more (arXiv 2608.31046)", log=True),
+    Finding("g1", "OPD's accuracy needs the teacher: its control (OPD without the teacher) never attains it",
+            control_attainment, "<", 0.0, "the control falls short (arXiv 2608.31046)"),
+    Finding("g2", "OPD's gain needs the teacher: OPD reaches its accuracy with fewer FLOPs than its control (OPD "
+            "without the teacher)", control_flops_ratio, ">", 1.0, "the control needs more (arXiv 2608.31046)", log=True),
 )
 BY_ID = {f.id: f for f in FINDINGS}
 

@@ -40,7 +40,7 @@ def sweep_point(path: str | Path, target_fraction: float, metric: str, window: i
                                               replicates)
     ratios, lengths, per_seed, step_costs = [], [], [], []
     for (_, stages), r, rep in zip(loaded, seeds, reps):
-        c = next((c for c in r["comparisons"] if c["method"] == "opd_self"), None)
+        c = next((c for c in r["comparisons"] if c["role"] == "opd_self"), None)
         if c is None or "teacher" not in c["targets"]:  # a point still running (or not a length_sweep.yaml study)
             return {"dir": str(path), "incomplete": f"{r['study_dir']}: no finished opd_self stage with its GRPO stage"}
         # Finding (c)'s check on GRPO's final accuracy: a seed whose OPD never reached it has a bound, not a ratio.

@@ -56,7 +56,7 @@ def _plot_accuracy(seeds: list[tuple[dict, list[Stage]]], domain: str, metric: s
             color = colors.setdefault(s.name, f"C{len(colors) % 10}")
             f, a, err = zip(*pts)
             ax.errorbar(f, a, yerr=err, fmt=styles[k % 4], marker="o", ms=3, color=color, elinewidth=0.6, capsize=1.5,
-                        label=f"{s.name} ({s.method})" if k == 0 else None)
+                        label=f"{s.name} ({s.role})" if k == 0 else None)
     ax.set_xscale("log")
     ax.set_xlabel(f"cumulative training FLOPs (flops/total_{x}, log scale)")
     ax.set_ylabel(f"held-out accuracy ({metric}, fraction correct)")
@@ -71,9 +71,9 @@ def _plot_accuracy(seeds: list[tuple[dict, list[Stage]]], domain: str, metric: s
 
 def _plot_controls(loaded: list[tuple[dict, list[Stage]]], seeds: list[dict], metric: str, x: str,
                    path: Path) -> bool:
-    """(g): each teacher-free control's curve beside the curves of the OPD stages it controls, on the domain they
+    """(g): each control's curve (a stage labelled control) beside the curves of the OPD stages it controls, on the domain they
     are compared on, with each OPD stage's final accuracy (the first seed's) as the target; False if none."""
-    pairs = seeds[0]["teacher_free"] + seeds[0]["teacher_free_set_aside"]
+    pairs = seeds[0]["controls"] + seeds[0]["controls_set_aside"]
     panels = list(dict.fromkeys((c["control"], c["domain"]) for c in pairs))
     if not panels:
         return False
@@ -92,7 +92,7 @@ def _plot_controls(loaded: list[tuple[dict, list[Stage]]], seeds: list[dict], me
                 pts = [(fi, ai) for fi, ai in zip(f, a) if fi > 0]  # 0 FLOPs has no place on a log axis
                 if not pts:
                     continue
-                role = "teacher-free" if name == control else "OPD" + ", not counted" * all(
+                role = "control" if name == control else "OPD" + ", not counted" * all(
                     c["pairing"]["set_aside"] for c in opds if c["opd"] == name)
                 ax.plot(*zip(*pts), styles[k % 4], marker="o", ms=3, color=colors.setdefault(name, f"C{len(colors)}"),
                         label=f"{name} ({role})" if k == 0 else None)
@@ -119,7 +119,7 @@ def _plot_length(seeds: list[tuple[dict, list[Stage]]], path: Path) -> bool:
                 continue
             drawn = True
             color = colors.setdefault(s.name, f"C{len(colors) % 10}")
-            label = f"{s.name} ({s.method})" if k == 0 else None
+            label = f"{s.name} ({s.role})" if k == 0 else None
             by_step.plot(steps, lengths, color=color, lw=1, label=label)
             by_flops.plot(fx, lengths, color=color, lw=1, label=label)
     by_step.set_xlabel("training step")
@@ -276,7 +276,7 @@ def _same_method_markdown(r: dict, fraction: float) -> list[str]:
 def _control_table(r: dict, key: str, fraction: float) -> list[str]:
     """(g)'s rows for the pairs of r[key] (each target, then the matched-FLOPs accuracy); the set-aside ones say why
     the verdict leaves them out."""
-    aside = key == "teacher_free_set_aside"
+    aside = key == "controls_set_aside"
     md = ["| OPD stage | control | domain | " + "not counted: why | " * aside + "target | accuracy | OPD FLOPs | "
           "control FLOPs | control/OPD |", "|---" * (8 + aside) + "|"]
     for i, c in enumerate(r[key]):
@@ -316,27 +316,27 @@ def _set_aside_checks(c: dict) -> list[str]:
         rule = BY_ID[fid]
         lines += [f"  - ({fid}) {k.detail} {_bounded(k.bounds)} {rule.op} {rule.threshold:g}: "
                   f"{judged(k.bounds, rule.op, rule.threshold, None)['verdict']} if counted"
-                  + (f" ({k.censored})" if k.censored else "") for k in measure({"teacher_free": [c]})]
+                  + (f" ({k.censored})" if k.censored else "") for k in measure({"controls": [c]})]
     return [f"- {c['opd']} vs {c['control']}, not counted ({c['pairing']['set_aside']}):"] + (
         lines or ["  - no (g) check: OPD has no curve on the domain or gained nothing over its first eval"])
 
 
 def _control_markdown(r: dict, fraction: float) -> list[str]:
-    """(g): each OPD stage against its teacher-free control (same base, same training data, no teacher): the pairs
+    """(g): each OPD stage against its control (same base, same training data, no teacher): the pairs
     the verdict reads, why each is compared, then the pairs set aside (CONTROL_RULE) with their (g) numbers."""
-    md = ["", "#### OPD vs its teacher-free control (g): FLOPs to reach OPD's accuracy", ""]
-    aside = r["teacher_free_set_aside"]
-    if not r["teacher_free"] and not aside:
-        return md + ["- no teacher_free stage with an OPD stage of its base and training data in this study"]
-    if r["teacher_free"]:
-        md += _control_table(r, "teacher_free", fraction)
+    md = ["", "#### OPD vs its control, OPD without the teacher (g): FLOPs to reach OPD's accuracy", ""]
+    aside = r["controls_set_aside"]
+    if not r["controls"] and not aside:
+        return md + ["- no control stage with an OPD stage of its base and training data in this study"]
+    if r["controls"]:
+        md += _control_table(r, "controls", fraction)
         md += ["", "Why each pair the verdict reads is compared (the control's pairs: conventions):", ""]
-        md += [line for c in r["teacher_free"] for line in _pairing_lines(c)]
+        md += [line for c in r["controls"] for line in _pairing_lines(c)]
     else:
         md.append("- no pair the verdict reads: every pair is set aside (below)")
     if aside:
         md += ["", "##### (g) of the pairs set aside: shown, not in the verdict", ""]
-        md += _control_table(r, "teacher_free_set_aside", fraction) + [""]
+        md += _control_table(r, "controls_set_aside", fraction) + [""]
         md += [line for c in aside for line in _set_aside_checks(c)]
     return md
 
@@ -376,7 +376,7 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
     for i, c in enumerate(r["comparisons"]):
         for name, t in c["targets"].items():
             label = "GRPO final" if name == "teacher" else f"base + {fraction} x GRPO gain (base {c['base']:.3f})"
-            md.append(f"| {c['opd']} ({c['method']}) | {c['grpo']} | {_f(c['teacher_cost_ratio'], '.2f')}x | {label} "
+            md.append(f"| {c['opd']} ({c['role']}) | {c['grpo']} | {_f(c['teacher_cost_ratio'], '.2f')}x | {label} "
                       + _target_cells(r, ("comparisons", i, "targets", name), t, ("grpo", "opd")))
     md += [f"\n{_matched(r, c, ('comparisons', i, 'matched'), ('grpo', 'opd'))}."
            for i, c in enumerate(r["comparisons"]) if "matched" in c]
@@ -410,12 +410,12 @@ def _seed_markdown(r: dict, fraction: float) -> list[str]:
         md.append("- no joint_grpo stage (with a multi_teacher_opd stage) in this study")
     md += _control_markdown(r, fraction)
     md += ["", "#### FLOPs ledger, wall-clock and response length per stage", "",
-           "| stage | method | steps | stopped | final mean acc | stage | + teachers | + cold start | external | "
+           "| stage | role | steps | stopped | final mean acc | stage | + teachers | + cold start | external | "
            + " | ".join(COMPONENTS) + " | length first | length last | K | s / step | train s | rollout wait |",
            "|---" * (15 + len(COMPONENTS)) + "|"]
     for name, s in r["stages"].items():
         form = f" {s['form']}" if s.get("form") and s["form"] != s["algorithm"] else ""  # the OPD form, labelled
-        md.append(f"| {name} | {s['method']}{form} | {s['steps']} | {stop_text(s['stop'])} | "
+        md.append(f"| {name} | {s['role']}{form} | {s['steps']} | {stop_text(s['stop'])} | "
                   f"{_f(s['final_mean_acc'], '.3f')}"
                   f"{_ci(r, ('stages', name, 'final_mean_acc'), '.3f')} | "
                   + " | ".join(_f(s["totals"][k]) for k in TOTALS) + " | "
@@ -447,8 +447,8 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
         plots.append(f"accuracy_{domain}.png")
     if _plot_length(loaded, out / "response_length.png"):
         plots.append("response_length.png")
-    if _plot_controls(loaded, seeds, metric, x, out / "teacher_free.png"):
-        plots.append("teacher_free.png")
+    if _plot_controls(loaded, seeds, metric, x, out / "controls.png"):
+        plots.append("controls.png")
     wall = wall_clock_across(seeds)
     report = json_safe({
         "x_axis": f"flops/total_{x}", "metric": metric, "target_fraction": target_fraction, "window": window,

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from megaopd.config import renamed_value
 from megaopd.errors import StudyError, require_file
 from megaopd.accounting.flops import HF_CONFIG, ModelShape, read_hf_config
 from megaopd.accounting.ledger import SUMMARY
@@ -29,7 +30,7 @@ class Stage:
     """One stage's run directory as the report needs it (only stages with metrics lines are loaded)."""
 
     name: str
-    method: str
+    role: str  # its study.yaml's label (megaopd.run.study.STAGE_LABELS)
     compare_with: str = ""
     domain: str = ""
     algorithm: str = ""
@@ -210,8 +211,20 @@ def _matmul_params(started_in: Path, model_dir: str | None) -> int | None:
     return ModelShape.from_hf_config(read_hf_config(started_in / model_dir)).matmul_params
 
 
+def _algorithm(name: str) -> str:
+    """An algorithm (or the form label of one without a teacher, its name) as it is spelled now: a run recorded before
+    a rename (train.algorithm=opsa, now fixed_advantage) reads under the new name."""
+    return renamed_value("TrainConfig", "algorithm", name)
+
+
+def _role(stage: dict) -> str:
+    """A stage's label in its study.yaml as it is spelled now (a study recorded before the renames: the key method,
+    now role; teacher_free, now control); a stage without one counts as ``other``."""
+    return renamed_value("StageConfig", "role", stage.get("role") or stage.get("method") or "other")
+
+
 def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
-    """study.yaml and every stage that has a run directory; a stage without `method` counts as `other`."""
+    """study.yaml and every stage that has a run directory; a stage without `role` counts as `other`."""
     study_dir = Path(study_dir)
     require_file(study_dir / "study.yaml", "study file", StudyError)
     study = yaml.safe_load((study_dir / "study.yaml").read_text()) or {}
@@ -220,9 +233,9 @@ def load_study(study_dir: str | Path) -> tuple[dict, list[Stage]]:
         run_dir = study_dir / s["name"]
         summary = _json(run_dir / SUMMARY)
         cfg = _config(run_dir)
-        stages.append(Stage(s["name"], s.get("method") or "other", s.get("compare_with") or "", s.get("domain") or "",
-                            summary.get("algorithm", ""), read_metrics(run_dir), _records(run_dir),
-                            _teacher_cost(run_dir, cfg), summary.get("form", ""), summary.get("stop") or {},
+        stages.append(Stage(s["name"], _role(s), s.get("compare_with") or "", s.get("domain") or "",
+                            _algorithm(summary.get("algorithm", "")), read_metrics(run_dir), _records(run_dir),
+                            _teacher_cost(run_dir, cfg), _algorithm(summary.get("form", "")), summary.get("stop") or {},
                             (cfg.get("rollout") or {}).get("max_staleness"), (cfg.get("model") or {}).get("path", ""),
                             tuple((cfg.get("data") or {}).get("train") or ()), optim=cfg.get("optim") or {},
                             opd_form=(cfg.get("opd") or {}).get("form", ""), teacher_check=_json(run_dir / CHECK_FILE)))

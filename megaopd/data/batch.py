@@ -42,7 +42,7 @@ class TokenBatch:
     # rollout_logprobs. The old logprobs themselves where the engine reports the loss's distribution (no top-p cut).
     sampling_logprobs: torch.Tensor | None = None
     # [B, S-1] entropy of the policy's distribution at each position before the update, from the old-logprob pass
-    # (at the run's temperature); only where the objective reads it (opsa.scale=entropy), else None
+    # (at the run's temperature); only where the objective reads it (fixed_advantage.scale=entropy), else None
     old_entropy: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None  # [B, S-1] reference policy, for the KL penalty
     teacher_logprobs: torch.Tensor | None = None  # [B, S-1] teacher logprob of each realised token

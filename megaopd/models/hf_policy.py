@@ -9,8 +9,8 @@ The Megatron backend implements the same calls.
 Memory: only the response rows are projected to the vocabulary, ``logit_chunk_rows`` rows at a time (checkpointed
 per chunk in the update), so no [rows x V] float32 tensor exceeds one chunk (docs/opd.md).
 
-With ``shared_prompt`` every call forwards a group's prompt once (``megaopd.models.shared_prompt``): the same values and
-gradients, less work; ``take_prompt_saving`` says how much.
+With ``shared_prompt`` every call forwards a group's prompt once (``megaopd.models.shared_prompt``, the attention
+``megaopd.models.hf_shared_prompt``): the same values and gradients, less work; ``take_prompt_saving`` says how much.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from megaopd.errors import ModelError
 from megaopd.accounting.flops import HF_CONFIG, ModelShape
 from megaopd.models.policy_protocol import TokenizerIds
 from megaopd.models.distributions import TAIL_FLOOR, WholeVocab, entropy, nucleus, topk_view
-from megaopd.models.shared_prompt import PromptGroups, group_rows, hf_attention, hf_attention_problem, saved_flops
+from megaopd.models.hf_shared_prompt import hf_attention, hf_attention_problem
+from megaopd.models.shared_prompt import PromptGroups, group_rows, saved_flops
 
 # (logprobs [b, S-1], the vocab term per position [b, S-1] (e.g. the KL to the teacher) or None, micro-batch)
 #  -> (per-token loss [b, S-1], per-token metrics)

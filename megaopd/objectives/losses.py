@@ -11,10 +11,10 @@ accumulation.
   both distributions' mass, exact when K covers the vocabulary.
 - GRPO + OPD in one objective: GRPO's group advantage plus ``opd.coef`` times the OPD term (the sampled-token
   advantage, or the KL added to the loss).
-- OPSA, the teacher-free control of OPD: a fixed negative advantage on the lowest-logprob fraction of each
-  response's sampled tokens under the policy before the step, 0 elsewhere, in the same clipped surrogate; no teacher,
-  no reward, no reference. Its entropy-scaled form (``opsa.scale=entropy``, the paper's OPSA) grades that advantage
-  by each selected token's entropy under the policy before the step.
+- The fixed-advantage control of OPD (arXiv 2608.31046's): a fixed negative advantage on the lowest-logprob
+  fraction of each response's sampled tokens under the policy before the step, 0 elsewhere, in the same clipped
+  surrogate; no teacher, no reward, no reference. Its entropy-scaled form (``fixed_advantage.scale=entropy``, the
+  paper's OPSA) grades that advantage by each selected token's entropy under the policy before the step.
 - SFT (the cold start): the NLL of the worked solution's tokens.
 
 A KL form hands the policy a ``VocabTerm``: per micro-batch, a function from the student's log-softmax on a chunk of
@@ -34,8 +34,8 @@ from typing import Callable
 import torch
 
 from megaopd.data.batch import Sample, TokenBatch
-from megaopd.config import (ConfigError, GRPOConfig, OPDConfig, OPSAConfig, OPSAScope, RunConfig, TrainConfig,
-                            choices)
+from megaopd.config import (ConfigError, FixedAdvantageConfig, FixedAdvantageScope, GRPOConfig, OPDConfig, RunConfig,
+                            TrainConfig, choices)
 from megaopd.models.distributions import TAIL_FLOOR, VocabView, WholeVocab
 from megaopd.objectives.methods import Method, method
 from megaopd.rollout.local import policy_temperature, reported_sampling
@@ -67,7 +67,7 @@ def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
 def weighted_clipped_loss(logp: torch.Tensor, mb: TokenBatch, clip_low: float, clip_high: float,
                           weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The clipped surrogate of ``mb.advantages`` against ``mb.old_logprobs``, times the IS weights when given (the
-    one block GRPO, OPD's sampled form and OPSA share). Returns (loss, clipped flag)."""
+    one block GRPO, OPD's sampled form and the fixed-advantage control share). Returns (loss, clipped flag)."""
     loss, clipped = clipped_pg_loss(logp, mb.old_logprobs, mb.advantages, clip_low, clip_high)
     if weights is not None:
         loss = loss * weights
@@ -401,8 +401,8 @@ def lowest_logprob_tokens(logprobs: torch.Tensor, mask: torch.Tensor, fraction: 
     """1 at the max(1, floor(fraction * N)) response tokens of lowest logprob, 0 elsewhere: N counts each response's
     tokens (``response``) or the batch's (``batch``: one pool). Ties go to the earlier token; an empty response
     has none. ``logprobs``, ``mask``: [B, S-1]."""
-    if scope not in choices(OPSAScope):
-        raise ValueError(f"a selection scope must be one of {choices(OPSAScope)}, got {scope!r}")
+    if scope not in choices(FixedAdvantageScope):
+        raise ValueError(f"a selection scope must be one of {choices(FixedAdvantageScope)}, got {scope!r}")
     shape, response = logprobs.shape, mask.bool()
     if scope == "batch":
         logprobs, response = logprobs.reshape(1, -1), response.reshape(1, -1)
@@ -428,30 +428,34 @@ def entropy_scaled_advantages(entropy: torch.Tensor, selected: torch.Tensor, at_
     return torch.where(chosen, at_lowest + (at_highest - at_lowest) * rank, 0.0).to(selected.dtype).reshape(shape)
 
 
-def check_opsa(cfg: OPSAConfig, recompute_old_logprobs: bool = True) -> None:
-    """Refuses, before any model loads, settings of the teacher-free control that would train nothing or read an
+def check_fixed_advantage(cfg: FixedAdvantageConfig, recompute_old_logprobs: bool = True) -> None:
+    """Refuses, before any model loads, settings of the fixed-advantage control that would train nothing or read an
     entropy nothing computes."""
     if not 0 < cfg.fraction <= 1:
-        raise ConfigError(f"opsa.fraction must be in (0, 1] (the share of tokens given the advantage), got "
-                          f"{cfg.fraction:g}; set e.g. opsa.fraction=0.2")
+        raise ConfigError(f"fixed_advantage.fraction must be in (0, 1] (the share of tokens given the advantage), "
+                          f"got {cfg.fraction:g}; set e.g. fixed_advantage.fraction=0.2")
     if cfg.advantage == 0:
-        raise ConfigError("opsa.advantage=0 trains nothing; set the fixed advantage, e.g. opsa.advantage=-0.5")
+        raise ConfigError("fixed_advantage.advantage=0 trains nothing; set the fixed advantage, e.g. "
+                          "fixed_advantage.advantage=-0.5")
     if not cfg.clip > 0:
-        raise ConfigError(f"opsa.clip must be > 0 (the importance ratio's clip), got {cfg.clip:g}; set e.g. 0.2")
+        raise ConfigError(f"fixed_advantage.clip must be > 0 (the importance ratio's clip), got {cfg.clip:g}; set "
+                          "e.g. 0.2")
     if cfg.scale == "entropy" and not recompute_old_logprobs:
-        raise ConfigError("opsa.scale=entropy reads each position's entropy from the trainer's old-logprob pass, "
-                          "which train.recompute_old_logprobs=false skips: set train.recompute_old_logprobs=true")
+        raise ConfigError("fixed_advantage.scale=entropy reads each position's entropy from the trainer's "
+                          "old-logprob pass, which train.recompute_old_logprobs=false skips: set "
+                          "train.recompute_old_logprobs=true")
 
 
-class OPSA:
-    """The teacher-free control of OPD (docs/opd.md): ``opsa.advantage`` on the ``opsa.fraction`` of sampled tokens
-    with the lowest logprob under the policy before the step (the old logprobs), 0 on the others, in the clipped
-    surrogate; with ``opsa.scale=entropy`` graded by each selected token's entropy (``entropy_scaled_advantages``).
-    Every selected token is pushed the same way: no teacher, reward or reference decides anything."""
+class FixedAdvantage:
+    """OPD's control without the teacher (docs/opd.md): ``fixed_advantage.advantage`` on the
+    ``fixed_advantage.fraction`` of sampled tokens with the lowest logprob under the policy before the step (the old
+    logprobs), 0 on the others, in the clipped surrogate; with ``fixed_advantage.scale=entropy`` (the paper's OPSA)
+    graded by each selected token's entropy (``entropy_scaled_advantages``). Every selected token is pushed the same
+    way: no teacher, reward or reference decides anything."""
 
     vocab_term = None
 
-    def __init__(self, cfg: OPSAConfig):  # checked by resolve_run (check_opsa)
+    def __init__(self, cfg: FixedAdvantageConfig):  # checked by resolve_run (check_fixed_advantage)
         self.cfg = cfg
         self.needs_entropy = cfg.scale == "entropy"
 
@@ -459,15 +463,15 @@ class OPSA:
         cfg = self.cfg
         selected = lowest_logprob_tokens(batch.old_logprobs, batch.response_mask, cfg.fraction, cfg.scope)
         chosen = selected.sum().clamp(min=1)
-        metrics = {"opsa_selected_share": float(selected.sum() / batch.response_mask.sum().clamp(min=1)),
-                   "opsa_selected_logprob": float((batch.old_logprobs * selected).sum() / chosen)}
+        metrics = {"fixed_advantage_selected_share": float(selected.sum() / batch.response_mask.sum().clamp(min=1)),
+                   "fixed_advantage_selected_logprob": float((batch.old_logprobs * selected).sum() / chosen)}
         if not self.needs_entropy:
             batch.advantages = cfg.advantage * selected
             return metrics
         batch.advantages = entropy_scaled_advantages(batch.old_entropy, selected, cfg.advantage,
                                                      cfg.entropy_advantage, cfg.scope)
-        return metrics | {"opsa_selected_entropy": float((batch.old_entropy * selected).sum() / chosen),
-                          "opsa_selected_advantage": float(batch.advantages.sum() / chosen)}
+        return metrics | {"fixed_advantage_selected_entropy": float((batch.old_entropy * selected).sum() / chosen),
+                          "fixed_advantage_selected_advantage": float(batch.advantages.sum() / chosen)}
 
     def token_loss(self, logp, vocab, mb: TokenBatch):
         loss, clipped = weighted_clipped_loss(logp, mb, self.cfg.clip, self.cfg.clip, mb.is_weights)
@@ -488,7 +492,7 @@ def build_objective(spec: Method, cfg: RunConfig, teachers=None):
     """The objective of a method's terms, from their config sections."""
     n = spec.samples_per_prompt(cfg.rollout)
     if spec.self_term:
-        return OPSA(cfg.opsa)
+        return FixedAdvantage(cfg.fixed_advantage)
     if spec.group_term and spec.teacher_term:
         return GRPOWithOPD(cfg.grpo, cfg.opd, n, teachers)
     if spec.group_term:

@@ -31,8 +31,8 @@ class Method:
     rollouts: bool
     group_term: bool  # GRPO's group-relative advantage from verifier rewards (+ k3 KL to a reference if kl_coef > 0)
     teacher_term: bool  # frozen teachers score the rollouts: the OPD term, in one of the forms of opd.form
-    # The teacher-free control (opsa): a fixed advantage on the policy's own lowest-logprob sampled tokens; it
-    # reads no reward and no model beside the policy
+    # The fixed-advantage control (fixed_advantage): a fixed advantage on the policy's own lowest-logprob sampled
+    # tokens; it reads no reward and no model beside the policy
     self_term: bool = False
 
     @property
@@ -48,7 +48,7 @@ class Method:
 
     def shares_prompts(self, rollout: RolloutConfig) -> bool:
         """Whether a prompt has two samples or more, so ``train.shared_prompt`` has a prompt to share (the rule
-        ``megaopd.models.shared_prompt.problem`` refuses by and the memory plan lays micro-batches out by)."""
+        ``megaopd.run.resolve.shared_prompt_problem`` refuses by and the memory plan lays micro-batches out by)."""
         return self.samples_per_prompt(rollout) >= 2
 
     def uses_reference(self, grpo: GRPOConfig) -> bool:
@@ -97,7 +97,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("grpo", "grpo", rollouts=True, group_term=True, teacher_term=False),
     Method("opd", "opd", rollouts=True, group_term=False, teacher_term=True),
     Method("grpo_opd", "grpo+opd", rollouts=True, group_term=True, teacher_term=True),  # GRPO + opd.coef x OPD
-    Method("opsa", "opsa", rollouts=True, group_term=False, teacher_term=False, self_term=True),
+    # OPD's control without the teacher (arXiv 2608.31046's fixed-advantage control; scale=entropy: its OPSA)
+    Method("fixed_advantage", "fixed_advantage", rollouts=True, group_term=False, teacher_term=False, self_term=True),
 )}
 
 

@@ -298,10 +298,10 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
         groups = max(1, rows_per_mb // n)
         rows_per_mb = min(groups * n, rows_per_mb)
         tokens = groups * p.prompt_tokens + rows_per_mb * r.max_new_tokens
-        from megaopd.models.shared_prompt import PER_GROUP_DEVICES
+        from megaopd.models.hf_shared_prompt import responses_per_group
 
         acts = arch.shared_activation_bytes(groups, rows_per_mb, p.prompt_tokens, r.max_new_tokens, b, layers,
-                                            checkpointed, m.device.split(":")[0] in PER_GROUP_DEVICES)
+                                            checkpointed, responses_per_group(m.device))
         shape = f"shared prompts: {groups} x {p.prompt_tokens} + {rows_per_mb} x {r.max_new_tokens} tokens"
     else:
         saved = arch.checkpointed_activation_bytes if checkpointed else arch.activation_bytes

@@ -11,17 +11,23 @@ so at submission they are not there yet.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from megaopd.models import shared_prompt
+from megaopd.accounting.flops import HF_CONFIG
+from megaopd.models.hf_shared_prompt import hf_attention_problem
 from megaopd.teachers.cross_tokenizer import alignment_tokenizers
 from megaopd.config import DataConfig, RunConfig
 from megaopd.data.rows import Row, load_split
 from megaopd.errors import DataError, UserError, require_file
 from megaopd.objectives.methods import Method, method
-from megaopd.objectives.losses import check_is_correction, check_opd, check_opsa, check_temperature, resolve_tis
+from megaopd.objectives.losses import (check_fixed_advantage, check_is_correction, check_opd, check_temperature,
+                                      resolve_tis)
 from megaopd.run.plan import Plan, check_chunk_rows, check_run, chunk_rows
 from megaopd.run.stopping import StopRule, check_stop
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,14 +52,14 @@ def resolve_run(cfg: RunConfig, *, inputs_exist: bool = True) -> ResolvedRun:
     """The run ``cfg`` describes, or the first refusal (a ``UserError``) of what it asks for; with
     ``inputs_exist=False`` the checks that read the run's inputs are left to the run."""
     spec = method(cfg.train.algorithm)
-    cfg = shared_prompt.resolve(resolve_tis(cfg, spec))
+    cfg = resolve_shared_prompt(resolve_tis(cfg, spec), spec)
     check_is_correction(cfg, spec)
     check_temperature(cfg, spec)
     aligned = alignment_tokenizers(cfg.model.path, cfg.opd, inputs_exist) if spec.teacher_term else {}
     if spec.teacher_term:
         check_opd(cfg.opd, cfg.model.backend, aligned)
     if spec.self_term:
-        check_opsa(cfg.opsa, cfg.train.recompute_old_logprobs)
+        check_fixed_advantage(cfg.fixed_advantage, cfg.train.recompute_old_logprobs)
     check_stop(cfg.train.stop, spec.teachers(cfg.opd))
     check_chunk_rows(cfg.train)
     if not inputs_exist:
@@ -75,6 +81,38 @@ def resolve_stage(cfg: RunConfig, stage: str, hint: str = "") -> ResolvedRun:
         return resolve_run(cfg, inputs_exist=False)
     except UserError as e:
         raise type(e)(f"stage {stage}: {e}{hint}") from None
+
+
+def resolve_shared_prompt(cfg: RunConfig, spec: Method) -> RunConfig:
+    """``train.shared_prompt`` as the run will do it: off, with the reason logged once, where it cannot apply
+    (``shared_prompt_problem``). Before the config is saved: config.yaml holds what the run does."""
+    if not cfg.train.shared_prompt:
+        return cfg
+    reason = shared_prompt_problem(cfg, spec)
+    if reason is None:
+        return cfg
+    log.info("train.shared_prompt: off: %s", reason)
+    return replace(cfg, train=replace(cfg.train, shared_prompt=False))
+
+
+def shared_prompt_problem(cfg: RunConfig, spec: Method) -> str | None:
+    """Why ``train.shared_prompt`` cannot apply to the run ``cfg`` describes, ``spec`` its algorithm's row (None: it
+    can): one sample per prompt; the Transformer Engine layer spec; an HF model whose attention the layout cannot
+    express (``megaopd.models.hf_shared_prompt.hf_attention_problem``)."""
+    if not spec.shares_prompts(cfg.rollout):
+        return "one sample per prompt, so no prompt is shared"
+    if cfg.model.backend == "megatron":
+        from megaopd.models.megatron.fp8 import use_te_spec
+
+        if use_te_spec(cfg.model.megatron):
+            return ("the Transformer Engine layer spec: its fused attention is not routed per segment (use "
+                    "model.megatron.transformer_engine=false)")
+    config = Path(cfg.model.path) / HF_CONFIG
+    if config.exists():
+        from transformers import AutoConfig
+
+        return hf_attention_problem(AutoConfig.from_pretrained(config.parent))
+    return None
 
 
 def read_splits(data: DataConfig) -> Splits:

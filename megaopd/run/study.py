@@ -59,9 +59,11 @@ class AssetsConfig:
 
 
 # What a stage is, for the report: its curves, targets and comparisons are chosen by these labels.
-# teacher_free: the teacher-free control of the OPD stages that start from its model and train on its data.
+# control: the control of the OPD stages that start from its model and train on its data (OPD's settings without the
+# teacher: train.algorithm=fixed_advantage, in either form), named for its role, as the other labels are; until this
+# release teacher_free, still read for one release with a deprecation line (config.RENAMED_VALUES).
 STAGE_LABELS = ("base", "teacher_sft", "grpo", "expert", "joint_grpo", "opd_external", "opd_external_grpo",
-                "opd_self", "multi_teacher_opd", "teacher_free", "other")
+                "opd_self", "multi_teacher_opd", "control", "other")
 
 
 EXTERNAL_TEACHER = ("opd_external", "opd_external_grpo")  # the stages whose teacher is checked before they train
@@ -72,11 +74,14 @@ class StageConfig:
     name: str = ""
     config: str = ""  # the stage's run config (YAML); overrides below apply on top
     overrides: list[str] = field(default_factory=list)
-    method: str = "other"  # one of STAGE_LABELS
-    # For opd_self / opd_external*: the GRPO stage it is compared with (E1-E3); for any other method, a stage it is
+    # What the stage is in the study, one of STAGE_LABELS: the report picks its curves, targets and comparisons by
+    # it (the algorithm is the config's train.algorithm). The key was `method` until this release, still read for
+    # one release with a deprecation line (config.RENAMED_KEYS).
+    role: str = "other"
+    # For opd_self / opd_external*: the GRPO stage it is compared with (E1-E3); for any other role, a stage it is
     # compared with as another setting of one method (the report's "Stage vs stage"; e.g. K=1 vs K=0).
     compare_with: str = ""
-    # For expert: the domain it owns; for teacher_free: the domain it is compared with its OPD stages on (else the
+    # For expert: the domain it owns; for control: the domain it is compared with its OPD stages on (else the
     # mean of the domains).
     domain: str = ""
     # With seeds: one run for all of them, in the first seed's directory, which the other seeds' {out}/<name> links
@@ -128,16 +133,16 @@ def stage_overrides(study: StudyConfig, stage: StageConfig) -> list[str]:
     """The overrides a stage's config runs with, here and on Slurm: the study's seed, an external teacher's check
     (``megaopd.teachers.check``), then the stage's own."""
     check = ["opd.check_teacher=true", f"opd.allow_weaker_teacher={str(stage.allow_weaker_teacher).lower()}"]
-    return ([f"train.seed={study.seed}"] + (check if stage.method in EXTERNAL_TEACHER else [])
+    return ([f"train.seed={study.seed}"] + (check if stage.role in EXTERNAL_TEACHER else [])
             + [study.substitute(o) for o in stage.overrides])
 
 
 def stage_config(study: StudyConfig, stage: StageConfig, launch_overrides: list[str] = ()) -> RunConfig:
     """The stage's run config as its job loads it: its config file, the study's overrides, then (on a cluster) the
     launch file's ``overrides`` for that stage."""
-    if stage.method not in STAGE_LABELS:
-        raise StudyError(f"stage {stage.name!r}: method must be one of {', '.join(STAGE_LABELS)}, got "
-                         f"{stage.method!r}; set one of them")
+    if stage.role not in STAGE_LABELS:
+        raise StudyError(f"stage {stage.name!r}: role must be one of {', '.join(STAGE_LABELS)}, got "
+                         f"{stage.role!r}; set one of them")
     cfg = load_config(stage.config, stage_overrides(study, stage) + list(launch_overrides)
                       + [f"run_dir={study.out}/{stage.name}"])
     method(cfg.train.algorithm)  # a name the algorithm table lacks is refused here, before any stage runs

@@ -252,7 +252,7 @@ class Trainer:
         # forward.
         loss = (self.temperature, 1.0)
         reported = reported_sampling(cfg.rollout.engine, cfg.rollout.temperature, cfg.rollout.top_p)
-        entropy = self.objective.needs_entropy  # from the same logits (check_opsa: never without this pass)
+        entropy = self.objective.needs_entropy  # from the same logits (check_fixed_advantage: never without this pass)
         if not cfg.train.recompute_old_logprobs:  # refused unless the engine reports the loss's (check_is_correction)
             batch.old_logprobs = batch.sampling_logprobs = batch.rollout_logprobs
         elif reported == loss and not entropy:

@@ -7,7 +7,7 @@ local spec's core attention run per segment, rotary embeddings at each token's o
 
 megatron's GPT model takes rotary positions from the sequence index, not from ``position_ids``: a forward hook on its
 rotary embedding hands each token the embedding of its own position instead. The Transformer Engine spec's fused
-attention is not routed (``megaopd.models.shared_prompt.problem`` turns the switch off there).
+attention is not routed (``megaopd.run.resolve.shared_prompt_problem`` turns the switch off there).
 """
 
 from __future__ import annotations

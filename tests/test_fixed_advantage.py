@@ -1,8 +1,9 @@
-"""The teacher-free control (train.algorithm=opsa, docs/opd.md): which tokens it selects, the sign of its update, and
-that a run of it never builds a teacher or a reference. Its FLOP audit is in tests/test_methods.py (every method).
-The entropy-scaled form (opsa.scale=entropy, the paper's OPSA): its advantages by hand, the entropy each backend's
-old-logprob pass gives (HF against the full distribution, Megatron at TP2 against HF on the same step), and its FLOP
-audit, exact, with a second projection for the entropy caught."""
+"""The fixed-advantage control (train.algorithm=fixed_advantage, docs/opd.md): which tokens it selects, the sign of its
+update, and that a run of it never builds a teacher or a reference. Its FLOP audit is in tests/test_methods.py (every
+method). The entropy-scaled form (fixed_advantage.scale=entropy, the paper's OPSA): its advantages by hand, the
+entropy each backend's old-logprob pass gives (HF against the full distribution, Megatron at TP2 against HF on the
+same step), and its FLOP audit, exact, with a second projection for the entropy caught. The old spelling
+(train.algorithm=opsa, an opsa: section), read for one release: the same config, one deprecation line."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import pytest
 import torch
 
 from megaopd.data.batch import collate
-from megaopd.config import ConfigError, ModelConfig, OptimConfig, OPSAConfig
-from megaopd.objectives.losses import OPSA, check_opsa, entropy_scaled_advantages, lowest_logprob_tokens
+from megaopd.config import ConfigError, FixedAdvantageConfig, ModelConfig, OptimConfig
+from megaopd.objectives.losses import (FixedAdvantage, check_fixed_advantage, entropy_scaled_advantages,
+                                     lowest_logprob_tokens)
 from tests.conftest import run_config
 from tests.test_objectives import _samples
 
@@ -64,12 +66,12 @@ def test_the_advantage_is_the_fixed_value_on_the_selected_tokens_only():
     batch = collate(_samples(torch.Generator().manual_seed(1), 8), pad_id=0)
     batch.old_logprobs = -torch.rand(batch.response_mask.shape, generator=torch.Generator().manual_seed(2)) * \
         batch.response_mask
-    metrics = OPSA(OPSAConfig(advantage=-0.7)).prepare(batch, [])
+    metrics = FixedAdvantage(FixedAdvantageConfig(advantage=-0.7)).prepare(batch, [])
     selected = lowest_logprob_tokens(batch.old_logprobs, batch.response_mask, 0.2)
     assert torch.equal(batch.advantages, -0.7 * selected)
-    assert metrics["opsa_selected_share"] == pytest.approx(float(selected.sum() / batch.response_mask.sum()))
+    assert metrics["fixed_advantage_selected_share"] == pytest.approx(float(selected.sum() / batch.response_mask.sum()))
     # On-policy (ratio 1) each selected token's loss is -A, the others' 0.
-    loss, _ = OPSA(OPSAConfig(advantage=-0.7)).token_loss(batch.old_logprobs, None, batch)
+    loss, _ = FixedAdvantage(FixedAdvantageConfig(advantage=-0.7)).token_loss(batch.old_logprobs, None, batch)
     assert torch.allclose(loss, 0.7 * selected)
 
 
@@ -81,7 +83,7 @@ def test_a_negative_advantage_pushes_the_selected_tokens_down(assets, advantage,
     policy = HFPolicy(ModelConfig(path=str(assets / "models" / "qwen3-tiny")), OptimConfig(lr=1e-3))
     batch = collate(_samples(torch.Generator().manual_seed(3), 8), policy.pad_id)
     batch.old_logprobs = policy.logprobs(batch)
-    objective = OPSA(OPSAConfig(advantage=advantage))
+    objective = FixedAdvantage(FixedAdvantageConfig(advantage=advantage))
     objective.prepare(batch, [])
     selected = batch.advantages != 0
     policy.train_minibatch(batch, objective.token_loss, 8)
@@ -90,19 +92,22 @@ def test_a_negative_advantage_pushes_the_selected_tokens_down(assets, advantage,
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("fraction", 0.0, r"opsa\.fraction must be in \(0, 1\]"), ("fraction", 1.5, r"opsa\.fraction must be in"),
-    ("advantage", 0.0, r"opsa\.advantage=0 trains nothing"), ("clip", 0.0, r"opsa\.clip must be > 0")])
+    ("fraction", 0.0, r"fixed_advantage\.fraction must be in \(0, 1\]"),
+    ("fraction", 1.5, r"fixed_advantage\.fraction must be in"),
+    ("advantage", 0.0, r"fixed_advantage\.advantage=0 trains nothing"),
+    ("clip", 0.0, r"fixed_advantage\.clip must be > 0")])
 def test_settings_that_train_nothing_are_refused(key, value, message):
     with pytest.raises(ConfigError, match=message):
-        check_opsa(OPSAConfig(**{key: value}))
+        check_fixed_advantage(FixedAdvantageConfig(**{key: value}))
 
 
 def test_an_entropy_no_pass_computes_is_refused(assets, tmp_path):
     from megaopd.run.trainer import Trainer
 
-    cfg = run_config(assets, tmp_path, "opsa", **{"opsa.scale": "entropy", "train.recompute_old_logprobs": False})
-    with pytest.raises(ConfigError, match=r"^opsa\.scale=entropy reads each position's entropy from the trainer's "
-                                          r"old-logprob pass, .*: set train\.recompute_old_logprobs=true$"):
+    cfg = run_config(assets, tmp_path, "fixed_advantage",
+                     **{"fixed_advantage.scale": "entropy", "train.recompute_old_logprobs": False})
+    with pytest.raises(ConfigError, match=r"^fixed_advantage\.scale=entropy reads each position's entropy from the "
+                                          r"trainer's old-logprob pass, .*: set train\.recompute_old_logprobs=true$"):
         Trainer(cfg)
 
 
@@ -124,13 +129,14 @@ def test_the_entropy_form_uses_the_old_entropy_and_the_fixed_form_ignores_it():
         batch.response_mask
     batch.old_entropy = torch.rand(batch.response_mask.shape, generator=torch.Generator().manual_seed(4)) * 3
     selected = lowest_logprob_tokens(batch.old_logprobs, batch.response_mask, 0.2, "batch")
-    metrics = OPSA(OPSAConfig(scale="entropy", scope="batch")).prepare(batch, [])
+    metrics = FixedAdvantage(FixedAdvantageConfig(scale="entropy", scope="batch")).prepare(batch, [])
     assert torch.equal(batch.advantages, entropy_scaled_advantages(batch.old_entropy, selected, -0.5, -1.0, "batch"))
     picked, others = batch.advantages[selected.bool()], batch.advantages[~selected.bool()]
     assert float(picked.max()) == -0.5 and float(picked.min()) == -1.0 and (others == 0).all()
-    assert metrics["opsa_selected_advantage"] == pytest.approx(float(picked.mean()))
-    assert OPSA(OPSAConfig()).needs_entropy is False and OPSA(OPSAConfig(scale="entropy")).needs_entropy is True
-    OPSA(OPSAConfig(scope="batch")).prepare(batch, [])
+    assert metrics["fixed_advantage_selected_advantage"] == pytest.approx(float(picked.mean()))
+    assert FixedAdvantage(FixedAdvantageConfig()).needs_entropy is False
+    assert FixedAdvantage(FixedAdvantageConfig(scale="entropy")).needs_entropy is True
+    FixedAdvantage(FixedAdvantageConfig(scope="batch")).prepare(batch, [])
     assert torch.equal(batch.advantages, -0.5 * selected)
 
 
@@ -151,9 +157,9 @@ def test_the_hf_old_logprob_pass_gives_the_entropy_of_the_full_distribution(asse
 
 
 def entropy_run(assets, run_dir, **overrides):
-    return run_config(assets, run_dir, "opsa", **{
-        "opsa.scale": "entropy", "opsa.scope": "batch", "rollout.temperature": 0.7, "rollout.samples_per_prompt": 2,
-        "train.prompts_per_step": 2, "train.micro_batch_size": 2, "rollout.max_new_tokens": 8, **overrides})
+    return run_config(assets, run_dir, "fixed_advantage", **{
+        "fixed_advantage.scale": "entropy", "fixed_advantage.scope": "batch", "rollout.temperature": 0.7,
+        "rollout.samples_per_prompt": 2, "train.prompts_per_step": 2, "train.micro_batch_size": 2, "rollout.max_new_tokens": 8, **overrides})
 
 
 @pytest.mark.slow
@@ -166,14 +172,14 @@ def test_the_entropy_form_on_megatron_equals_the_hf_backend(assets, tmp_path):
 
     pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install -e '.[megatron]')")
     pytest.importorskip("mbridge", reason="mbridge not installed (pip install -e '.[megatron]')")
-    save_config(entropy_run(assets, tmp_path / "megatron"), tmp_path / "opsa.yaml")
+    save_config(entropy_run(assets, tmp_path / "megatron"), tmp_path / "fixed_advantage.yaml")
     worker = Path(__file__).parent / "step_worker.py"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(worker), str(tmp_path), "opsa"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           str(worker), str(tmp_path), "fixed_advantage"], env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     if proc.returncode:
         pytest.fail("step worker failed:\n" + "\n".join(proc.stderr.splitlines()[-60:]))
-    megatron = json.loads((tmp_path / "opsa.json").read_text())
+    megatron = json.loads((tmp_path / "fixed_advantage.json").read_text())
     hf = step_gaps(Trainer(entropy_run(assets, tmp_path / "hf")))
     entropy_m, entropy_h = torch.tensor(megatron["old_entropy"]), torch.tensor(hf["old_entropy"])
     assert entropy_m.shape == entropy_h.shape and float(entropy_h.min()) > 0.1
@@ -213,7 +219,7 @@ def test_the_flop_audit_is_exact_for_the_entropy_form(assets, tmp_path, monkeypa
 
 
 def test_a_run_builds_no_teacher_and_no_reference(assets, tmp_path, monkeypatch):
-    """With opd.teachers set and the reference KL on (as an OPD or GRPO config would have them), an opsa run loads
+    """With opd.teachers set and the reference KL on (as an OPD or GRPO config would have them), a fixed_advantage run loads
     one model, its own: building a teacher or a second policy fails the test; it books no teacher or reference
     FLOPs."""
     from megaopd.teachers import router as teachers
@@ -228,10 +234,43 @@ def test_a_run_builds_no_teacher_and_no_reference(assets, tmp_path, monkeypatch)
     built = []
     build_policy = trainer.build_policy
     monkeypatch.setattr(trainer, "build_policy", lambda *a, **k: built.append(a) or build_policy(*a, **k))
-    cfg = run_config(assets, tmp_path / "run", "opsa", **{
+    cfg = run_config(assets, tmp_path / "run", "fixed_advantage", **{
         "opd.teachers.*": assets / "models" / "qwen3-tiny-seed1", "grpo.kl_coef": 0.01, "train.steps": 2,
         "rollout.samples_per_prompt": 1})
     summary = trainer.train(cfg)
     assert len(built) == 1
     own = summary["ledger"]["own"]
     assert own["teacher"] == own["reference"] == 0 and own["rollout"] > 0 and own["train"] > 0
+
+
+def test_the_old_spelling_reads_as_the_new_one_with_a_deprecation_line(tmp_path, caplog):
+    """train.algorithm=opsa and the opsa: section (the names before this release) load as fixed_advantage, one
+    deprecation line for each spelling naming the new one (however often it is used), from overrides and from a
+    file (an old run directory's config.yaml), an override in the new spelling on top of it."""
+    import logging
+
+    from megaopd.config import load_config, save_config
+
+    new = load_config(None, ["train.algorithm=fixed_advantage", "fixed_advantage.fraction=0.3",
+                             "fixed_advantage.scale=entropy"])
+    with caplog.at_level(logging.WARNING, logger="megaopd.config"):
+        old = load_config(None, ["train.algorithm=opsa", "opsa.fraction=0.3", "opsa.scale=entropy"])
+    assert old == new and old.train.algorithm == "fixed_advantage" and old.fixed_advantage.fraction == 0.3
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "config key 'opsa' is deprecated, renamed 'fixed_advantage': write 'fixed_advantage' (the "
+                          "old name is read for one release)"),
+        (logging.WARNING, "train.algorithm=opsa is deprecated, renamed train.algorithm=fixed_advantage: write "
+                          "train.algorithm=fixed_advantage (the old name is read for one release)")]
+
+    save_config(new, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    assert "algorithm: fixed_advantage\n" in text and "\nfixed_advantage:\n" in text
+    (tmp_path / "config.yaml").write_text(text.replace("algorithm: fixed_advantage\n", "algorithm: opsa\n")
+                                          .replace("\nfixed_advantage:\n", "\nopsa:\n"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaopd.config"):
+        assert load_config(tmp_path / "config.yaml") == new
+    assert len(caplog.records) == 2
+    both = load_config(tmp_path / "config.yaml", ["fixed_advantage.clip=0.1"])
+    assert both.fixed_advantage.clip == 0.1 and both.fixed_advantage.fraction == 0.3
+    assert load_config(None, ["train.algorithm=fixed_advantage"]) == load_config(None, ["train.algorithm=opsa"])
