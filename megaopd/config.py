@@ -33,6 +33,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 FP8Recipe = Literal["none", "hybrid", "e4m3"]  # model.megatron.fp8; hybrid: E4M3 forward, E5M2 gradients
 OPSAScope = Literal["response", "batch"]  # opsa.scope: the tokens the lowest fraction is taken among
 OPSAScale = Literal["none", "entropy"]  # opsa.scale: one advantage for every selected token, or by its entropy
+StaleTokens = Literal["refuse", "mask"]  # rollout.stale_tokens: tokens past rollout.max_staleness at training time
 WeightSync = Literal["disk", "tensor", "distributed"]  # rollout.sglang.sync: megaopd.rollout.serving.weight_sync
 
 
@@ -128,12 +129,31 @@ class RolloutConfig:
     # Bounded staleness: batches for steps k..k+K exist before step k trains, so each trains K weight versions after
     # the one that generated it (0: the synchronous loop). SGLang servers generate ahead while the trainer updates.
     max_staleness: int = 0
+    # A response token more than max_staleness versions old when its batch trains (the count includes the time the
+    # batch waited: megaopd.rollout.staleness): refuse stops the run, naming the step; mask trains the batch with
+    # those tokens' loss terms zeroed (they stay in the token-mean's denominator) and logs their share.
+    stale_tokens: StaleTokens = "refuse"
+    # In-flight weight updates (local engine, max_staleness >= 1): the batches generated ahead advance one chunk of
+    # inflight_chunk decode steps per training step, and a weight update lands between chunks, so a response spans
+    # several versions, each token stamped with its own (Sample.token_versions). Off: each batch is generated whole
+    # by one version (the KV caches of the batches in flight are held across the updates when on).
+    inflight_updates: bool = False
+    inflight_chunk: int = 16
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def __post_init__(self):
         if self.max_staleness < 0:
             raise ConfigError(f"rollout.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}; "
                               "set a non-negative number of weight versions")
+        if self.inflight_updates and self.max_staleness < 1:
+            raise ConfigError("rollout.inflight_updates lets weight updates land in the batches generated ahead, and "
+                              "rollout.max_staleness=0 generates none: set rollout.max_staleness=1 or more")
+        if self.inflight_updates and self.engine != "local":
+            raise ConfigError(f"rollout.inflight_updates runs on rollout.engine=local (the SGLang in-flight path is "
+                              f"not there yet), got {self.engine}: set rollout.engine=local or leave it off")
+        if self.inflight_chunk < 1:
+            raise ConfigError(f"rollout.inflight_chunk must be >= 1 decode steps, got {self.inflight_chunk}; "
+                              "set e.g. 16")
 
 
 @dataclass
