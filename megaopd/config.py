@@ -284,13 +284,15 @@ class TrainConfig:
     # Recompute with the trainer instead of trusting rollout logprobs (false needs rollout logprobs without a top-p
     # cut: they become the PPO ratio's old logprobs, which must be the loss's own distribution).
     recompute_old_logprobs: bool = True
-    # Corrections of the train/rollout mismatch (e.g. SGLang kernels vs the trainer's), on the ratio p_trainer /
-    # p_rollout of each sampled token, both under the rollout's sampling distribution (docs/serving.md). Only the
-    # policy-gradient terms are weighted: GRPO's surrogate, OPD's sampled form; under grpo_opd the GRPO term only.
-    # The KL forms of OPD (full_vocab, topk) have no such term: with algorithm=opd the corrections are refused.
+    # Corrections of the train/rollout mismatch (e.g. SGLang kernels vs the trainer's) and of stale rollouts, on the
+    # ratio p_trainer / p_rollout of each sampled token (the trainer's recomputed at training time; the rollout's of
+    # whichever version sampled the token), both under the rollout's sampling distribution (docs/serving.md). The
+    # policy-gradient terms are weighted by the token's own ratio: GRPO's surrogate, OPD's sampled form; under
+    # grpo_opd the GRPO term only. OPD's KL forms (full_vocab, topk; algorithm=opd) weight each position's KL by the
+    # weight of the token before it, whose draw decided the position (docs/opd.md, "Stale samples").
     # Truncated IS: weight min(ratio, tis_cap), per token or per sequence (the product over the response).
-    # auto: token where rollouts can be stale (rollout.max_staleness >= 1, a method with such terms), else none. It
-    # also corrects staleness: at K=1 without it the embedded GRPO expert trailed K=0 (docs/serving.md).
+    # auto: token where rollouts can be stale (rollout.max_staleness >= 1) and the trainer recomputes the logprobs,
+    # else none. At K=1 without it the embedded GRPO expert trailed K=0 (docs/serving.md).
     tis: Literal["auto", ISLevel] = "auto"
     tis_cap: float = 2.0
     # Two-sided mask (IcePop; verl's rollout_rs): a token (token) or a whole response (sequence: the product)
