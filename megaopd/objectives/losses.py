@@ -159,7 +159,8 @@ def check_is_correction(cfg: RunConfig, spec: Method) -> None:
     train = cfg.train
     for name in ("tis", "is_mask"):
         level = getattr(train, name)
-        if level != "none" and spec.rollouts and not train.recompute_old_logprobs:
+        # (auto resolves to none there: resolve_tis)
+        if level not in ("none", "auto") and spec.rollouts and not train.recompute_old_logprobs:
             raise ConfigError(f"train.{name}={level} weights by p_trainer / p_rollout, and "
                               "train.recompute_old_logprobs=false takes the rollout's logprobs for the trainer's, so "
                               f"every weight would be 1: set train.recompute_old_logprobs=true, or train.{name}=none")
