@@ -179,7 +179,7 @@ class LocalEngine:
             def decode(token: torch.Tensor, t: int) -> torch.Tensor:
                 nonlocal packed
                 if packed != self.weight_version:  # an in-flight update landed: its packed copies are the old weights
-                    decoder.pack(model)
+                    decoder.pack(self.policy.model)  # (a Megatron policy refreshes its HF copy on this access)
                     packed = self.weight_version
                 return decoder.step(token, first_pos + t, width + t, additive_mask)
         else:  # other families: the model's own forward, which builds its masks from the 2D padding mask
@@ -189,7 +189,8 @@ class LocalEngine:
             cache_kwarg = cache_argument(model, cache)
 
             def decode(token: torch.Tensor, t: int) -> torch.Tensor:
-                return model(input_ids=token[:, None], attention_mask=padding_mask[:, : width + t + 1],
+                # the policy's model at each step: an in-flight update refreshes a Megatron policy's HF copy on access
+                return self.policy.model(input_ids=token[:, None], attention_mask=padding_mask[:, : width + t + 1],
                              position_ids=(first_pos + t)[:, None], use_cache=True, **cache_kwarg).logits[:, -1]
         return logits, decode
 
