@@ -191,7 +191,8 @@ class LocalEngine:
             def decode(token: torch.Tensor, t: int) -> torch.Tensor:
                 # the policy's model at each step: an in-flight update refreshes a Megatron policy's HF copy on access
                 return self.policy.model(input_ids=token[:, None], attention_mask=padding_mask[:, : width + t + 1],
-                             position_ids=(first_pos + t)[:, None], use_cache=True, **cache_kwarg).logits[:, -1]
+                                         position_ids=(first_pos + t)[:, None], use_cache=True,
+                                         **cache_kwarg).logits[:, -1]
         return logits, decode
 
     def _decode_loop(self, logits: torch.Tensor, decode: Callable[[torch.Tensor, int], torch.Tensor],

@@ -180,14 +180,14 @@ class RolloutPipeline:
         batch = StepRollouts(rows, samples, draw_index, time.perf_counter() - start)
         return replace(batch, teacher=self.score(samples)) if self.score else batch
 
-    def _advance(self, step: int, to_end: bool = False) -> None:
+    def _advance(self, step: int | None) -> None:
         """In-flight updates: batch `step`'s generation run to its end, every later one by one more chunk of decode
-        steps (all to the end with `to_end`), in step order (the generator's draws); the weight update after this
-        step lands in their pauses."""
+        steps (None: every one to its end), in step order (the generator's draws); the weight update after this step
+        lands in their pauses."""
         for ahead in sorted(self._paused):
             paused = self._paused[ahead]
             start = time.perf_counter()
-            samples = run_to_end(paused.generation) if to_end or ahead == step else resume(paused.generation)
+            samples = run_to_end(paused.generation) if step in (None, ahead) else resume(paused.generation)
             paused.seconds += time.perf_counter() - start
             if samples is not None:
                 del self._paused[ahead]
@@ -213,8 +213,8 @@ class RolloutPipeline:
         hands them over for billing)."""
         if self._in_flight is not None:
             self._collect()
-        self._advance(0, to_end=True)
-        self._ready = dict(sorted(self._ready.items()))
+        self._advance(None)
+        self._ready = dict(sorted(self._ready.items()))  # a batch ahead may have ended before the ones before it
         return [{"rows": [self._row_index[id(row)] for row in b.rows], "draw_index": b.draw_index,
                  "seconds": b.seconds, "samples": [dict(vars(s), row=self._row_index[id(s.row)]) for s in b.samples],
                  "teacher": vars(b.teacher) if b.teacher else None}
