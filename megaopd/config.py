@@ -37,6 +37,7 @@ FP8Recipe = Literal["none", "hybrid", "e4m3"]  # model.megatron.fp8; hybrid: E4M
 FixedAdvantageScope = Literal["response", "batch"]
 # fixed_advantage.scale: one advantage for every selected token (the paper's control), or by its entropy (its OPSA)
 FixedAdvantageScale = Literal["none", "entropy"]
+StaleTokens = Literal["refuse", "mask"]  # rollout.stale_tokens: tokens past rollout.max_staleness at training time
 WeightSync = Literal["disk", "tensor", "distributed"]  # rollout.sglang.sync: megaopd.rollout.serving.weight_sync
 
 
@@ -132,12 +133,31 @@ class RolloutConfig:
     # Bounded staleness: batches for steps k..k+K exist before step k trains, so each trains K weight versions after
     # the one that generated it (0: the synchronous loop). SGLang servers generate ahead while the trainer updates.
     max_staleness: int = 0
+    # A response token more than max_staleness versions old when its batch trains (the count includes the time the
+    # batch waited: megaopd.rollout.staleness): refuse stops the run, naming the step; mask trains the batch with
+    # those tokens' loss terms zeroed (they stay in the token-mean's denominator) and logs their share.
+    stale_tokens: StaleTokens = "refuse"
+    # In-flight weight updates (local engine, max_staleness >= 1): the batches generated ahead advance one chunk of
+    # inflight_chunk decode steps per training step, and a weight update lands between chunks, so a response spans
+    # several versions, each token stamped with its own (Sample.token_versions). Off: each batch is generated whole
+    # by one version (the KV caches of the batches in flight are held across the updates when on).
+    inflight_updates: bool = False
+    inflight_chunk: int = 16
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def __post_init__(self):
         if self.max_staleness < 0:
             raise ConfigError(f"rollout.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}; "
                               "set a non-negative number of weight versions")
+        if self.inflight_updates and self.max_staleness < 1:
+            raise ConfigError("rollout.inflight_updates lets weight updates land in the batches generated ahead, and "
+                              "rollout.max_staleness=0 generates none: set rollout.max_staleness=1 or more")
+        if self.inflight_updates and self.engine != "local":
+            raise ConfigError(f"rollout.inflight_updates runs on rollout.engine=local (the SGLang in-flight path is "
+                              f"not there yet), got {self.engine}: set rollout.engine=local or leave it off")
+        if self.inflight_chunk < 1:
+            raise ConfigError(f"rollout.inflight_chunk must be >= 1 decode steps, got {self.inflight_chunk}; "
+                              "set e.g. 16")
 
 
 @dataclass
@@ -270,13 +290,15 @@ class TrainConfig:
     # Recompute with the trainer instead of trusting rollout logprobs (false needs rollout logprobs without a top-p
     # cut: they become the PPO ratio's old logprobs, which must be the loss's own distribution).
     recompute_old_logprobs: bool = True
-    # Corrections of the train/rollout mismatch (e.g. SGLang kernels vs the trainer's), on the ratio p_trainer /
-    # p_rollout of each sampled token, both under the rollout's sampling distribution (docs/serving.md). Only the
-    # policy-gradient terms are weighted: GRPO's surrogate, OPD's sampled form; under grpo_opd the GRPO term only.
-    # The KL forms of OPD (full_vocab, topk) have no such term: with algorithm=opd the corrections are refused.
+    # Corrections of the train/rollout mismatch (e.g. SGLang kernels vs the trainer's) and of stale rollouts, on the
+    # ratio p_trainer / p_rollout of each sampled token (the trainer's recomputed at training time; the rollout's of
+    # whichever version sampled the token), both under the rollout's sampling distribution (docs/serving.md). The
+    # policy-gradient terms are weighted by the token's own ratio: GRPO's surrogate, OPD's sampled form; under
+    # grpo_opd the GRPO term only. OPD's KL forms (full_vocab, topk; algorithm=opd) weight each position's KL by the
+    # weight of the token before it, whose draw decided the position (docs/opd.md, "Stale samples").
     # Truncated IS: weight min(ratio, tis_cap), per token or per sequence (the product over the response).
-    # auto: token where rollouts can be stale (rollout.max_staleness >= 1, a method with such terms), else none. It
-    # also corrects staleness: at K=1 without it the embedded GRPO expert trailed K=0 (docs/serving.md).
+    # auto: token where rollouts can be stale (rollout.max_staleness >= 1) and the trainer recomputes the logprobs,
+    # else none. At K=1 without it the embedded GRPO expert trailed K=0 (docs/serving.md).
     tis: Literal["auto", ISLevel] = "auto"
     tis_cap: float = 2.0
     # Two-sided mask (IcePop; verl's rollout_rs): a token (token) or a whole response (sequence: the product)

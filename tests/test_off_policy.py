@@ -97,8 +97,10 @@ def test_settings_that_compare_like_with_like_pass():
     checked("model.backend=megatron", "rollout.engine=sglang", "rollout.top_p=0.9", "rollout.temperature=0.7")
     checked("train.is_mask=token", "train.is_mask_low=0", "train.is_mask_high=inf")
     assert reported_sampling("local", 0.7, 0.9) == (0.7, 0.9) and reported_sampling("sglang", 0.7, 0.9) == (0.7, 1.0)
-    with pytest.raises(ConfigError, match=r"^train\.is_mask=token weights .* opd\.form=topk has none"):
-        checked("train.is_mask=token", "opd.form=topk", algorithm="opd")
+    checked("train.is_mask=token", "opd.form=topk", algorithm="opd")  # the KL forms take prefix weights
+    with pytest.raises(ConfigError, match=r"^train\.tis=token weights .* every weight would be 1: set train\."
+                                          r"recompute_old_logprobs=true, or train\.tis=none$"):
+        checked("train.tis=token", "train.recompute_old_logprobs=false")
 
 
 @pytest.mark.parametrize("algorithm,overrides,tis", [
@@ -107,7 +109,9 @@ def test_settings_that_compare_like_with_like_pass():
     ("opd", ["rollout.max_staleness=1", "opd.form=sampled"], "token"),
     ("fixed_advantage", ["rollout.max_staleness=1"], "token"),  # its fixed advantage weights sampled tokens too
     ("grpo", [], "none"),  # K=0: the synchronous loop as it was
-    ("opd", ["rollout.max_staleness=1"], "none"),  # full_vocab: no sampled-token term to weight, nothing refused
+    ("opd", ["rollout.max_staleness=1"], "token"),  # full_vocab: each position by its prefix's weight
+    ("opd", ["rollout.max_staleness=1", "opd.form=topk", "opd.topk=4"], "token"),
+    ("grpo", ["rollout.max_staleness=1", "train.recompute_old_logprobs=false"], "none"),  # the PPO ratio's, already
     ("sft", ["rollout.max_staleness=1"], "none"),
     ("grpo", ["rollout.max_staleness=1", "train.tis=none"], "none"),  # what the user sets stands
     ("grpo", ["train.tis=sequence"], "sequence"),

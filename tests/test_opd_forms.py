@@ -213,14 +213,16 @@ def test_full_vocab_kl_is_a_sum_over_vocabulary_slices():
 
 
 @pytest.mark.parametrize("form", ["full_vocab", "topk"])
-def test_truncated_is_with_a_kl_form_is_refused_before_any_model_loads(assets, tmp_path, form):
-    """train.tis weights sampled-token terms; opd's KL forms have none, so the weights would silently be dropped."""
+def test_truncated_is_without_the_trainers_logprobs_is_refused_before_any_model_loads(assets, tmp_path, form):
+    """The KL forms take IS weights (each position by its prefix's: docs/opd.md, "Stale samples"), but without the
+    recomputed logprobs the ratio is the rollout's over itself: every weight would silently be 1."""
     from conftest import run_config
     from megaopd.run.trainer import Trainer
 
     cfg = run_config(assets, tmp_path / "run", "opd", **{"train.tis": "token", "opd.form": form, "opd.topk": 4,
+                                                        "train.recompute_old_logprobs": False,
                                                         "opd.teachers.*": "/nonexistent"})
-    with pytest.raises(ValueError, match=f"train.tis=token .* opd.form={form} has none"):
+    with pytest.raises(ValueError, match="train.tis=token weights .* every weight would be 1"):
         Trainer(cfg)
     assert not (tmp_path / "run").exists()
 

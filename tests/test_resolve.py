@@ -20,8 +20,8 @@ CONTROL = "train.algorithm=fixed_advantage"
 
 # Every refusal of resolve_run that reads the config only: (the run config, the overrides, a piece of its line).
 REFUSALS = {
-    "tis_without_policy_gradient": (OPD, [TEACHER, "opd.form=topk", "opd.topk=4", "train.tis=token"],
-                                    "train.tis=token weights the sampled tokens' policy-gradient terms"),
+    "tis_without_recomputed_logprobs": (OPD, [TEACHER, "opd.form=topk", "opd.topk=4", "train.tis=token",
+                                              "train.recompute_old_logprobs=false"], "every weight would be 1"),
     "tis_cap": (GRPO, ["train.tis=token", "train.tis_cap=0"], "train.tis_cap must be > 0"),
     "is_mask_band": (GRPO, ["train.is_mask=token", "train.is_mask_low=1.5"], "which must hold 1"),
     "old_logprobs_of_another_distribution": (GRPO, ["train.recompute_old_logprobs=false", "rollout.top_p=0.9"],

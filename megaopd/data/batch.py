@@ -19,8 +19,15 @@ class Sample:
     response_ids: list[int]  # includes the EOS token when the model stopped by itself
     rollout_logprobs: list[float]  # per response token, from the engine that sampled it (behaviour policy)
     finish_reason: str  # "stop" (EOS) or "length" (hit max_new_tokens)
-    weight_version: int  # the policy version that produced it: stale-weight bugs show up here
+    weight_version: int  # the policy version that produced it (its first token's): stale-weight bugs show up here
     reward: float = 0.0
+    # The version that produced each response token, where an in-flight weight update landed during the generation
+    # (rollout.inflight_updates); None: every token is weight_version's.
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """The weight version of each response token."""
+        return self.token_versions or [self.weight_version] * len(self.response_ids)
 
 
 @dataclass
@@ -58,6 +65,10 @@ class TokenBatch:
     teacher_row_start: torch.Tensor | None = None  # [B] long: first row of each sample's kept full-vocab teacher rows
     # [B, S-1] policy-gradient weights from p_trainer / p_rollout: truncated IS (train.tis) x mask (train.is_mask)
     is_weights: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None  # [B, S-1] long: the weight version of each response token, 0 elsewhere
+    # [B, S-1] 0 at response tokens more than rollout.max_staleness versions old when the batch trains
+    # (rollout.stale_tokens=mask), 1 elsewhere; None: none are
+    fresh_mask: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -92,7 +103,10 @@ def collate(samples: list[Sample], pad_id: int) -> TokenBatch:
     rollout_logprobs = torch.zeros(in_response.shape)
     rollout_logprobs[in_response] = torch.tensor([lp for s in samples for lp in s.rollout_logprobs],
                                                  dtype=rollout_logprobs.dtype)
-    return TokenBatch(input_ids, attention_mask, in_response.float(), rollout_logprobs)
+    token_versions = torch.zeros(in_response.shape, dtype=torch.long)
+    token_versions[in_response] = torch.tensor([v for s in samples for v in s.versions()], dtype=torch.long)
+    return TokenBatch(input_ids, attention_mask, in_response.float(), rollout_logprobs,
+                      token_versions=token_versions)
 
 
 @dataclass

@@ -133,27 +133,37 @@ def is_correction(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: 
     return ISCorrection(weights.detach(), truncated, masked)
 
 
+def prefix_weights(weights: torch.Tensor) -> torch.Tensor:
+    """The IS weights of OPD's KL forms: position t's KL is taken over the whole vocabulary at the prefix the
+    sampled tokens before it drew, so the ratio of token t itself integrates out (its weight would be 1 in
+    expectation) and what staleness changes is the prefix: position t takes the weight of token t - 1, the first
+    response position (the prompt's prefix) 1. Per token, the last draw's ratio; per sequence, the response's
+    product (unbiased: the later tokens' ratios average 1). ``weights``: [B, S-1], 1 off the response."""
+    return torch.cat([torch.ones_like(weights[:, :1]), weights[:, :-1]], -1)
+
+
 def resolve_tis(cfg: RunConfig, spec: Method) -> RunConfig:
     """``train.tis=auto`` made concrete: token-level truncated IS when the rollouts can be one or more weight versions
-    old (rollout.max_staleness >= 1) and the method has sampled-token policy-gradient terms to weight; none otherwise
-    (K=0: the behaviour policy is the trainer's own, today's synchronous loop bit for bit)."""
+    old (rollout.max_staleness >= 1) and the trainer recomputes the logprobs the ratio needs; none otherwise (K=0: the
+    behaviour policy is the trainer's own, today's synchronous loop bit for bit; without the recomputation the PPO
+    ratio is against the behaviour logprobs already)."""
     if cfg.train.tis != "auto":
         return cfg
-    stale = spec.rollouts and cfg.rollout.max_staleness >= 1 and spec.has_policy_gradient(cfg.opd)
+    stale = spec.rollouts and cfg.rollout.max_staleness >= 1 and cfg.train.recompute_old_logprobs
     return replace(cfg, train=replace(cfg.train, tis="token" if stale else "none"))
 
 
 def check_is_correction(cfg: RunConfig, spec: Method) -> None:
-    """Refuses, before any model loads, IS settings that would be dropped, ill-formed, or compare unlike logprobs;
+    """Refuses, before any model loads, IS settings that would weigh nothing, ill-formed, or compare unlike logprobs;
     ``cfg``'s train.tis resolved (``resolve_tis``)."""
     train = cfg.train
     for name in ("tis", "is_mask"):
         level = getattr(train, name)
-        if level != "none" and spec.rollouts and not spec.has_policy_gradient(cfg.opd):
-            raise ConfigError(f"train.{name}={level} weights the sampled tokens' policy-gradient terms, and "
-                              f"opd.form={cfg.opd.form} has none: its loss is the KL over the vocabulary at each "
-                              f"response position, so the weights would be dropped; set train.{name}=none, or "
-                              "opd.form=sampled (with train.algorithm=grpo_opd they weight the GRPO term)")
+        # (auto resolves to none there: resolve_tis)
+        if level not in ("none", "auto") and spec.rollouts and not train.recompute_old_logprobs:
+            raise ConfigError(f"train.{name}={level} weights by p_trainer / p_rollout, and "
+                              "train.recompute_old_logprobs=false takes the rollout's logprobs for the trainer's, so "
+                              f"every weight would be 1: set train.recompute_old_logprobs=true, or train.{name}=none")
     if train.tis != "none" and not train.tis_cap > 0:
         raise ConfigError(f"train.tis_cap must be > 0 (the largest IS weight), got {train.tis_cap:g}; set e.g. 2")
     if train.is_mask != "none" and not 0 <= train.is_mask_low < 1 < train.is_mask_high:
@@ -350,8 +360,9 @@ class OPD:
         return {}
 
     def token_loss(self, logp, vocab, mb: TokenBatch):
-        if self.vocab_term is not None:
-            return vocab, {f"{self.cfg.kl}_kl": vocab.detach()}
+        if self.vocab_term is not None:  # stale samples: each position's KL by its prefix's IS weight
+            loss = vocab if mb.is_weights is None else vocab * prefix_weights(mb.is_weights)
+            return loss, {f"{self.cfg.kl}_kl": vocab.detach()}
         loss, clipped = weighted_clipped_loss(logp, mb, self.cfg.clip, self.cfg.clip, mb.is_weights)
         return loss, {"clip_fraction": clipped, "reverse_kl_k1": -mb.advantages}
 

@@ -71,10 +71,6 @@ class Method:
         beside the student's log-softmax in each chunk."""
         return self.teacher_term and opd.form != "sampled"
 
-    def has_policy_gradient(self, opd: OPDConfig) -> bool:
-        """Whether some term weights sampled tokens' policy gradients (what train.tis corrects)."""
-        return self.group_term or self.self_term or (self.teacher_term and opd.form == "sampled")
-
     def step_flops(self, cfg: RunConfig, student: flops.ModelShape, teachers: Sequence[flops.ModelShape] | None,
                    prompt_lens: Sequence[int], response_lens: Sequence[int], causal: bool = True,
                    teacher_lens: flops.Lengths | None = None, shared_prompt: bool = False) -> dict[str, int]:

@@ -7,7 +7,8 @@ of all heads at once, the softmax scale folded into the query, attention as two 
 without repeating the cache), keys and values written into a cache allocated once for the whole generation.
 
 The packed weights are copied from the model's current parameters when the decoder is built, i.e. once per rollout
-chunk, so there is no copy to keep in sync with training. Prefill stays the model's own forward; its cache seeds
+chunk, so there is no copy to keep in sync with training (``pack`` copies them again where an in-flight weight update
+lands mid-generation). Prefill stays the model's own forward; its cache seeds
 this one. ``tests/test_policy_fast_paths.py`` checks the result against HF's own decoding.
 """
 
@@ -52,7 +53,6 @@ class FusedDecoder:
         self.lm_head = model.get_output_embeddings().weight
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qk_width = q_width + kv_width
-        scale = first.scaling
         # RoPE tables for every position this generation can reach (the model's own rotary module, so its scaling
         # variant applies); rotate_half(x) * sin is computed as roll(x) * sin with the sign folded into sin.
         positions = torch.arange(capacity, device=self.embed.device)[None]
@@ -61,8 +61,24 @@ class FusedDecoder:
         self.cos = cos[0]
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
 
+        self.scale = first.scaling
         self.layers = []
-        for index, layer in enumerate(body.layers):
+        for index in range(len(body.layers)):
+            keys, values = cache.layers[index].keys, cache.layers[index].values
+            k_cache = keys.new_zeros((*keys.shape[:2], capacity, self.head_dim))
+            v_cache = values.new_zeros(k_cache.shape)
+            k_cache[:, :, :keys.shape[2]] = keys
+            v_cache[:, :, :values.shape[2]] = values
+            self.layers.append(dict(k_cache=k_cache, v_cache=v_cache))
+        self.pack(model)
+        self.ffn = body.layers[0].mlp.gate_proj.out_features
+
+    @torch.no_grad()
+    def pack(self, model) -> None:
+        """Copy the model's current weights into the packed ones, keeping the KV cache: again after an in-flight
+        weight update (rollout.inflight_updates), whose later tokens the new weights decode."""
+        scale = self.scale
+        for packed, layer in zip(self.layers, model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             has_qk_norm = hasattr(attn, "q_norm")
             q_scale = 1.0 if has_qk_norm else scale  # with q/k norms the scale goes into the q norm
@@ -74,17 +90,11 @@ class FusedDecoder:
                        if has_qk_norm else None)
             gate_up_bias = (torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
                             if mlp.gate_proj.bias is not None else None)
-            keys, values = cache.layers[index].keys, cache.layers[index].values
-            k_cache = keys.new_zeros((*keys.shape[:2], capacity, self.head_dim))
-            v_cache = values.new_zeros(k_cache.shape)
-            k_cache[:, :, :keys.shape[2]] = keys
-            v_cache[:, :, :values.shape[2]] = values
-            self.layers.append(dict(
+            packed.update(
                 input_norm=layer.input_layernorm.weight, w_qkv=w_qkv, b_qkv=b_qkv, qk_norm=qk_norm,
                 w_o=attn.o_proj.weight, b_o=attn.o_proj.bias, post_norm=layer.post_attention_layernorm.weight,
                 w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), b_gate_up=gate_up_bias,
-                w_down=mlp.down_proj.weight, b_down=mlp.down_proj.bias, k_cache=k_cache, v_cache=v_cache))
-        self.ffn = body.layers[0].mlp.gate_proj.out_features
+                w_down=mlp.down_proj.weight, b_down=mlp.down_proj.bias)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # HF's RMSNorm: normalise in float32, cast back, then scale (written out: F.rms_norm is slower on CPU).

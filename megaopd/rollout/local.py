@@ -17,7 +17,8 @@ through ``megaopd.rollout.decode.FusedDecoder`` for the families it knows, else 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 
 import torch
 
@@ -101,28 +102,43 @@ class LocalEngine:
 
     def generate(self, rows: list[Row], samples_per_prompt: int, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 64, generator: torch.Generator | None = None) -> list[Sample]:
+        return run_to_end(self.generation(rows, samples_per_prompt, temperature, top_p, max_new_tokens, generator))
+
+    def generation(self, rows: list[Row], samples_per_prompt: int, temperature: float = 1.0, top_p: float = 1.0,
+                   max_new_tokens: int = 64, generator: torch.Generator | None = None,
+                   chunk: int = 0) -> Generator[None, None, list[Sample]]:
+        """``generate`` as a generation that pauses (yields) after every ``chunk`` decode steps (0: never), its
+        samples the generation's return value. A weight update may land at a pause (rollout.inflight_updates): the
+        tokens decoded after it are the new version's, over the KV cache the earlier version wrote (as in-flight
+        updates do on servers), and each token records its version."""
         samples = []
         for start in range(0, len(rows), self.batch_prompts):
-            chunk = rows[start: start + self.batch_prompts]
-            samples += self._generate_chunk(chunk, start, samples_per_prompt, temperature, top_p, max_new_tokens,
-                                            generator)
+            chunk_rows = rows[start: start + self.batch_prompts]
+            samples += yield from each_resume(self._sampling, self._generate_chunk(
+                chunk_rows, start, samples_per_prompt, temperature, top_p, max_new_tokens, generator, chunk))
         return samples
 
-    @torch.inference_mode()
-    def _generate_chunk(self, rows, first_group, n, temperature, top_p, max_new_tokens, generator):
+    @contextmanager
+    def _sampling(self):
+        """Inference mode, dropout off, for one stretch of a generation (never across a pause, where the trainer
+        updates). Dropout goes off by torch's own switch: transformers' train() and eval() also kernelize the model
+        again at each switch (its hub ``kernels`` integration, on wherever that package is installed: ~0.6 ms a
+        switch, two a chunk), and the kernels it chose for training run forward passes too."""
         model = self.policy.model
         was_training = model.training
-        # Dropout off while sampling, by torch's own switch: transformers' train() and eval() also kernelize the model
-        # again at each switch (its hub ``kernels`` integration, on wherever that package is installed: ~0.6 ms a
-        # switch, two a chunk), and the kernels it chose for training run forward passes too.
         torch.nn.Module.train(model, False)
         try:
-            prompts = chat_prompt_ids_batch(self.policy.tokenizer, [row.prompt for row in rows])
-            logits, decode = self._prefill(prompts, n, max_new_tokens)
-            tokens, logprobs, done = self._decode_loop(logits, decode, temperature, top_p, max_new_tokens, generator)
+            with torch.inference_mode():
+                yield
         finally:
             torch.nn.Module.train(model, was_training)
-        return self._samples(rows, prompts, first_group, n, tokens, logprobs, done)
+
+    def _generate_chunk(self, rows, first_group, n, temperature, top_p, max_new_tokens, generator, chunk):
+        prompts = chat_prompt_ids_batch(self.policy.tokenizer, [row.prompt for row in rows])
+        logits, decode = self._prefill(prompts, n, max_new_tokens)
+        tokens, logprobs, versions, done = yield from self._decode_loop(logits, decode, temperature, top_p,
+                                                                        max_new_tokens, generator, chunk)
+        return self._samples(rows, prompts, first_group, n, tokens, logprobs, versions, done)
 
     def _prefill(self, prompts: list[list[int]], n: int,
                  max_new_tokens: int) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
@@ -156,10 +172,15 @@ class LocalEngine:
         batch = logits.shape[0]
         if FusedDecoder.supports(model):
             decoder = FusedDecoder(model, cache, capacity)
+            packed = self.weight_version
             additive_mask = torch.zeros((batch, 1, 1, capacity), dtype=model.dtype, device=device)
             additive_mask[:, 0, 0, :width].masked_fill_(key_mask == 0, -torch.inf)
 
             def decode(token: torch.Tensor, t: int) -> torch.Tensor:
+                nonlocal packed
+                if packed != self.weight_version:  # an in-flight update landed: its packed copies are the old weights
+                    decoder.pack(self.policy.model)  # (a Megatron policy refreshes its HF copy on this access)
+                    packed = self.weight_version
                 return decoder.step(token, first_pos + t, width + t, additive_mask)
         else:  # other families: the model's own forward, which builds its masks from the 2D padding mask
             padding_mask = torch.ones((batch, capacity), dtype=mask.dtype, device=device)
@@ -168,39 +189,76 @@ class LocalEngine:
             cache_kwarg = cache_argument(model, cache)
 
             def decode(token: torch.Tensor, t: int) -> torch.Tensor:
-                return model(input_ids=token[:, None], attention_mask=padding_mask[:, : width + t + 1],
-                             position_ids=(first_pos + t)[:, None], use_cache=True, **cache_kwarg).logits[:, -1]
+                # the policy's model at each step: an in-flight update refreshes a Megatron policy's HF copy on access
+                return self.policy.model(input_ids=token[:, None], attention_mask=padding_mask[:, : width + t + 1],
+                                         position_ids=(first_pos + t)[:, None], use_cache=True,
+                                         **cache_kwarg).logits[:, -1]
         return logits, decode
 
     def _decode_loop(self, logits: torch.Tensor, decode: Callable[[torch.Tensor, int], torch.Tensor],
-                     temperature: float, top_p: float, max_new_tokens: int,
-                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample up to `max_new_tokens` per row, until every row has sampled EOS: (tokens, logprobs, done), on CPU."""
+                     temperature: float, top_p: float, max_new_tokens: int, generator: torch.Generator | None,
+                     chunk: int = 0) -> Generator[None, None, tuple[torch.Tensor, ...]]:
+        """Sample up to `max_new_tokens` per row, until every row has sampled EOS, pausing after every `chunk` decode
+        steps (0: never): returns (tokens, logprobs, versions, done), on CPU, versions the weight version that
+        computed each token's logits."""
         batch = logits.shape[0]
         tokens = torch.zeros((batch, max_new_tokens), dtype=torch.long)
         logprobs = torch.zeros((batch, max_new_tokens))
+        versions = torch.zeros((batch, max_new_tokens), dtype=torch.long)
         done = torch.zeros(batch, dtype=torch.bool)
         for t in range(max_new_tokens):
             token, logprob = sample_tokens(logits, temperature, top_p, generator)
             token_cpu = token.cpu()
-            tokens[:, t], logprobs[:, t] = token_cpu, logprob.cpu()
+            tokens[:, t], logprobs[:, t], versions[:, t] = token_cpu, logprob.cpu(), self.weight_version
             done |= token_cpu == self.policy.eos_id
             if t == max_new_tokens - 1 or bool(done.all()):
                 break  # the last sampled token is never fed back
+            if chunk and (t + 1) % chunk == 0:
+                yield  # a weight update may land here: the logits of token t + 1 on are the next version's
             logits = decode(token, t)
-        return tokens, logprobs, done
+        return tokens, logprobs, versions, done
 
     def _samples(self, rows: list[Row], prompts: list[list[int]], first_group: int, n: int, tokens: torch.Tensor,
-                 logprobs: torch.Tensor, done: torch.Tensor) -> list[Sample]:
-        """One Sample per row of the decode loop: `n` consecutive rows per prompt, each cut at its end."""
+                 logprobs: torch.Tensor, versions: torch.Tensor, done: torch.Tensor) -> list[Sample]:
+        """One Sample per row of the decode loop: `n` consecutive rows per prompt, each cut at its end; per-token
+        versions only where an update landed during the generation."""
         # A response ends at its first EOS (rows that finished early kept sampling until all had), else at the limit.
         is_eos = tokens == self.policy.eos_id
         lengths = torch.where(done, is_eos.int().argmax(-1) + 1, tokens.shape[1]).tolist()
         samples = []
-        for i, (row_tokens, row_logprobs, stopped) in enumerate(zip(tokens.tolist(), logprobs.tolist(),
-                                                                   done.tolist())):
+        for i, (row_tokens, row_logprobs, row_versions, stopped) in enumerate(zip(
+                tokens.tolist(), logprobs.tolist(), versions.tolist(), done.tolist())):
+            own = row_versions[:lengths[i]]
             samples.append(Sample(
                 row=rows[i // n], group=first_group + i // n, prompt_ids=prompts[i // n],
                 response_ids=row_tokens[:lengths[i]], rollout_logprobs=row_logprobs[:lengths[i]],
-                finish_reason="stop" if stopped else "length", weight_version=self.weight_version))
+                finish_reason="stop" if stopped else "length", weight_version=own[0],
+                token_versions=own if own[0] != own[-1] else None))
         return samples
+
+
+def each_resume(context: Callable, generation: Generator):
+    """Runs `generation` with `context()` entered on each resume and left at each pause (``yield from`` it): what
+    the context switches (inference mode, dropout) is the trainer's again while the generation is paused."""
+    while True:
+        with context():
+            value = resume(generation)
+        if value is not None:
+            return value
+        yield
+
+
+def resume(generation: Generator):
+    """Resumes `generation` to its next pause (None) or its end (its return value)."""
+    try:
+        next(generation)
+    except StopIteration as end:
+        return end.value
+    return None
+
+
+def run_to_end(generation: Generator):
+    """A generation's return value, resumed at each pause without pausing."""
+    while (value := resume(generation)) is None:
+        pass
+    return value

@@ -10,7 +10,15 @@ in step order and generated with the engine's current weights.
 
 So the first K+1 batches come from weight version 0 and every later one trains exactly K versions after the one that
 generated it (K=1: one-step-off-policy); K=0 is the synchronous loop, with the same sampler draws and generator use.
-A sample more than K versions old is never trained on: by construction there are none, and one would stop the run.
+Staleness is counted per response token when its batch trains (``megaopd.rollout.staleness``): by construction none
+is more than K versions old; one that is (a batch that waited longer) stops the run or is masked
+(``rollout.stale_tokens``).
+
+In-flight updates (``rollout.inflight_updates``, the local engine): the batches ahead are generations paused between
+chunks of ``rollout.inflight_chunk`` decode steps. ``take(k)`` runs batch k's to its end and advances each later one by
+a chunk, so the update after step k lands in their pauses and one response carries several versions, each token
+stamped with its own (``Sample.token_versions``); a batch started in step k - K trains in step k, its first chunk K
+versions old. A checkpoint runs the paused generations to their end (the trainer bills them there).
 
 Where the generation runs: an engine that samples from the trainer's own model (``LocalEngine``) generates inline
 when the pipeline is refilled: the same staleness, no overlap. An engine with its own copy of the weights (SGLang
@@ -35,7 +43,7 @@ with their teacher scores; the resumed run trains them as the uninterrupted one 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -43,7 +51,9 @@ from megaopd.data.batch import Sample, TeacherScores
 from megaopd.config import ConfigError
 from megaopd.data.rows import Row
 from megaopd.data.sampler import PromptSampler
+from megaopd.rollout.local import resume, run_to_end
 from megaopd.rollout.serving.leader import is_leader, leader_only, on_leader
+from megaopd.rollout.staleness import check_staleness, token_staleness
 
 
 @dataclass
@@ -57,13 +67,29 @@ class StepRollouts:
     teacher: TeacherScores | None = None  # the teacher servers' scores, when they scored the samples as they arrived
 
 
+@dataclass
+class _InFlight:
+    """A batch whose generation is paused between chunks of decode steps (rollout.inflight_updates)."""
+
+    rows: list[Row]
+    draw_index: int
+    generation: Generator[None, None, list[Sample]]
+    seconds: float = 0.0
+
+
 class RolloutPipeline:
     def __init__(self, engine, sampler: PromptSampler, generate: Callable[[list[Row]], list[Sample]],
-                 max_staleness: int, last_step: int, score: Callable[[list[Sample]], TeacherScores] | None = None):
+                 max_staleness: int, last_step: int, score: Callable[[list[Sample]], TeacherScores] | None = None,
+                 generation: Callable[[list[Row]], Generator[None, None, list[Sample]]] | None = None,
+                 stale_tokens: str = "refuse"):
         """``generate(rows)``: the engine's samples with the run's sampling settings and generator;
-        ``score(samples)``: the teacher servers' scores (None: no teachers, or local ones)."""
+        ``score(samples)``: the teacher servers' scores (None: no teachers, or local ones); ``generation(rows)``:
+        the same samples as a generation that pauses between chunks of decode steps, where weight updates land
+        (rollout.inflight_updates; None: off); ``stale_tokens``: rollout.stale_tokens."""
         self.engine, self.sampler, self.generate = engine, sampler, generate
         self.max_staleness, self.last_step = max_staleness, last_step
+        self.generation, self.stale_tokens = generation, stale_tokens
+        self._paused: dict[int, _InFlight] = {}  # step -> its batch's paused generation (in-flight updates)
         self.background = not engine.shares_policy_weights
         self.score = score if self.background and max_staleness > 0 else None  # else the training step scores
         self._pool: ThreadPoolExecutor | None = None
@@ -73,25 +99,26 @@ class RolloutPipeline:
         self._row_index = {id(row): i for i, row in enumerate(sampler.rows)}  # rows go to a checkpoint by index
         self._wait = 0.0
         self._generated: list[StepRollouts] = []  # this step's generations, for the trainer to bill
-        self._staleness: list[int] = []
+        self._staleness: list[int] = []  # this step's trained tokens' staleness, and how many were past the bound
+        self._stale = 0
         self._draw_index = 0
 
     # ---- one step ----
     def take(self, step: int) -> StepRollouts:
-        """The batch step `step` trains on; a sample more than K versions old is a bug of the pipeline, and stops
-        the run (a batch trains whole: its groups and teacher scores are by sample index)."""
+        """The batch step `step` trains on. Its tokens' staleness is counted now, when it trains: a token more than
+        K versions old is refused or left to the trainer to mask (rollout.stale_tokens; a batch trains whole: its
+        groups and teacher scores are by sample index)."""
         start = time.perf_counter()
         for ahead in range(self._drawn + 1, min(step + self.max_staleness, self.last_step) + 1):
             self._launch(ahead)
+        if self._paused:
+            self._advance(step)
         if step not in self._ready:
             self._collect()  # it is the one in flight
         batch = self._ready.pop(step)
         self._wait += time.perf_counter() - start
-        version = self.engine.weight_version
-        staleness = [version - s.weight_version for s in batch.samples]
-        if max(staleness) > self.max_staleness:
-            raise RuntimeError(f"step {step}: rollouts more than rollout.max_staleness={self.max_staleness} weight "
-                               f"versions old (trainer at {version}); this is a bug of the rollout pipeline")
+        staleness = token_staleness(batch.samples, self.engine.weight_version)
+        self._stale += check_staleness(step, staleness, self.max_staleness, self.stale_tokens)
         self._staleness += staleness
         self._draw_index = batch.draw_index
         return batch
@@ -107,18 +134,27 @@ class RolloutPipeline:
     def step_end(self) -> tuple[dict[str, float], list[StepRollouts]]:
         """This step's metrics, and the batches generated during it (billed in this step's ledger, whichever step
         trains on them)."""
-        metrics = {"rollout/staleness_mean": sum(self._staleness) / max(len(self._staleness), 1),
-                   "rollout/staleness_max": max(self._staleness, default=0), "rollout/draw_index": self._draw_index,
+        tokens = max(len(self._staleness), 1)
+        metrics = {"rollout/staleness_mean": sum(self._staleness) / tokens,
+                   "rollout/staleness_max": max(self._staleness, default=0),
+                   "rollout/staleness_masked_share": self._stale / tokens, "rollout/draw_index": self._draw_index,
                    "perf/rollout_wait_seconds": self._wait}
-        generated = self._generated
-        self._wait, self._generated, self._staleness = 0.0, [], []
-        return metrics, generated
+        self._wait, self._staleness, self._stale = 0.0, [], 0
+        return metrics, self.drain_generated()
+
+    def drain_generated(self) -> list[StepRollouts]:
+        """The batches generated since the last call (for the trainer to bill)."""
+        generated, self._generated = self._generated, []
+        return generated
 
     # ---- generation ----
     def _launch(self, step: int) -> None:
         draw_index = self.sampler.drawn
         rows = self.sampler.next_batch()
         self._drawn = step
+        if self.generation is not None:  # started by _advance, with the batches in flight before it
+            self._paused[step] = _InFlight(rows, draw_index, self.generation(rows))
+            return
         if not self.background:
             self._store(step, self._generate(rows, draw_index))
             return
@@ -144,6 +180,19 @@ class RolloutPipeline:
         batch = StepRollouts(rows, samples, draw_index, time.perf_counter() - start)
         return replace(batch, teacher=self.score(samples)) if self.score else batch
 
+    def _advance(self, step: int | None) -> None:
+        """In-flight updates: batch `step`'s generation run to its end, every later one by one more chunk of decode
+        steps (None: every one to its end), in step order (the generator's draws); the weight update after this step
+        lands in their pauses."""
+        for ahead in sorted(self._paused):
+            paused = self._paused[ahead]
+            start = time.perf_counter()
+            samples = run_to_end(paused.generation) if step in (None, ahead) else resume(paused.generation)
+            paused.seconds += time.perf_counter() - start
+            if samples is not None:
+                del self._paused[ahead]
+                self._store(ahead, StepRollouts(paused.rows, samples, paused.draw_index, paused.seconds))
+
     def _collect(self) -> None:
         step, rows, job = self._in_flight
         self._in_flight = None
@@ -159,9 +208,13 @@ class RolloutPipeline:
 
     # ---- checkpoint ----
     def state_dict(self) -> list[dict]:
-        """The generated-but-untrained batches, in step order (the sampler's and generator's states are after them)."""
+        """The generated-but-untrained batches, in step order (the sampler's and generator's states are after them).
+        Nothing is in flight at a checkpoint: paused generations are run to their end here (``drain_generated``
+        hands them over for billing)."""
         if self._in_flight is not None:
             self._collect()
+        self._advance(None)
+        self._ready = dict(sorted(self._ready.items()))  # a batch ahead may have ended before the ones before it
         return [{"rows": [self._row_index[id(row)] for row in b.rows], "draw_index": b.draw_index,
                  "seconds": b.seconds, "samples": [dict(vars(s), row=self._row_index[id(s.row)]) for s in b.samples],
                  "teacher": vars(b.teacher) if b.teacher else None}

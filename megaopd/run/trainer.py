@@ -47,6 +47,7 @@ from megaopd.models.policy_protocol import Policy
 from megaopd.run.resolve import resolve_run
 from megaopd.rollout.local import LocalEngine, policy_temperature, reported_sampling, sampling_generator
 from megaopd.rollout.pipeline import RolloutPipeline, StepRollouts
+from megaopd.rollout.staleness import fresh_tokens, masked_loss
 from megaopd.teachers.check import gate as teacher_gate
 from megaopd.teachers.router import TeacherRouter, local_teachers
 
@@ -164,11 +165,12 @@ class Trainer:
             for route, path in spec.teachers(cfg.opd).items():
                 self.ledger.add_upstream(f"teacher:{route}", path)
         r = cfg.rollout
+        sampling = (r.samples_per_prompt, r.temperature, r.top_p, r.max_new_tokens, self.generator)
         self.rollouts = RolloutPipeline(
-            self.engine, self.sampler,
-            lambda rows: self.engine.generate(rows, r.samples_per_prompt, r.temperature, r.top_p, r.max_new_tokens,
-                                              self.generator),
-            r.max_staleness, cfg.train.steps, self._score_teachers if self.teachers and self.teachers.servers else None)
+            self.engine, self.sampler, lambda rows: self.engine.generate(rows, *sampling),
+            r.max_staleness, cfg.train.steps, self._score_teachers if self.teachers and self.teachers.servers else None,
+            (lambda rows: self.engine.generation(rows, *sampling, r.inflight_chunk)) if r.inflight_updates else None,
+            r.stale_tokens)
         self.objective = build_objective(spec, cfg, self.teachers)
         if spec.uses_reference(cfg.grpo):
             self.reference = build_policy(cfg, trainable=False)
@@ -193,6 +195,9 @@ class Trainer:
         verifier_seconds, verifier_errors = score_samples(policy.tokenizer, samples)  # errors: each scored 0
         self.verifier_watch.check(verifier_errors, len(samples))  # a broken verifier stops the run here
         batch = collate(samples, policy.pad_id)
+        # Tokens past rollout.max_staleness now (rollout.stale_tokens=mask; under refuse take() stopped the run)
+        batch.fresh_mask = fresh_tokens(batch, self.engine.weight_version, cfg.rollout.max_staleness)
+        token_loss = self.objective.token_loss if batch.fresh_mask is None else masked_loss(self.objective.token_loss)
 
         mbs = cfg.train.micro_batch_size
         correction = self.score_old_logprobs(batch)
@@ -208,7 +213,7 @@ class Trainer:
         for _ in range(cfg.train.epochs):
             for start in range(0, batch.size, minibatch):
                 part = batch.select(slice(start, start + minibatch))
-                updates.append((policy.train_minibatch(part, self.objective.token_loss, mbs, self.objective.vocab_term,
+                updates.append((policy.train_minibatch(part, token_loss, mbs, self.objective.vocab_term,
                                                        self.temperature), float(part.response_mask.sum())))
         applied = self._applied(step, updates, batch)
         metrics |= {f"train/{k}": v for k, v in merge_updates(applied or updates).items()}
@@ -397,8 +402,11 @@ class Trainer:
         return out | {f"flops/total_{k}": v for k, v in self.ledger.totals().items()}
 
     def _state(self, step: int) -> dict:
-        # The rollouts generated ahead first: the sampler's and the generator's states are after their draws.
+        # The rollouts generated ahead first: the sampler's and the generator's states are after their draws. The
+        # generations it ran to their end (in-flight updates) are billed now, before the ledger is saved.
         rollouts = self.rollouts.state_dict()
+        for b in self.rollouts.drain_generated():
+            self._book_flops(b.rows, b.samples, self._billed_ahead(b))
         return {"step": step, "policy": self.policy.state_dict(), "ledger": self.ledger.state_dict(),
                 "sampler": self.sampler.state_dict(), "rng": rng_state(), "generator": self.generator.get_state(),
                 "weight_version": self.engine.weight_version, "rollouts": rollouts}
