@@ -293,9 +293,9 @@ class TrainConfig:
     # Corrections of the train/rollout mismatch (e.g. SGLang kernels vs the trainer's) and of stale rollouts, on the
     # ratio p_trainer / p_rollout of each sampled token (the trainer's recomputed at training time; the rollout's of
     # whichever version sampled the token), both under the rollout's sampling distribution (docs/serving.md). The
-    # policy-gradient terms are weighted by the token's own ratio: GRPO's surrogate, OPD's sampled form; under
-    # grpo_opd the GRPO term only. OPD's KL forms (full_vocab, topk; algorithm=opd) weight each position's KL by the
-    # weight of the token before it, whose draw decided the position (docs/opd.md, "Stale samples").
+    # policy-gradient terms are weighted by the token's own ratio: GRPO's surrogate, OPD's sampled form. OPD's KL
+    # forms (full_vocab, topk; in opd and grpo_opd) weight each position's KL by the weight of the token before it,
+    # whose draw decided the position (docs/opd.md, "Stale samples").
     # Truncated IS: weight min(ratio, tis_cap), per token or per sequence (the product over the response).
     # auto: token where rollouts can be stale (rollout.max_staleness >= 1) and the trainer recomputes the logprobs,
     # else none. At K=1 without it the embedded GRPO expert trailed K=0 (docs/serving.md).

@@ -204,3 +204,68 @@ def test_the_trainer_runs_inflight_updates_and_checkpoints_the_versions(assets, 
     ahead = load_state(tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt")["rollouts"]
     assert [{v for s in b["samples"] for v in s["token_versions"] or [s["weight_version"]]} for b in ahead] == \
         [{0, 1, 2}, {1, 2}]
+
+
+# ---- the ledger at a stage's end ----
+def generated_and_billed(assets, tmp_path, **overrides) -> tuple[int, int, float, float, dict]:
+    """The embedded GRPO config at K=2 (20-step cap) trained with every rollout generation counted: returns how many
+    generations started and ran to their end, the rollout FLOPs of every token those generated (the ledger's own
+    formula, ``Method.step_flops``), the ledger's rollout FLOPs, and the summary."""
+    from conftest import validation
+    from megaopd.run.trainer import Trainer
+
+    cfg = run_config(assets, tmp_path / "run", "grpo", **validation(assets), **{
+        "train.steps": 20, "eval.every": 2, "checkpoint.every": 100, "rollout.max_staleness": 2,
+        "rollout.inflight_chunk": 3} | overrides)
+    trainer = Trainer(cfg)
+    pipe, started, ended = trainer.rollouts, [], []
+    generation, generate = pipe.generation, pipe.generate
+
+    def end(rows, samples):
+        ended.append((rows, samples))
+        return samples
+
+    def counted(rows):
+        started.append(rows)
+        return end(rows, (yield from generation(rows)))
+    pipe.generate = lambda rows: started.append(rows) or end(rows, generate(rows))
+    pipe.generation = counted if generation else None
+    summary = trainer.fit()
+    n = cfg.rollout.samples_per_prompt
+    generated = sum(trainer.method.step_flops(cfg, trainer.policy.shape, None,
+                                              [len(samples[i * n].prompt_ids) for i in range(len(rows))],
+                                              [len(s.response_ids) for s in samples])["rollout"]
+                    for rows, samples in ended)
+    return len(started), len(ended), generated, summary["ledger"]["own"]["rollout"], summary
+
+
+# overrides, and the reason the stage ends at step 4
+STOPS = {"plateau": ({"train.stop.rule": "plateau", "train.stop.metric": "arith_add", "train.stop.window": 2,
+                      "train.stop.min_delta": 1.0}, "plateau"),  # no eval can improve by a whole accuracy
+         "cap": ({"train.steps": 4}, "max_steps")}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stop,inflight", [("plateau", True), ("plateau", False), ("cap", True)])
+def test_a_stage_bills_every_token_it_generated(assets, tmp_path, stop, inflight):
+    """At a plateau stop the batches generated ahead (up to K, partly generated with in-flight updates) were never
+    trained: the stop's checkpoint runs the paused generations to their end and bills them, so every generation
+    started has ended and the ledger's rollout FLOPs are those of every token generated. At the cap nothing is
+    generated ahead. Negative control: ``test_a_stop_without_its_checkpoint_leaves_generations_unbilled``."""
+    overrides, reason = STOPS[stop]
+    started, ended, generated, billed, summary = generated_and_billed(
+        assets, tmp_path, **overrides, **{"rollout.inflight_updates": inflight})
+    assert summary["steps"] == 4 and summary["stop"]["reason"] == reason
+    assert started == ended == (6 if stop == "plateau" else 4)  # K = 2 batches generated past the stop
+    assert billed == generated > 0
+
+
+def test_a_stop_without_its_checkpoint_leaves_generations_unbilled(assets, tmp_path, monkeypatch):
+    """Negative control of the test above: without the checkpoint a stop forces, the two in-flight generations ahead
+    are dropped part-generated, their tokens in no ledger."""
+    from megaopd.models.checkpoint import Checkpointer
+
+    monkeypatch.setattr(Checkpointer, "maybe_save", lambda self, step, state, force=False: False)
+    started, ended, generated, billed, _ = generated_and_billed(
+        assets, tmp_path, **STOPS["plateau"][0], **{"rollout.inflight_updates": True})
+    assert (started, ended) == (6, 4) and billed == generated

@@ -13,8 +13,8 @@ import torch
 from megaopd.data.batch import TokenBatch
 from megaopd.config import ConfigError, GRPOConfig, OPDConfig, TrainConfig, load_config
 from megaopd.objectives.methods import method
-from megaopd.objectives.losses import (GRPOWithOPD, check_is_correction, clipped_pg_loss, is_correction, ratio_mask,
-                                resolve_tis, truncated_is_weights)
+from megaopd.objectives.losses import (GRPOWithOPD, check_is_correction, clipped_pg_loss, is_correction,
+                                       prefix_weights, ratio_mask, resolve_tis, truncated_is_weights)
 from megaopd.rollout.local import reported_sampling
 
 
@@ -39,34 +39,43 @@ def test_the_mask_zeroes_tokens_outside_the_band_and_keeps_the_rest():
     assert alone.masked is None and is_correction(trainer, rollout, mask, TrainConfig(tis="none")) is None
 
 
-def test_grpo_opd_sampled_form_weights_the_group_term_only():
-    """A_t = w_t * A_group + coef * A_opd inside the one clipped surrogate; w = 1 is the unweighted loss bit for
-    bit, and a token masked to w = 0 keeps its OPD signal (weighting the whole loss would zero it)."""
+@pytest.mark.parametrize("form", ["sampled", "topk"])
+def test_grpo_opd_weights_its_opd_part_as_opd_does(form):
+    """IS weights w weight both parts of grpo_opd, each as its own method takes them: the sampled form's one clipped
+    surrogate of A_group + coef * A_opd by the token's w_t (a token masked to w = 0 leaves with its OPD signal), a
+    KL form's GRPO surrogate by w_t and its KL by the prefix's w_{t-1} (``prefix_weights``). w = 1 is the unweighted
+    loss bit for bit. Negative control: the GRPO term weighted alone (grpo_opd before) is another loss."""
     torch.manual_seed(0)
     mask = torch.ones(4, 5)
-    old, teacher = -torch.rand(4, 5), -torch.rand(4, 5)
+    old, teacher, vocab = -torch.rand(4, 5), -torch.rand(4, 5), torch.rand(4, 5)
     logp = old + 0.1 * torch.randn(4, 5)  # ratios around 1, some clipped
     samples = [SimpleNamespace(reward=r) for r in (1.0, 0.0, 0.0, 1.0)]
+    group = torch.tensor([1.0, -1.0, -1.0, 1.0])[:, None].expand(4, 5)  # each group of 2: rewards (1, 0), (0, 1)
+    opd = -(old - teacher)
 
     def loss_with(weights):
         batch = TokenBatch(torch.zeros(4, 6, dtype=torch.long), torch.ones(4, 6, dtype=torch.long), mask,
                            torch.zeros(4, 5), old_logprobs=old, teacher_logprobs=teacher, is_weights=weights)
-        objective = GRPOWithOPD(GRPOConfig(), OPDConfig(form="sampled", coef=0.5), group_size=2)
+        objective = GRPOWithOPD(GRPOConfig(), OPDConfig(form=form, topk=4, coef=0.5), group_size=2)
         objective.prepare(batch, samples)
-        return objective.token_loss(logp, None, batch)[0], batch.advantages
+        return objective.token_loss(logp, vocab, batch)[0]
 
-    plain, plain_advantages = loss_with(None)
-    assert torch.equal(loss_with(torch.ones(4, 5))[0], plain)
+    plain = loss_with(None)
+    assert torch.equal(loss_with(torch.ones(4, 5)), plain)
     weights = torch.rand(4, 5) + 0.5
     weights[0, 0] = 0.0
-    weighted, advantages = loss_with(weights)
-    group = torch.tensor([1.0, -1.0, -1.0, 1.0])[:, None].expand(4, 5)  # each group of 2: rewards (1, 0), (0, 1)
-    opd = -(old - teacher)
-    assert torch.allclose(plain_advantages, group + 0.5 * opd, atol=1e-5)
-    assert torch.allclose(advantages, weights * group + 0.5 * opd, atol=1e-5)
-    assert torch.equal(weighted, clipped_pg_loss(logp, old, advantages, 0.2, 0.2)[0])
-    assert float(weighted[0, 0]) == pytest.approx(float(clipped_pg_loss(logp, old, 0.5 * opd, 0.2, 0.2)[0][0, 0]))
-    assert float(weighted[0, 0]) != 0.0 and not torch.allclose(weighted, plain * weights)
+    weighted = loss_with(weights)
+    surrogate = lambda advantages: clipped_pg_loss(logp, old, advantages, 0.2, 0.2)[0]  # noqa: E731
+    if form == "sampled":
+        assert torch.allclose(plain, surrogate(group + 0.5 * opd), atol=1e-6)
+        expected, group_only = weights * plain, surrogate(weights * group + 0.5 * opd)
+        assert float(weighted[0, 0]) == 0.0
+    else:
+        assert torch.allclose(plain, surrogate(group) + 0.5 * vocab, atol=1e-6)
+        expected = weights * surrogate(group) + 0.5 * prefix_weights(weights) * vocab
+        group_only = weights * surrogate(group) + 0.5 * vocab
+    assert torch.allclose(weighted, expected, atol=1e-6)
+    assert not torch.allclose(weighted, group_only, atol=1e-3)
 
 
 def checked(*overrides, algorithm="grpo"):
@@ -105,7 +114,7 @@ def test_settings_that_compare_like_with_like_pass():
 
 @pytest.mark.parametrize("algorithm,overrides,tis", [
     ("grpo", ["rollout.max_staleness=1"], "token"),  # rollouts a version old: corrected unless told otherwise
-    ("grpo_opd", ["rollout.max_staleness=2", "opd.form=topk", "opd.topk=4"], "token"),  # its GRPO term
+    ("grpo_opd", ["rollout.max_staleness=2", "opd.form=topk", "opd.topk=4"], "token"),  # both terms
     ("opd", ["rollout.max_staleness=1", "opd.form=sampled"], "token"),
     ("fixed_advantage", ["rollout.max_staleness=1"], "token"),  # its fixed advantage weights sampled tokens too
     ("grpo", [], "none"),  # K=0: the synchronous loop as it was

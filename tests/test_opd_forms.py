@@ -239,18 +239,3 @@ def test_a_teacher_dtype_for_megatron_teachers_is_refused_before_any_model_loads
     with pytest.raises(ConfigError, match="opd.teacher_dtype=bfloat16 applies to HF and SGLang teachers"):
         Trainer(cfg)
     assert not (tmp_path / "run").exists()
-
-
-def test_truncated_is_weights_the_grpo_term_of_grpo_opd_and_not_its_kl():
-    """Under grpo_opd with a KL form: loss = w * GRPO surrogate + coef * KL, the KL unweighted."""
-    from types import SimpleNamespace
-
-    torch.manual_seed(0)
-    logp, old, vocab = -torch.rand(2, 5), -torch.rand(2, 5), torch.rand(2, 5)
-    mb = SimpleNamespace(old_logprobs=old, advantages=torch.randn(2, 5), ref_logprobs=None, is_weights=None)
-    objective = GRPOWithOPD(GRPOConfig(), OPDConfig(form="topk", topk=4, coef=0.5), 2)
-    unweighted, _ = objective.token_loss(logp, vocab, mb)
-    mb.is_weights = torch.rand(2, 5) + 0.5
-    weighted, _ = objective.token_loss(logp, vocab, mb)
-    assert torch.allclose(weighted - 0.5 * vocab, (unweighted - 0.5 * vocab) * mb.is_weights)
-    assert not torch.allclose(weighted, unweighted * mb.is_weights)

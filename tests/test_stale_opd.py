@@ -1,15 +1,19 @@
 """OPD on stale samples (issue 56): the expected gradient of each form's loss on samples drawn by the weights of two
 versions back, without and with the off-policy correction, against the fresh samples' (exact enumeration of a toy
-policy's responses: deterministic, no sampling noise). Each property has a negative control."""
+policy's responses: deterministic, no sampling noise), alone and as grpo_opd's OPD part. Each property has a negative
+control."""
+
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megaopd.config import OPDConfig, TrainConfig
+from megaopd.config import GRPOConfig, OPDConfig, TrainConfig
 from megaopd.data.batch import TokenBatch
 from megaopd.models.distributions import WholeVocab
 from megaopd.objectives import losses
-from megaopd.objectives.losses import OPD, is_correction
+from megaopd.objectives.losses import OPD, GRPOWithOPD, is_correction
 
 V, TOPK = 4, 2  # vocabulary; the teacher's top-K (< V: the tail bucket is in play)
 
@@ -41,9 +45,17 @@ def position_logprobs(table: list[torch.Tensor], y0: torch.Tensor) -> torch.Tens
     return torch.stack([table[0].log_softmax(-1).expand(len(y0), V), table[1][y0].log_softmax(-1)], 1)
 
 
-def expected_gradient(form: str, kl: str, sampled_by: str, level: str | None) -> torch.Tensor:
+def objective_of(algorithm: str, opd: OPDConfig, teachers: ToyTeachers):
+    """``opd``, or ``grpo_opd`` with every reward 0: its GRPO part is 0 (zero-variance groups), so its gradient is
+    the OPD part's alone."""
+    if algorithm == "opd":
+        return OPD(opd, teachers)
+    return GRPOWithOPD(GRPOConfig(), replace(opd, coef=0.5), 2, teachers)
+
+
+def expected_gradient(form: str, kl: str, sampled_by: str, level: str | None, algorithm: str = "opd") -> torch.Tensor:
     """E over the V^2 sequences drawn by `sampled_by` (the student: fresh; the behaviour: stale) of the gradient of
-    the OPD loss (``losses.OPD.token_loss``, summed over both positions) in the student's logits, with the IS
+    `algorithm`'s loss (its ``token_loss``, summed over both positions) in the student's logits, with the IS
     correction at `level` (None: none), the student's logprobs taken now (training time), the behaviour's recorded
     at sampling."""
     student, behaviour, teacher = toy()
@@ -64,8 +76,8 @@ def expected_gradient(form: str, kl: str, sampled_by: str, level: str | None) ->
                                    TrainConfig(tis=level, tis_cap=2.0))
         assert not correction.truncated.any()  # the cap does not bind: the identity is exact
         batch.is_weights = correction.weights
-    objective = OPD(OPDConfig(form=form, kl=kl, topk=TOPK), ToyTeachers(tutor.reshape(-1, V)))
-    objective.prepare(batch, [])
+    objective = objective_of(algorithm, OPDConfig(form=form, kl=kl, topk=TOPK), ToyTeachers(tutor.reshape(-1, V)))
+    objective.prepare(batch, [SimpleNamespace(reward=0.0)] * len(y))
     vocab = None
     if objective.vocab_term is not None:  # response rows in response_mask.nonzero() order: row-major
         term = objective.vocab_term.rows(batch)
@@ -82,19 +94,21 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+@pytest.mark.parametrize("algorithm", ["opd", "grpo_opd"])
 @pytest.mark.parametrize("form,kl,level", [(f, k, level) for f, k in FORMS for level in ("token", "sequence")]
                          + [("sampled", "reverse", "sequence")])
-def test_corrected_stale_opd_matches_the_fresh_gradient(form, kl, level):
+def test_corrected_stale_opd_matches_the_fresh_gradient(form, kl, level, algorithm):
     """Exact expectations (all V^2 responses, float64, no sampling noise). Stale samples (the behaviour two versions
     back) without the correction: the expected gradient is >= 5% off the fresh one. With it: equal to the fresh one
     within 1e-9 relative, float64 rounding, since the weighted expectation is algebraically the fresh one while the
     cap does not bind (asserted): the KL forms' position 1 is reached by token 0's draw, whose ratio
     (``prefix_weights``) reweights it; the sampled form's product over the response reweights the whole draw.
-    Negative control: ``test_the_tokens_own_ratio_does_not_correct_a_kl_form``."""
-    fresh = expected_gradient(form, kl, "student", None)
-    stale = expected_gradient(form, kl, "behaviour", None)
-    corrected = expected_gradient(form, kl, "behaviour", level)
-    print(f"{form}/{kl}/{level}: |stale - fresh| / |fresh| = {relative(stale, fresh):.4f}, "
+    grpo_opd's OPD part takes the same correction. Negative controls:
+    ``test_the_tokens_own_ratio_does_not_correct_a_kl_form``, ``test_grpo_opds_opd_part_unweighted_stays_stale``."""
+    fresh = expected_gradient(form, kl, "student", None, algorithm)
+    stale = expected_gradient(form, kl, "behaviour", None, algorithm)
+    corrected = expected_gradient(form, kl, "behaviour", level, algorithm)
+    print(f"{algorithm}/{form}/{kl}/{level}: |stale - fresh| / |fresh| = {relative(stale, fresh):.4f}, "
           f"|corrected - fresh| / |fresh| = {relative(corrected, fresh):.2e}")
     assert relative(stale, fresh) > 0.05
     assert relative(corrected, fresh) < 1e-9
@@ -121,3 +135,14 @@ def test_the_sampled_forms_per_token_ratio_leaves_the_prefix():
     print(f"sampled/token: |stale - fresh| / |fresh| = {relative(stale, fresh):.4f}, "
           f"|token-corrected - fresh| / |fresh| = {relative(token, fresh):.4f}")
     assert relative(token, fresh) < relative(stale, fresh)
+
+
+@pytest.mark.parametrize("form,kl", FORMS)
+def test_grpo_opds_opd_part_unweighted_stays_stale(monkeypatch, form, kl):
+    """Negative control of grpo_opd's correction above: its KL part left unweighted (``prefix_weights`` all 1, as
+    grpo_opd weighted the GRPO term only) trains on the stale gradient exactly."""
+    monkeypatch.setattr(losses, "prefix_weights", torch.ones_like)
+    fresh = expected_gradient(form, kl, "student", None, "grpo_opd")
+    stale = expected_gradient(form, kl, "behaviour", None, "grpo_opd")
+    unweighted = expected_gradient(form, kl, "behaviour", "token", "grpo_opd")
+    assert relative(unweighted, fresh) > 0.05 and relative(unweighted, stale) < 1e-9

@@ -374,9 +374,10 @@ class GRPOWithOPD:
     GRPO surrogate plus coef * KL(student, teacher) at each position. coef = 0 is GRPO exactly; all-zero rewards
     (every group has zero variance) leave the OPD term alone, which is OPD exactly when grpo's clip equals opd.clip.
 
-    IS weights w_t (train.tis, train.is_mask) weight the GRPO term only: A_t = w_t * A_group + coef * A_opd in the
-    sampled form (one clipped surrogate of the combined advantage, as unweighted; a token masked to w = 0 keeps its
-    OPD part); w_t * surrogate(A_group) + coef * KL in the KL forms. w = 1 is the unweighted loss bit for bit.
+    IS weights w_t (train.tis, train.is_mask) weight both parts as each method alone takes them: the sampled form's
+    one surrogate of the combined advantage by the token's own ratio, w_t * surrogate(A_group + coef * A_opd); the KL
+    forms' w_t * surrogate(A_group) + coef * w_{t-1} * KL_t (``prefix_weights``, as ``OPD``). w = 1 is the
+    unweighted loss bit for bit.
     """
 
     needs_entropy = False
@@ -395,15 +396,14 @@ class GRPOWithOPD:
             return metrics
         self.opd.prepare(batch, samples)
         opd_advantage = self.coef * batch.advantages
-        batch.advantages = (group if batch.is_weights is None else batch.is_weights * group) + opd_advantage
+        batch.advantages = group + opd_advantage
         return metrics | {"opd_advantage": float(opd_advantage.abs().sum() / tokens)}
 
     def token_loss(self, logp, vocab, mb: TokenBatch):
-        # The sampled form carries the IS weights in its advantage (prepare); a KL form weights the surrogate.
-        loss, metrics = self.grpo.surrogate(logp, mb, mb.is_weights if self.vocab_term is not None else None)
-        if self.vocab_term is not None:
-            loss = loss + self.coef * vocab
-            metrics[f"{self.opd.cfg.kl}_kl"] = vocab.detach()
+        loss, metrics = self.grpo.surrogate(logp, mb, mb.is_weights)
+        if self.vocab_term is not None:  # OPD's own KL term, each position by its prefix's weight
+            kl, kl_metrics = self.opd.token_loss(logp, vocab, mb)
+            loss, metrics = loss + self.coef * kl, metrics | kl_metrics
         return loss, metrics
 
 

@@ -36,8 +36,9 @@ there is nothing to overlap: the training step scores those, as before the pipel
 
 The trainer bills a batch's rollout FLOPs once, in the step that generated it (``step_end`` hands it over then), with
 its teacher FLOPs when the servers scored it there; the lookahead stops at the stage's last step, so only a plateau
-stop leaves batches generated and never trained (up to K, billed: work done). A checkpoint holds the generated-but-untrained batches,
-with their teacher scores; the resumed run trains them as the uninterrupted one would, without scoring them again.
+stop leaves batches generated and never trained (up to K, billed: work done; paused ones are run to their end and
+billed by the checkpoint the stop forces). A checkpoint holds the generated-but-untrained batches, with their teacher
+scores; the resumed run trains them as the uninterrupted one would, without scoring them again.
 """
 
 from __future__ import annotations
