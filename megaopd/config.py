@@ -195,7 +195,7 @@ class OPDConfig:
     coef: float = 1.0  # train.algorithm=grpo_opd: weight of the OPD term added to GRPO's group advantage / loss
     # The teacher scores under the rollout's sampling settings: its logits divided by rollout.temperature, as the
     # student's are (and, on the local teacher, its distribution cut to its own top-p nucleus when rollout.top_p < 1).
-    # False: temperature 1, no cut; refused unless rollout.temperature is 1 (objectives.check_temperature).
+    # False: temperature 1, no cut; refused unless rollout.temperature is 1 (run.resolve.check_temperature).
     match_sampling: bool = True
     # Routing key -> teacher HF directory. The key is a row's domain (extra_info.domain, else data_source);
     # ANY_DOMAIN ("*") serves every domain. A domain with no teacher fails loudly at start-up.

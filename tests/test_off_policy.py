@@ -13,8 +13,9 @@ import torch
 from megaopd.data.batch import TokenBatch
 from megaopd.config import ConfigError, GRPOConfig, OPDConfig, TrainConfig, load_config
 from megaopd.objectives.methods import method
-from megaopd.objectives.losses import (GRPOWithOPD, check_is_correction, clipped_pg_loss, is_correction,
-                                       prefix_weights, ratio_mask, resolve_tis, truncated_is_weights)
+from megaopd.objectives.losses import (GRPOWithOPD, clipped_pg_loss, is_correction, prefix_weights, ratio_mask,
+                                       truncated_is_weights)
+from megaopd.run.resolve import check_is_correction, resolve_tis
 from megaopd.rollout.local import reported_sampling
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from megaopd.config import ConfigError, save_config
 from megaopd.objectives.methods import method
-from megaopd.objectives.losses import check_is_correction, check_temperature
+from megaopd.run.resolve import check_is_correction, check_temperature
 from tests.conftest import run_config
 from tests.step_probe import step_gaps
 

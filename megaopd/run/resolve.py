@@ -18,12 +18,12 @@ from pathlib import Path
 from megaopd.accounting.flops import HF_CONFIG
 from megaopd.models.hf_shared_prompt import hf_attention_problem
 from megaopd.teachers.cross_tokenizer import alignment_tokenizers
-from megaopd.config import DataConfig, RunConfig
+from megaopd.config import ConfigError, DataConfig, RunConfig
 from megaopd.data.rows import Row, load_split
 from megaopd.errors import DataError, UserError, require_file
 from megaopd.objectives.methods import Method, method
-from megaopd.objectives.losses import (check_fixed_advantage, check_is_correction, check_opd, check_temperature,
-                                      resolve_tis)
+from megaopd.objectives.losses import check_fixed_advantage, check_opd
+from megaopd.rollout.local import policy_temperature, reported_sampling
 from megaopd.run.plan import Plan, check_chunk_rows, check_run, chunk_rows
 from megaopd.run.stopping import StopRule, check_stop
 
@@ -113,6 +113,71 @@ def shared_prompt_problem(cfg: RunConfig, spec: Method) -> str | None:
 
         return hf_attention_problem(AutoConfig.from_pretrained(config.parent))
     return None
+
+
+def resolve_tis(cfg: RunConfig, spec: Method) -> RunConfig:
+    """``train.tis=auto`` made concrete: token-level truncated IS when the rollouts can be one or more weight versions
+    old (rollout.max_staleness >= 1) and the trainer recomputes the logprobs the ratio needs; none otherwise (K=0: the
+    behaviour policy is the trainer's own, today's synchronous loop bit for bit; without the recomputation the PPO
+    ratio is against the behaviour logprobs already)."""
+    if cfg.train.tis != "auto":
+        return cfg
+    stale = spec.rollouts and cfg.rollout.max_staleness >= 1 and cfg.train.recompute_old_logprobs
+    return replace(cfg, train=replace(cfg.train, tis="token" if stale else "none"))
+
+
+def check_is_correction(cfg: RunConfig, spec: Method) -> None:
+    """Refuses, before any model loads, IS settings that would weigh nothing, ill-formed, or compare unlike logprobs;
+    ``cfg``'s train.tis resolved (``resolve_tis``)."""
+    train = cfg.train
+    for name in ("tis", "is_mask"):
+        level = getattr(train, name)
+        # (auto resolves to none there: resolve_tis)
+        if level not in ("none", "auto") and spec.rollouts and not train.recompute_old_logprobs:
+            raise ConfigError(f"train.{name}={level} weights by p_trainer / p_rollout, and "
+                              "train.recompute_old_logprobs=false takes the rollout's logprobs for the trainer's, so "
+                              f"every weight would be 1: set train.recompute_old_logprobs=true, or train.{name}=none")
+    if train.tis != "none" and not train.tis_cap > 0:
+        raise ConfigError(f"train.tis_cap must be > 0 (the largest IS weight), got {train.tis_cap:g}; set e.g. 2")
+    if train.is_mask != "none" and not 0 <= train.is_mask_low < 1 < train.is_mask_high:
+        raise ConfigError(f"train.is_mask keeps ratios in [train.is_mask_low, train.is_mask_high], which must hold 1 "
+                          f"(0 <= low < 1 < high), got [{train.is_mask_low:g}, {train.is_mask_high:g}]; set e.g. "
+                          "train.is_mask_low=0.5 train.is_mask_high=5 (IcePop's)")
+    if not spec.rollouts:
+        return
+    rollout = cfg.rollout
+    reported = reported_sampling(rollout.engine, rollout.temperature, rollout.top_p)
+    loss = policy_temperature(rollout.temperature)
+    if not train.recompute_old_logprobs and reported != (loss, 1.0):
+        raise ConfigError(f"train.recompute_old_logprobs=false makes the rollout logprobs the PPO ratio's old "
+                          f"logprobs, but at rollout.temperature={rollout.temperature:g} rollout.top_p="
+                          f"{rollout.top_p:g} they are of the sampling distribution, not the loss's (temperature "
+                          f"{loss:g}, no top-p cut); set train.recompute_old_logprobs=true, or rollout.top_p=1")
+    if train.recompute_old_logprobs and cfg.model.backend == "megatron" and reported[1] < 1.0:
+        raise ConfigError(f"model.backend=megatron scores at a temperature only, and the local engine's logprobs are "
+                          f"cut to rollout.top_p={rollout.top_p:g}'s nucleus, so the trainer cannot take its own "
+                          "like-for-like; set rollout.top_p=1, or rollout.engine=sglang (its logprobs skip the cut)")
+
+
+def check_temperature(cfg: RunConfig, spec: Method) -> None:
+    """Refuses, before any model loads, teachers that would score under another distribution than the one the
+    student's logprobs are taken at (``rollout.policy_temperature``, docs/opd.md "One temperature"), so that the
+    sampled-token advantage and the KL compare one temperature; the trainer takes every student logprob at it."""
+    if not spec.teacher_term:
+        return
+    opd, rollout = cfg.opd, cfg.rollout
+    temperature = policy_temperature(rollout.temperature)
+    if temperature != 1.0 and not opd.match_sampling:
+        raise ConfigError(f"opd.match_sampling=false scores the teachers at temperature 1, but the student's logprobs "
+                          f"are taken at rollout.temperature={temperature:g}: set opd.match_sampling=true")
+    top_p = reported_sampling("local", rollout.temperature, rollout.top_p)[1] if opd.match_sampling else 1.0
+    if opd.teacher_engine == "sglang" and (temperature, top_p) != (1.0, 1.0):
+        raise ConfigError(f"opd.teacher_engine=sglang scores at temperature 1 without a top-p cut, but the rollout "
+                          f"samples at rollout.temperature={temperature:g} rollout.top_p={top_p:g}: roll out at 1 / "
+                          "1, or use opd.teacher_engine=local")
+    if opd.teacher_engine == "local" and cfg.model.backend == "megatron" and top_p < 1.0:
+        raise ConfigError(f"model.backend=megatron teachers score at a temperature without a top-p cut, and "
+                          f"opd.match_sampling asks for rollout.top_p={top_p:g}'s: set rollout.top_p=1")
 
 
 def read_splits(data: DataConfig) -> Splits:

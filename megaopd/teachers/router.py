@@ -13,7 +13,7 @@ projects to the vocabulary chunk by chunk (``full_rows``). Where the memory plan
 (``recompute``), the teacher runs again per micro-batch inside the training step; every re-projection and re-run is
 hardware work (``recompute_flops``), never billed in the ledger (``flops.teacher_passes``).
 All of them score at the run's one temperature, the student's (``rollout.policy_temperature``), and local teachers
-cut to the rollout's top-p when ``opd.match_sampling``; ``objectives.check_temperature`` refuses the rest.
+cut to the rollout's top-p when ``opd.match_sampling``; ``run.resolve.check_temperature`` refuses the rest.
 
 A teacher of another tokenizer (or one named in ``opd.teacher_tokenizer``) scores its own tokens of each sample
 through ``megaopd.teachers.cross_tokenizer``, whichever engine it runs on, in the sampled form only; ``token_counts`` gives the

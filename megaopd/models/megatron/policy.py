@@ -176,7 +176,7 @@ class MegatronPolicy(TokenizerIds):
     def _check_top_p(self, top_p: float) -> None:
         if top_p < 1.0:
             raise ValueError("megatron teachers score at temperature only, without a top-p cut: set rollout.top_p=1 "
-                             "(objectives.check_temperature refuses such a run at start-up)")
+                             "(run.resolve.check_temperature refuses such a run at start-up)")
 
     @torch.no_grad()
     def full_logprobs(self, batch: TokenBatch, micro_batch_size: int = 64) -> torch.Tensor:

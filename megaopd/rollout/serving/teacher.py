@@ -11,7 +11,7 @@ first is null (the server does not project position L - 1), so L = prompt length
 leaves exactly the R response tokens. Sampling settings: the server returns prompt (input) logprobs at temperature 1
 whatever the request's temperature, and never cuts them to a top-p nucleus, so a teacher asked to score under other
 settings (``opd.match_sampling`` with rollout.temperature != 1 or top_p < 1) refuses instead of returning numbers
-for the wrong distribution (``objectives.check_temperature`` refuses such a run before any model loads). Its ``shape`` (for the ledger) and tokenizer come from the HF directory.
+for the wrong distribution (``run.resolve.check_temperature`` refuses such a run before any model loads). Its ``shape`` (for the ledger) and tokenizer come from the HF directory.
 """
 
 from __future__ import annotations
