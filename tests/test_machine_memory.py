@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.timeout(120)
 
 PARTY = """
-import sys, time
+import os, sys, time
 sys.path.insert(0, {tests!r})
 import machine_memory
 from machine_memory import {kind}
@@ -24,7 +24,9 @@ log, hold, label = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 machine_memory.WAIT_S = float(sys.argv[4])
 with {kind}(label):
     start = time.time()
-    time.sleep(hold)
+    open(f"{{log}}.{{label}}.held", "w").close()  # for a test that must know the turn is taken before it goes on
+    while time.time() - start < hold and not os.path.exists(log + ".release"):  # released early by the test
+        time.sleep(0.05)
     open(log, "a").write(f"{{label}} {{start}} {{time.time()}}\\n")
 """
 
@@ -36,6 +38,19 @@ def party(kind: str, log: Path, hold: float, label: str, run: str, wait_s: float
                             text=True)
 
 
+def holding(log: Path, label: str) -> None:
+    """Wait until a party holds its turn: a fixed sleep is not enough where a loaded machine starts Python slowly."""
+    deadline = time.time() + 60
+    while not Path(f"{log}.{label}.held").exists():
+        assert time.time() < deadline, "the party never took its turn"
+        time.sleep(0.05)
+
+
+def release(log: Path) -> None:
+    """End every party of `log` that is still holding its turn."""
+    Path(f"{log}.release").touch()
+
+
 def spans(log: Path) -> dict[str, tuple[float, float]]:
     lines = log.read_text().splitlines()
     return {label: (float(a), float(b)) for label, a, b in (line.rsplit(" ", 2) for line in lines)}
@@ -43,11 +58,13 @@ def spans(log: Path) -> dict[str, tuple[float, float]]:
 
 def test_a_job_alone_waits_for_the_test_in_progress_and_holds_off_the_next(tmp_path):
     log, run = tmp_path / "log", uuid.uuid4().hex
-    first = party("sharing", log, 1.5, "first_test", run)
-    time.sleep(0.5)  # the first test holds its turn
+    first = party("sharing", log, 100, "first_test", run)  # held until the other two are queued
+    holding(log, "first_test")
     job = party("alone", log, 1.5, "job", run)
-    time.sleep(0.5)  # the job waits at the memory lock, holding the gate
+    time.sleep(2)  # the job waits at the memory lock, holding the gate
     second = party("sharing", log, 0.1, "second_test", run)
+    time.sleep(1)  # the second test waits at the gate
+    release(log)
     for p in (first, job, second):
         assert p.wait(60) == 0
     t = spans(log)
@@ -68,10 +85,11 @@ def test_tests_share_the_machine_with_each_other(tmp_path):
 
 def test_a_wait_past_its_limit_fails_naming_who_holds_the_turn(tmp_path):
     log, run = tmp_path / "log", uuid.uuid4().hex
-    job = party("alone", log, 3, "the 0.5B's SGLang server", run)
-    time.sleep(0.5)  # the job holds its turn
+    job = party("alone", log, 100, "the 0.5B's SGLang server", run)  # held until the late test has given up
+    holding(log, "the 0.5B's SGLang server")
     late = party("sharing", log, 0.1, "late_test", run, wait_s=0.5)
     _, err = late.communicate(timeout=60)
+    release(log)
     assert late.returncode != 0 and job.wait(60) == 0
     assert f"NoTurn: machine_memory: late_test waited 0.5 s for the gate turn, held by the 0.5B's SGLang server " \
            f"(pid {job.pid})" in err, err
@@ -85,14 +103,15 @@ def test_a_test_without_its_turn_fails_at_setup_and_the_worker_goes_on(tmp_path)
     (tmp_path / "short_wait.py").write_text("import machine_memory\nmachine_memory.WAIT_S = 0.5\n")
     (tmp_path / "test_late.py").write_text(
         "def test_late():\n    raise AssertionError('ran without its turn')\n\ndef test_next():\n    pass\n")
-    job = party("alone", tmp_path / "log", 8, "a Megatron launch", run)  # past pytest's start (conftest: torch)
-    time.sleep(0.5)
+    job = party("alone", tmp_path / "log", 100, "a Megatron launch", run)  # held until pytest below has ended
+    holding(tmp_path / "log", "a Megatron launch")
     tests = Path(__file__).parent
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "short_wait",
                            "-p", "conftest", "-q", "--rootdir", str(tmp_path), "-c", "/dev/null",
                            str(tmp_path / "test_late.py")], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}:{tests}:{tests.parent}",
                                "PYTEST_XDIST_WORKER": "gw0", "PYTEST_XDIST_TESTRUNUID": run})
+    release(tmp_path / "log")
     assert job.wait(60) == 0
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED and "2 errors" in proc.stdout, proc.stdout + proc.stderr
     for test in ("test_late", "test_next"):
