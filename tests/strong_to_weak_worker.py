@@ -93,9 +93,10 @@ def main() -> None:
             trainer.close()
     peak = rss()  # the step's: the local teacher below is the test's, not the run's
     if calls:
+        resolved = trainer.cfg  # train.logit_chunk_rows resolved (0 in the file: chosen by the memory plan)
         del trainer  # the student and its Adam state make room for the local teacher
         gc.collect()
-        result["teacher_gap"] = gap_to_local_teacher(cfg, calls)
+        result["teacher_gap"] = gap_to_local_teacher(resolved, calls)
     shapes = {}
     for role, path in (("student", cfg.model.path), ("teacher", cfg.opd.teachers["*"])):
         shapes[role] = ModelShape.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
