@@ -2,6 +2,11 @@
 does a third run of two seeds whose stages run side by side in worker processes (workers=2), one stage shared."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +128,42 @@ def test_a_stage_whose_cap_was_raised_trains_on(assets, tmp_path):
     written = file_mtimes(tmp_path / "study" / "grpo")
     run_study(study(2))
     assert file_mtimes(tmp_path / "study" / "grpo") == written
+
+
+def _children(pid: int) -> set[int]:
+    return {int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux's /proc")
+@pytest.mark.timeout(300)
+def test_a_killed_study_takes_its_stage_workers_with_it(tmp_path):
+    """`kill -9` of a study with workers=2: its stage workers end with it instead of training on as orphans into the
+    run directories a resumed study trains in. (Negative control, by hand: without ``study._end_with`` the two
+    workers were still alive 30 s after the kill.)"""
+    study = _write_study(tmp_path, tmp_path / "s", workers=2, seeds=(0, 1))
+    proc = subprocess.Popen([sys.executable, "-m", "megaopd.cli", "study", str(study)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not list((tmp_path / "s").glob("seed_*/*/metrics.jsonl")):  # a stage is training in a worker
+            assert proc.poll() is None and time.time() < deadline, "no stage started"
+            time.sleep(0.5)
+        workers = {c for c in _children(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()}
+        assert workers, "no worker process"
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 30
+    while any(_alive(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    alive = [w for w in workers if _alive(w)]
+    for w in alive:
+        os.kill(w, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their study"

@@ -13,9 +13,13 @@ With ``seeds`` every seed's stages share that pool, and a ``shared`` stage runs 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
+import os
 import re
+import signal
+import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -268,10 +272,24 @@ def run_study(study: StudyConfig) -> list[Path]:
     return [Path(one.out) / stage.name for one in seeds for stage in one.stages]
 
 
-def _start_worker(threads: int, devices: list[str]) -> None:
-    """A stage worker's process start: its threads, and its allocator where a stage trains on the CPU."""
+def _start_worker(threads: int, devices: list[str], study_pid: int) -> None:
+    """A stage worker's process start: it ends with the study, its threads, and its allocator where a stage trains
+    on the CPU."""
+    _end_with(study_pid)
     torch.set_num_threads(threads)
     allocator.keep_heap_for(devices)
+
+
+def _end_with(study_pid: int) -> None:
+    """On Linux, SIGKILL this worker when the study process dies. A `kill -9` of the study alone (or the OOM killer
+    choosing it) would otherwise leave its workers training on, into the run directories the resumed study trains
+    in. (Ctrl-C and a Slurm job's end reach the whole process group anyway.)"""
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != study_pid:  # the study died before the line above
+        os._exit(1)
 
 
 def _run_side_by_side(configs: dict[Path, RunConfig], needs: dict[Path, set[Path]], todo: list[Path],
@@ -280,7 +298,7 @@ def _run_side_by_side(configs: dict[Path, RunConfig], needs: dict[Path, set[Path
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared with this one
     running = {}
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                             initargs=(threads, devices)) as pool:
+                             initargs=(threads, devices, os.getpid())) as pool:
         while todo or running:
             for run_dir in [d for d in todo if not needs[d] & (set(todo) | set(running.values()))]:
                 if len(running) < workers:
