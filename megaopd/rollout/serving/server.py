@@ -11,6 +11,7 @@ import atexit
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,10 +30,47 @@ class ServerError(RuntimeError):
     """A server did not answer, or answered with an error; the message names it."""
 
 
+class PortTaken(ServerError):
+    """The port a server was given was taken before it could bind it."""
+
+
+LAUNCH_TRIES = 3  # ports a launch tries before it gives up
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, drawn below the kernel's ephemeral range. ``bind(0)`` draws from that range, where
+    every outgoing connection takes its local port: in the tens of seconds a server loads before it binds, a busy
+    machine's connections can take the port it was given (seen in CI: ``[Errno 98] address already in use``)."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(20000, low) if low > 20000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise ServerError(f"no free TCP port found in [20000, {low})")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not yet exited) processes of process group `pgid`: a zombie has released its memory already."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # exited while we read
+        if int(group) == pgid and state not in "ZX":
+            members.append(int(stat.parent.name))
+    return members
 
 
 class SGLangServer:
@@ -45,22 +83,29 @@ class SGLangServer:
         self.launch_args: list[str] | None = None
         self.env: dict[str, str] | None = None
         self.log_path: Path | None = None
+        self._log_start = 0  # where the last start's lines begin in the log (it is appended to)
         self.model_path, self.weight_version = "", "0"
 
     @classmethod
     def launch(cls, model_path: str, cfg: SGLangConfig, dtype: str, log_path: Path,
                weight_version: str = "0") -> "SGLangServer":
         python = cfg.python or sys.executable
-        port = free_port()
-        server = cls(f"http://127.0.0.1:{port}")
-        server.launch_args = [python, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),
-                              "--dtype", dtype, *(["--max-total-tokens", str(cfg.max_total_tokens)]
-                                                  if cfg.max_total_tokens else []), *cfg.server_args]
-        server.env = dict(os.environ) | cfg.env
-        server.log_path = log_path
-        server.model_path, server.weight_version = str(model_path), weight_version
-        server.start(cfg.startup_timeout_s)
-        return server
+        for attempt in range(1, LAUNCH_TRIES + 1):
+            port = free_port()
+            server = cls(f"http://127.0.0.1:{port}")
+            server.launch_args = [python, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),
+                                  "--dtype", dtype, *(["--max-total-tokens", str(cfg.max_total_tokens)]
+                                                      if cfg.max_total_tokens else []), *cfg.server_args]
+            server.env = dict(os.environ) | cfg.env
+            server.log_path = log_path
+            server.model_path, server.weight_version = str(model_path), weight_version
+            try:
+                server.start(cfg.startup_timeout_s)
+                return server
+            except PortTaken as e:
+                if attempt == LAUNCH_TRIES:
+                    raise
+                log.warning("%s; launching again on another port", e)
 
     @property
     def launched(self) -> bool:
@@ -71,6 +116,7 @@ class SGLangServer:
         assert self.launched, f"{self.url} was attached, not launched: megaopd cannot start it"
         command = self.launch_args + ["--model-path", self.model_path, "--weight-version", self.weight_version]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as out:
             # Its own session, so that stop() reaches the scheduler and detokenizer children too.
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
@@ -83,7 +129,8 @@ class SGLangServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise ServerError(f"SGLang server {self.url} exited with {self.process.returncode} during start-up; "
+                taken = "address already in use" in self.log_since_start()
+                raise (PortTaken if taken else ServerError)(f"SGLang server {self.url} exited with {self.process.returncode} during start-up; "
                                   f"last lines of {self.log_path}:\n{self.log_tail()}")
             if self.healthy():
                 return
@@ -104,22 +151,35 @@ class SGLangServer:
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self) -> None:
-        """Stop a launched server and its children by process group: SIGTERM, then SIGKILL after 30 s."""
+    def log_since_start(self) -> str:
+        with open(self.log_path, "rb") as log_file:
+            log_file.seek(self._log_start)
+            return log_file.read().decode(errors="replace")
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """Stop a launched server and its children by process group: SIGTERM, SIGKILL after `timeout_s`, then wait
+        until every process of the group has exited. A scheduler still tearing down a model's memory after its parent
+        is gone would otherwise meet the next server's start (its memory check, its warm-up)."""
         if self.process is None:
             return
+        pgid = self.process.pid  # start_new_session: the server leads its own process group
         if self.process.poll() is None:
-            pgid = os.getpgid(self.process.pid)
             os.killpg(pgid, signal.SIGTERM)
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-            try:  # children that outlived the parent, or the parent itself after the timeout
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait()
+        try:  # children that outlived the parent, or the parent itself after the timeout
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        deadline = time.monotonic() + timeout_s
+        while (members := _group_members(pgid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if members:
+            log.warning("SGLang server %s: processes %s still exiting %.0f s after SIGKILL", self.url, members,
+                        timeout_s)
         _LAUNCHED.discard(self)
         self.process = None
 
