@@ -43,12 +43,11 @@ test:
 	PY=$(PY) bash .ci/slurm_multinode_up.sh || [ -z "$$CI" ]
 	MEGAOPD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	MEGAOPD_SGLANG_UNAVAILABLE="$$(cat $(SGLANG_VENV).unavailable 2>/dev/null)" \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q -rs --durations=15 -m "not pair" tests; status=$$?; bash .ci/slurm_down.sh || true; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q -rs --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; \
 	PY=$(PY) bash .ci/slurm_multinode_down.sh || true; exit $$status
 
-# The Qwen pair's heavy tests (marker pair): the strong-to-weak steps and the 0.5B under Megatron, each alone on the
-# machine, ~9 minutes with the two imports; make test leaves them out to stay under 45 minutes (measured with them:
-# 49.5, the other worker idle while each ran). make test imports both models and runs the rest of the Qwen tier.
+# The Qwen pair's heavy tests alone (marker pair, part of make test): the strong-to-weak steps and the 0.5B under
+# Megatron, each alone on the machine, ~9 minutes with the two imports.
 test-pair: setup setup-sglang
 	MEGAOPD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	MEGAOPD_SGLANG_UNAVAILABLE="$$(cat $(SGLANG_VENV).unavailable 2>/dev/null)" \
