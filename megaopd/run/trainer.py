@@ -171,7 +171,8 @@ class Trainer:
             r.max_staleness, cfg.train.steps, self._score_teachers if self.teachers and self.teachers.servers else None,
             (lambda rows: self.engine.generation(rows, *sampling, r.inflight_chunk)) if r.inflight_updates else None,
             r.stale_tokens)
-        self.objective = build_objective(spec, cfg, self.teachers)
+        self.objective = build_objective(spec, cfg.grpo, cfg.opd, cfg.fixed_advantage,
+                                         spec.samples_per_prompt(cfg.rollout), self.teachers)
         if spec.uses_reference(cfg.grpo):
             self.reference = build_policy(cfg, trainable=False)
         self.step_fn = self.rl_step if spec.rollouts else self.sft_step
@@ -289,10 +290,11 @@ class Trainer:
     def _book_flops(self, rows, samples: list[Sample], components: tuple[str, ...] | None = None) -> int:
         """Books the model FLOPs of these samples in the ledger, of `components` (default: every one the method
         books); returns their sum. The one place a step's FLOPs are billed."""
-        n = self.method.samples_per_prompt(self.cfg.rollout)
+        cfg = self.cfg
+        n = self.method.samples_per_prompt(cfg.rollout)
         prompt_lens = [len(samples[i * n].prompt_ids) for i in range(len(rows))]
         teachers = [self.teachers.shape(self.teachers.route(row.domain)) for row in rows] if self.teachers else None
-        parts = self.method.step_flops(self.cfg, self.policy.shape, teachers, prompt_lens,
+        parts = self.method.step_flops(cfg.train, cfg.rollout, cfg.grpo, self.policy.shape, teachers, prompt_lens,
                                        [len(s.response_ids) for s in samples],
                                        teacher_lens=self.teachers.token_counts(samples, n) if self.teachers else None)
         components = self.method.components if components is None else components
