@@ -141,7 +141,8 @@ class Trainer:
         # (docs/opd.md, "One temperature"); SFT trains the model's own (1).
         self.temperature = policy_temperature(cfg.rollout.temperature)
         if spec.teacher_term and cfg.opd.check_teacher:  # before the student loads: one model in memory at a time
-            teacher_gate(cfg, self.run_dir, valid_rows, sorted({r.domain for r in train_rows}))
+            teacher_gate(cfg.opd, cfg.model, cfg.rollout, cfg.train.seed, cfg.eval.final_prompts_per_domain,
+                         self.run_dir, valid_rows, sorted({r.domain for r in train_rows}))
         seed_everything(cfg.train.seed)
 
         self.policy = build_policy(cfg)
