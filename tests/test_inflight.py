@@ -232,7 +232,7 @@ def generated_and_billed(assets, tmp_path, **overrides) -> tuple[int, int, float
     pipe.generation = counted if generation else None
     summary = trainer.fit()
     n = cfg.rollout.samples_per_prompt
-    generated = sum(trainer.method.step_flops(cfg, trainer.policy.shape, None,
+    generated = sum(trainer.method.step_flops(cfg.train, cfg.rollout, cfg.grpo, trainer.policy.shape, None,
                                               [len(samples[i * n].prompt_ids) for i in range(len(rows))],
                                               [len(s.response_ids) for s in samples])["rollout"]
                     for rows, samples in ended)

@@ -227,7 +227,7 @@ def test_megatron_backend_outside_torchrun_says_how_to_launch(assets, monkeypatc
         monkeypatch.delenv(var, raising=False)
     cfg = run_config(assets, assets / "unused", **{"model.backend": "megatron"})
     with pytest.raises(RuntimeError, match="torchrun"):
-        build_policy(cfg)
+        build_policy(cfg.model, cfg.train, cfg.run_dir, cfg.checkpoint.keep, cfg.optim)
 
 
 @pytest.mark.slow

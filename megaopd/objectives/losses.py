@@ -34,8 +34,8 @@ from typing import Callable
 import torch
 
 from megaopd.data.batch import Sample, TokenBatch
-from megaopd.config import (ConfigError, FixedAdvantageConfig, FixedAdvantageScope, GRPOConfig, OPDConfig, RunConfig,
-                            TrainConfig, choices)
+from megaopd.config import (ConfigError, FixedAdvantageConfig, FixedAdvantageScope, GRPOConfig, OPDConfig, TrainConfig,
+                            choices)
 from megaopd.models.distributions import TAIL_FLOOR, VocabView, WholeVocab
 from megaopd.objectives.methods import Method, method
 
@@ -433,13 +433,14 @@ class SFT:
         return -logp, {}
 
 
-def build_objective(spec: Method, cfg: RunConfig, teachers=None):
-    """The objective of a method's terms, from their config sections."""
-    n = spec.samples_per_prompt(cfg.rollout)
+def build_objective(spec: Method, grpo: GRPOConfig, opd: OPDConfig, fixed_advantage: FixedAdvantageConfig,
+                    group_size: int, teachers=None):
+    """The objective of a method's terms, from their config sections; ``group_size``: the samples per prompt
+    (``Method.samples_per_prompt``)."""
     if spec.self_term:
-        return FixedAdvantage(cfg.fixed_advantage)
+        return FixedAdvantage(fixed_advantage)
     if spec.group_term and spec.teacher_term:
-        return GRPOWithOPD(cfg.grpo, cfg.opd, n, teachers)
+        return GRPOWithOPD(grpo, opd, group_size, teachers)
     if spec.group_term:
-        return GRPO(cfg.grpo, n)
-    return OPD(cfg.opd, teachers) if spec.teacher_term else SFT()
+        return GRPO(grpo, group_size)
+    return OPD(opd, teachers) if spec.teacher_term else SFT()

@@ -8,9 +8,10 @@ brings a new loss, its class in ``megaopd.objectives.losses``).
 
     from megaopd.objectives.methods import method
     spec = method(cfg.train.algorithm)
-    spec.rollouts, spec.uses_reference(cfg.grpo), spec.local_teachers(cfg.opd), spec.step_flops(cfg, student, ...)
+    spec.rollouts, spec.uses_reference(cfg.grpo), spec.local_teachers(cfg.opd),
+    spec.step_flops(cfg.train, cfg.rollout, cfg.grpo, student, ...)
 
-Each predicate reads the one config section it depends on; ``step_flops`` reads the run's (it bills every pass).
+Each predicate reads the one config section it depends on; ``step_flops`` the three that decide a step's passes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megaopd.accounting import flops
-from megaopd.config import GRPOConfig, OPDConfig, RolloutConfig, RunConfig, unknown_choice
+from megaopd.config import GRPOConfig, OPDConfig, RolloutConfig, TrainConfig, unknown_choice
 
 
 @dataclass(frozen=True)
@@ -71,19 +72,19 @@ class Method:
         beside the student's log-softmax in each chunk."""
         return self.teacher_term and opd.form != "sampled"
 
-    def step_flops(self, cfg: RunConfig, student: flops.ModelShape, teachers: Sequence[flops.ModelShape] | None,
-                   prompt_lens: Sequence[int], response_lens: Sequence[int], causal: bool = True,
-                   teacher_lens: flops.Lengths | None = None, shared_prompt: bool = False) -> dict[str, int]:
+    def step_flops(self, train: TrainConfig, rollout: RolloutConfig, grpo: GRPOConfig, student: flops.ModelShape,
+                   teachers: Sequence[flops.ModelShape] | None, prompt_lens: Sequence[int],
+                   response_lens: Sequence[int], causal: bool = True, teacher_lens: flops.Lengths | None = None,
+                   shared_prompt: bool = False) -> dict[str, int]:
         """One step's FLOPs by component (every key of flops.COMPONENTS): ``prompt_lens`` one per prompt,
         ``response_lens`` one per sample (``samples_per_prompt`` per prompt, consecutive; for SFT the solutions),
         ``teachers`` one (routed) teacher shape per prompt when the method has a teacher term, and ``teacher_lens``
         the same lengths in the teachers' own tokens where they tokenise otherwise than the student. Generation is
         billed one prefill per prompt, whatever the engine (docs/flops.md, "Shared work"). ``shared_prompt``: the
         work the student's passes execute with train.shared_prompt (the ledger's is without)."""
-        t = cfg.train
-        return flops.step_flops(student, prompt_lens, response_lens, self.samples_per_prompt(cfg.rollout),
-                                generate=self.rollouts, recompute_old=self.rollouts and t.recompute_old_logprobs,
-                                use_reference=self.uses_reference(cfg.grpo), epochs=t.epochs if self.rollouts else 1,
+        return flops.step_flops(student, prompt_lens, response_lens, self.samples_per_prompt(rollout),
+                                generate=self.rollouts, recompute_old=self.rollouts and train.recompute_old_logprobs,
+                                use_reference=self.uses_reference(grpo), epochs=train.epochs if self.rollouts else 1,
                                 teachers=teachers if self.teacher_term else None, teacher_lens=teacher_lens,
                                 causal=causal, shared_prompt=shared_prompt)
 

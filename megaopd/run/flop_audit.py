@@ -211,8 +211,8 @@ def _against_the_ledger(trainer, phases: _Phases, before: dict) -> StepAudit:
     teacher_lens = trainer.teachers.token_counts(samples, len(samples)) if trainer.teachers else None
 
     def formula(causal, shared=False):
-        return trainer.method.step_flops(cfg, trainer.policy.shape, teachers, prompt_lens, response_lens, causal,
-                                         teacher_lens, shared_prompt=shared)
+        return trainer.method.step_flops(cfg.train, cfg.rollout, cfg.grpo, trainer.policy.shape, teachers, prompt_lens,
+                                         response_lens, causal, teacher_lens, shared_prompt=shared)
     shared = cfg.train.shared_prompt  # as the trainer resolved it
     executed, ledger, hardware = formula(False, shared), formula(True), formula(True, shared)
 

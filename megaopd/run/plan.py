@@ -373,7 +373,7 @@ def build_plan(cfg: RunConfig, aliases: dict[str, str] | None = None, budget: fl
     # Every prompt routed to the costliest teacher: an upper bound, like the lengths.
     shapes = [resolve_arch(v, aliases).flop_shape() for v in spec.teachers(cfg.opd).values()]
     teachers = [max(shapes, key=lambda s: s.matmul_params)] * t.prompts_per_step if shapes else None
-    parts = spec.step_flops(cfg, arch.flop_shape(), teachers, prompt_lens, response_lens)
+    parts = spec.step_flops(t, r, cfg.grpo, arch.flop_shape(), teachers, prompt_lens, response_lens)
     step = sum(parts.values())
     reruns = flops.teacher_passes(cfg.opd.form, t.epochs, recompute=not keeps_rows) - 1 if spec.teacher_term else 0
     seconds = (step + reruns * parts["teacher"]) / (world * p.peak_tflops * 1e12 * p.mfu)

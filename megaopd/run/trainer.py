@@ -33,7 +33,7 @@ from megaopd.run import environment
 from megaopd.data.batch import Sample, TeacherScores, TokenBatch, collate
 from megaopd.models.chat import chat_prompt_ids
 from megaopd.models.checkpoint import Checkpointer, rng_state, set_rng_state, state_bytes
-from megaopd.config import RunConfig, save_config
+from megaopd.config import ModelConfig, OPDConfig, OptimConfig, RolloutConfig, RunConfig, TrainConfig, save_config
 from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
 from megaopd.errors import UserError, space_for
@@ -56,54 +56,56 @@ log = logging.getLogger(__name__)
 PREEMPTED_EXIT = 75
 
 
-def build_policy(cfg: RunConfig, trainable: bool = True) -> Policy:
-    optim = cfg.optim if trainable else None
-    if cfg.model.backend == "megatron":  # megatron-core under torchrun; imported only when chosen
+def build_policy(model: ModelConfig, train: TrainConfig, run_dir: str, keep: int,
+                 optim: OptimConfig | None = None) -> Policy:
+    """The student (with ``optim``: trainable) or a frozen copy of it (the reference). ``run_dir`` and ``keep`` (the
+    checkpoints kept) place the Megatron backend's distributed checkpoints."""
+    if model.backend == "megatron":  # megatron-core under torchrun; imported only when chosen
         from megaopd.models.megatron import require
 
         require()
         from megaopd.models.megatron.policy import MegatronPolicy
 
-        ckpt = cfg.model.megatron.checkpoint_dir or str(Path(cfg.run_dir) / "megatron_checkpoints")
-        return MegatronPolicy(cfg.model, optim, seed=cfg.train.seed, checkpoint_dir=ckpt, keep=cfg.checkpoint.keep,
-                              logit_chunk_rows=cfg.train.logit_chunk_rows, shared_prompt=cfg.train.shared_prompt)
-    return HFPolicy(cfg.model, optim, logit_chunk_rows=cfg.train.logit_chunk_rows,
-                    shared_prompt=cfg.train.shared_prompt)
+        ckpt = model.megatron.checkpoint_dir or str(Path(run_dir) / "megatron_checkpoints")
+        return MegatronPolicy(model, optim, seed=train.seed, checkpoint_dir=ckpt, keep=keep,
+                              logit_chunk_rows=train.logit_chunk_rows, shared_prompt=train.shared_prompt)
+    return HFPolicy(model, optim, logit_chunk_rows=train.logit_chunk_rows, shared_prompt=train.shared_prompt)
 
 
-def build_engine(cfg: RunConfig, policy):
-    if cfg.rollout.engine == "sglang":
+def build_engine(rollout: RolloutConfig, model: ModelConfig, run_dir: str, policy):
+    if rollout.engine == "sglang":
         from megaopd.rollout.serving.engine import SGLangEngine
 
-        return SGLangEngine(cfg.rollout, cfg.model, cfg.run_dir, policy)
-    return LocalEngine(policy, cfg.rollout.batch_prompts)
+        return SGLangEngine(rollout, model, run_dir, policy)
+    return LocalEngine(policy, rollout.batch_prompts)
 
 
-def build_teachers(cfg: RunConfig, student_tokenizer, recompute: bool = False,
+def build_teachers(opd: OPDConfig, rollout: RolloutConfig, model: ModelConfig, logit_chunk_rows: int, run_dir: str,
+                   student_tokenizer, recompute: bool = False,
                    aligned: dict[str, str] | None = None) -> TeacherRouter:
-    """The OPD teachers: in-process models of the student's backend, or SGLang servers (launched per teacher, or
-    attached by route). They score at the run's one temperature (``rollout.policy_temperature``), and cut to the
-    rollout's top-p when ``opd.match_sampling`` (local HF teachers; ``check_temperature`` refused the rest).
+    """The OPD teachers: in-process models of the student's backend (``model``), or SGLang servers (launched per
+    teacher, or attached by route). They score at the run's one temperature (``rollout.policy_temperature``), and cut
+    to the rollout's top-p when ``opd.match_sampling`` (local HF teachers; ``check_temperature`` refused the rest).
     ``recompute``: the memory plan cannot keep the full form's teacher rows for the step (Plan.teacher_recompute).
     ``aligned``: route -> tokenizer directory of the teachers of another tokenizer (``align.alignment_tokenizers``).
     What each backend and engine can score was checked before (``objectives.check_opd``)."""
-    _, top_p = reported_sampling("local", cfg.rollout.temperature, cfg.rollout.top_p)  # the local sampler's cut
-    sampling = dict(temperature=policy_temperature(cfg.rollout.temperature),
-                    top_p=top_p if cfg.opd.match_sampling else 1.0)
-    teacher_dtype = cfg.opd.teacher_dtype or cfg.model.dtype
-    if cfg.opd.teacher_engine == "local":
-        if cfg.model.backend == "megatron":  # frozen megatron models at model.megatron.teacher_tp, in model.dtype
+    _, top_p = reported_sampling("local", rollout.temperature, rollout.top_p)  # the local sampler's cut
+    sampling = dict(temperature=policy_temperature(rollout.temperature),
+                    top_p=top_p if opd.match_sampling else 1.0)
+    teacher_dtype = opd.teacher_dtype or model.dtype
+    if opd.teacher_engine == "local":
+        if model.backend == "megatron":  # frozen megatron models at model.megatron.teacher_tp, in model.dtype
             from megaopd.models.megatron.policy import megatron_teachers
 
-            return TeacherRouter(cfg.opd.teachers, megatron_teachers(cfg.model), student_tokenizer, **sampling)
-        return TeacherRouter(cfg.opd.teachers, local_teachers(cfg.model, cfg.train.logit_chunk_rows, teacher_dtype),
+            return TeacherRouter(opd.teachers, megatron_teachers(model), student_tokenizer, **sampling)
+        return TeacherRouter(opd.teachers, local_teachers(model, logit_chunk_rows, teacher_dtype),
                              student_tokenizer, **sampling, recompute=recompute,
                              teacher_tokenizers=aligned)
     from megaopd.rollout.serving.teacher import SGLangTeacher
 
-    urls = cfg.opd.teacher_urls  # a multi-node job's servers among them (megaopd.run.environment)
-    return TeacherRouter(cfg.opd.teachers, lambda route, path: SGLangTeacher(
-        path, urls.get(route, []), cfg.rollout.sglang, teacher_dtype, cfg.run_dir, f"teacher_{route}"),
+    urls = opd.teacher_urls  # a multi-node job's servers among them (megaopd.run.environment)
+    return TeacherRouter(opd.teachers, lambda route, path: SGLangTeacher(
+        path, urls.get(route, []), rollout.sglang, teacher_dtype, run_dir, f"teacher_{route}"),
         student_tokenizer, **sampling, servers=True, teacher_tokenizers=aligned)
 
 
@@ -141,11 +143,13 @@ class Trainer:
         # (docs/opd.md, "One temperature"); SFT trains the model's own (1).
         self.temperature = policy_temperature(cfg.rollout.temperature)
         if spec.teacher_term and cfg.opd.check_teacher:  # before the student loads: one model in memory at a time
-            teacher_gate(cfg, self.run_dir, valid_rows, sorted({r.domain for r in train_rows}))
+            teacher_gate(cfg.opd, cfg.model, cfg.rollout, cfg.train.seed, cfg.eval.final_prompts_per_domain,
+                         self.run_dir, valid_rows, sorted({r.domain for r in train_rows}))
         seed_everything(cfg.train.seed)
 
-        self.policy = build_policy(cfg)
-        self.engine = build_engine(cfg, self.policy)
+        # The parts, each built from its own sections of the resolved config.
+        self.policy = build_policy(cfg.model, cfg.train, cfg.run_dir, cfg.checkpoint.keep, cfg.optim)
+        self.engine = build_engine(cfg.rollout, cfg.model, cfg.run_dir, self.policy)
         self.sampler = PromptSampler(train_rows, cfg.train.prompts_per_step, cfg.train.seed)
         self.evaluator = Evaluator(test_rows, cfg.eval, cfg.rollout.max_new_tokens, cfg.train.seed, self.policy.device)
         # The validation split, greedy only (what the stop rules read); its per-prompt results are not recorded
@@ -159,7 +163,8 @@ class Trainer:
 
         self.teachers = self.reference = None
         if spec.teacher_term:
-            self.teachers = build_teachers(cfg, self.policy.tokenizer, bool(self.plan and self.plan.teacher_recompute),
+            self.teachers = build_teachers(cfg.opd, cfg.rollout, cfg.model, cfg.train.logit_chunk_rows, cfg.run_dir,
+                                           self.policy.tokenizer, bool(self.plan and self.plan.teacher_recompute),
                                            aligned)
             self.teachers.check_domains(self.sampler.domains())
             for route, path in spec.teachers(cfg.opd).items():
@@ -171,9 +176,10 @@ class Trainer:
             r.max_staleness, cfg.train.steps, self._score_teachers if self.teachers and self.teachers.servers else None,
             (lambda rows: self.engine.generation(rows, *sampling, r.inflight_chunk)) if r.inflight_updates else None,
             r.stale_tokens)
-        self.objective = build_objective(spec, cfg, self.teachers)
+        self.objective = build_objective(spec, cfg.grpo, cfg.opd, cfg.fixed_advantage,
+                                         spec.samples_per_prompt(cfg.rollout), self.teachers)
         if spec.uses_reference(cfg.grpo):
-            self.reference = build_policy(cfg, trainable=False)
+            self.reference = build_policy(cfg.model, cfg.train, cfg.run_dir, cfg.checkpoint.keep)
         self.step_fn = self.rl_step if spec.rollouts else self.sft_step
 
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.every, cfg.checkpoint.keep)
@@ -289,10 +295,11 @@ class Trainer:
     def _book_flops(self, rows, samples: list[Sample], components: tuple[str, ...] | None = None) -> int:
         """Books the model FLOPs of these samples in the ledger, of `components` (default: every one the method
         books); returns their sum. The one place a step's FLOPs are billed."""
-        n = self.method.samples_per_prompt(self.cfg.rollout)
+        cfg = self.cfg
+        n = self.method.samples_per_prompt(cfg.rollout)
         prompt_lens = [len(samples[i * n].prompt_ids) for i in range(len(rows))]
         teachers = [self.teachers.shape(self.teachers.route(row.domain)) for row in rows] if self.teachers else None
-        parts = self.method.step_flops(self.cfg, self.policy.shape, teachers, prompt_lens,
+        parts = self.method.step_flops(cfg.train, cfg.rollout, cfg.grpo, self.policy.shape, teachers, prompt_lens,
                                        [len(s.response_ids) for s in samples],
                                        teacher_lens=self.teachers.token_counts(samples, n) if self.teachers else None)
         components = self.method.components if components is None else components

@@ -16,7 +16,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from megaopd.config import RunConfig, teacher_route
+from megaopd.config import ModelConfig, OPDConfig, RolloutConfig, teacher_route
 from megaopd.data.rows import Row
 from megaopd.errors import UserError
 from megaopd.accounting.metrics import per_domain_means
@@ -39,18 +39,19 @@ def teacher_domains(teachers: dict[str, str], domains: list[str]) -> dict[str, l
     return served
 
 
-def answer(cfg: RunConfig, path: str, rows: list[Row]) -> dict:
-    """One model's validation answers at the run's token cap: per mode, accuracy per domain and their mean, mean
-    response length and the share cut at the cap. Greedy, then sampled at the rollout's settings."""
+def answer(model: ModelConfig, rollout: RolloutConfig, seed: int, rows: list[Row]) -> dict:
+    """One model's (``model.path``, on the student's device and dtype) validation answers at the run's token cap: per
+    mode, accuracy per domain and their mean, mean response length and the share cut at the cap. Greedy, then sampled
+    at the rollout's settings."""
     from megaopd.run.evaluate import score_samples  # here: the report reads CHECK_FILE without loading torch
     from megaopd.models.hf_policy import HFPolicy
     from megaopd.rollout.local import LocalEngine, sampling_generator
 
-    policy = HFPolicy(replace(cfg.model, path=path))  # generation only: no optimizer, the HF backend on any run
-    engine = LocalEngine(policy, cfg.rollout.batch_prompts)
-    r, out = cfg.rollout, {"path": path, "prompts": len(rows)}
+    policy = HFPolicy(model)  # generation only: no optimizer, the HF backend on any run
+    engine = LocalEngine(policy, rollout.batch_prompts)
+    r, out = rollout, {"path": model.path, "prompts": len(rows)}
     for mode, temperature, top_p in (("greedy", 0.0, 1.0), ("sampled", r.temperature, r.top_p)):
-        generator = sampling_generator(policy.device, cfg.train.seed)
+        generator = sampling_generator(policy.device, seed)
         samples = engine.generate(rows, 1, temperature, top_p, r.max_new_tokens, generator)
         score_samples(policy.tokenizer, samples)
         accuracy = per_domain_means(samples, lambda s: s.reward)
@@ -60,9 +61,11 @@ def answer(cfg: RunConfig, path: str, rows: list[Row]) -> dict:
     return out
 
 
-def measure(cfg: RunConfig, valid_rows: list[Row], train_domains: list[str]) -> dict:
-    """The student's and every teacher's answers on the validation prompts of the domains each teacher serves."""
-    limit = cfg.eval.final_prompts_per_domain  # the prompts the stage's final validation eval reads
+def measure(opd: OPDConfig, model: ModelConfig, rollout: RolloutConfig, seed: int, limit: int,
+            valid_rows: list[Row], train_domains: list[str]) -> dict:
+    """The student's (``model``) and every teacher's answers on the validation prompts of the domains each teacher
+    serves: the first ``limit`` of each domain, as the stage's final validation eval reads them
+    (eval.final_prompts_per_domain; 0: all)."""
     by_domain: dict[str, list[Row]] = {}
     for row in valid_rows:
         by_domain.setdefault(row.domain, []).append(row)
@@ -70,15 +73,16 @@ def measure(cfg: RunConfig, valid_rows: list[Row], train_domains: list[str]) -> 
     if not rows:
         raise WeakTeacher(f"the teacher check needs validation prompts of the trained domains {train_domains}; set "
                           "data.validation to their validation split")
-    served = teacher_domains(cfg.opd.teachers, sorted(rows))
+    served = teacher_domains(opd.teachers, sorted(rows))
     from megaopd.rollout.serving.leader import on_leader
 
     def run() -> dict:
-        student = answer(cfg, cfg.model.path, [r for d in sorted(rows) for r in rows[d]])
-        teachers = {route: answer(cfg, cfg.opd.teachers[route], [r for d in domains for r in rows[d]]) | {
-            "domains": domains} for route, domains in served.items()}
-        return {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
-                "top_p": cfg.rollout.top_p, "student": student, "teachers": teachers}
+        student = answer(model, rollout, seed, [r for d in sorted(rows) for r in rows[d]])
+        teachers = {route: answer(replace(model, path=opd.teachers[route]), rollout, seed,
+                                  [r for d in domains for r in rows[d]]) | {"domains": domains}
+                    for route, domains in served.items()}
+        return {"max_new_tokens": rollout.max_new_tokens, "temperature": rollout.temperature,
+                "top_p": rollout.top_p, "student": student, "teachers": teachers}
 
     return on_leader(run)  # under torchrun: one rank measures, every rank decides alike
 
@@ -94,19 +98,21 @@ def weaker(check: dict) -> dict[str, tuple[float, float]]:
     return out
 
 
-def gate(cfg: RunConfig, run_dir: Path, valid_rows: list[Row], train_domains: list[str]) -> dict:
-    """Measure (or read, on resume) the check, write it, and refuse a teacher not above its student unless
-    ``opd.allow_weaker_teacher``."""
+def gate(opd: OPDConfig, model: ModelConfig, rollout: RolloutConfig, seed: int, limit: int, run_dir: Path,
+         valid_rows: list[Row], train_domains: list[str]) -> dict:
+    """Measure (``measure``; or read, on resume) the check, write it, and refuse a teacher not above its student
+    unless ``opd.allow_weaker_teacher``."""
     path = run_dir / CHECK_FILE
-    check = json.loads(path.read_text()) if path.exists() else measure(cfg, valid_rows, train_domains)
+    check = json.loads(path.read_text()) if path.exists() else measure(opd, model, rollout, seed, limit, valid_rows,
+                                                                        train_domains)
     below = weaker(check)
-    check["allowed_weaker"] = bool(below) and cfg.opd.allow_weaker_teacher  # the report marks its findings
+    check["allowed_weaker"] = bool(below) and opd.allow_weaker_teacher  # the report marks its findings
     path.write_text(json.dumps(check, indent=1) + "\n")  # also when refused: the numbers behind the refusal
     for route, (teacher, student) in below.items():
         domains = ", ".join(check["teachers"][route]["domains"])
         line = (f"teacher {check['teachers'][route]['path']} scores {teacher:.3f} greedy on validation ({domains}; "
-                f"{check['max_new_tokens']} new tokens) and the student {cfg.model.path} {student:.3f}")
-        if not cfg.opd.allow_weaker_teacher:
+                f"{check['max_new_tokens']} new tokens) and the student {model.path} {student:.3f}")
+        if not opd.allow_weaker_teacher:
             raise WeakTeacher(f"{line}: a teacher not above its student cannot show what OPD from a stronger one "
                               "does; use a stronger teacher or a token cap it answers within, or set "
                               "allow_weaker_teacher: true on the stage (opd.allow_weaker_teacher=true) to run it on "
