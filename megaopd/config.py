@@ -38,6 +38,7 @@ FixedAdvantageScope = Literal["response", "batch"]
 # fixed_advantage.scale: one advantage for every selected token (the paper's control), or by its entropy (its OPSA)
 FixedAdvantageScale = Literal["none", "entropy"]
 StaleTokens = Literal["refuse", "mask"]  # rollout.stale_tokens: tokens past rollout.max_staleness at training time
+PartialRollouts = Literal["continue", "requeue"]  # rollout.partial_rollouts: a response an in-flight update interrupts
 WeightSync = Literal["disk", "tensor", "distributed"]  # rollout.sglang.sync: megaopd.rollout.serving.weight_sync
 
 
@@ -145,6 +146,10 @@ class RolloutConfig:
     # version.
     inflight_updates: bool = False
     inflight_chunk: int = 16
+    # What happens to a response an in-flight update interrupts: continue (under the new weights from its prefix, in
+    # the same batch; never restarted, never dropped). requeue (cut it, continue its prefix in a later batch) is
+    # refused: it would split a GRPO group across batches.
+    partial_rollouts: PartialRollouts = "continue"
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def __post_init__(self):
@@ -154,6 +159,9 @@ class RolloutConfig:
         if self.inflight_updates and self.max_staleness < 1:
             raise ConfigError("rollout.inflight_updates lets weight updates land in the batches generated ahead, and "
                               "rollout.max_staleness=0 generates none: set rollout.max_staleness=1 or more")
+        if self.partial_rollouts == "requeue":
+            raise ConfigError("rollout.partial_rollouts=requeue would train a GRPO group split across batches (cut "
+                              "responses continued in a later one): use rollout.partial_rollouts=continue")
         if self.inflight_chunk < 1:
             raise ConfigError(f"rollout.inflight_chunk must be >= 1 decode steps, got {self.inflight_chunk}; "
                               "set e.g. 16")

@@ -177,6 +177,9 @@ def test_a_bound_counted_at_generation_time_misses_the_queue(monkeypatch):
 
 @pytest.mark.parametrize("overrides,message", [
     (["rollout.inflight_updates=true"], r"rollout\.max_staleness=0 generates none: set rollout\.max_staleness=1"),
+    (["rollout.inflight_updates=true", "rollout.max_staleness=1", "rollout.partial_rollouts=requeue"],
+     r"^rollout\.partial_rollouts=requeue would train a GRPO group split across batches \(cut "
+     r"responses continued in a later one\): use rollout\.partial_rollouts=continue$"),
     (["rollout.inflight_chunk=0"], r"^rollout\.inflight_chunk must be >= 1"),
 ])
 def test_inflight_settings_that_cannot_run_are_refused(overrides, message):
