@@ -7,6 +7,8 @@ control: the same check with the fix taken away, which must fail. The server and
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -254,3 +256,50 @@ def test_only_inflight_updates_resubmit(fresh, assets, tmp_path, inflight):
         assert recorded.resubmissions == 0 and "/pause_generation" not in recorded.broadcasts
         assert [m["rollout/staleness_mean"] for m in steps] == [0, 1, 1]
     assert fresh.get("/model_info")["weight_version"] == "3"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill_9_mid_generation_resumes_with_the_checkpointed_versions_and_ledger(fresh, assets, tmp_path):
+    """Property (e): a checkpoint collects the generation in flight first, so it holds batch 3 whole, its tokens of
+    versions 1 and 2 (step 2's sync landed in it), and its ledger bills every one of them (a batch generated across
+    a sync is billed where it is collected: here the checkpoint). kill -9 once step 3's sync has interrupted batch
+    4 (partial responses held in memory only), then the run resumes on fresh servers (the base weights at version
+    0, as a requeued job's launched ones): it trains batch 3 with the checkpointed versions, from the checkpointed
+    ledger (batch 3 neither billed again nor lost)."""
+    from megaopd.config import save_config
+    from megaopd.models.checkpoint import load_state
+    from test_sglang import reset
+    from test_train import _cli
+
+    cfg = attached(assets, tmp_path / "run", fresh, **{"train.steps": 4, "eval.every": 4, "checkpoint.every": 2,
+                                                        "rollout.max_staleness": 1, "rollout.inflight_updates": True})
+    save_config(cfg, tmp_path / "run.yaml")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt"
+    with slowed(fresh, 0.3):
+        run = subprocess.Popen(_cli(tmp_path / "run.yaml"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while not (checkpoint.exists() and fresh.get("/model_info")["weight_version"] == "3"):
+            assert run.poll() is None and time.time() < deadline, "the run ended before batch 4 was interrupted"
+            time.sleep(0.05)
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        fresh.post("/continue_generation", {}, 60)  # in case the kill came between a sync's pause and its continue
+        reset(fresh, assets)
+        [ahead] = load_state(checkpoint)["rollouts"]
+        versions = [v for s in ahead["samples"] for v in s["token_versions"] or [s["weight_version"]] * len(
+            s["response_ids"])]
+        assert set(versions) == {1, 2}
+        trainer = Trainer(cfg)
+        trainer.fit()
+    steps = [m for m in read_metrics(tmp_path / "run") if "rollout/staleness_max" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert steps[2]["rollout/staleness_mean"] == pytest.approx(sum(2 - v for v in versions) / len(versions))
+    n = cfg.rollout.samples_per_prompt
+    batch_3 = trainer.method.step_flops(cfg, trainer.policy.shape, None,
+                                        [len(ahead["samples"][i * n]["prompt_ids"]) for i in range(len(ahead["rows"]))],
+                                        [len(s["response_ids"]) for s in ahead["samples"]])["rollout"]
+    saved = load_state(checkpoint)["ledger"]["own"]["rollout"]
+    assert saved - steps[1]["flops/rollout"] == pytest.approx(batch_3)  # billed at the checkpoint, every token
+    assert steps[2]["flops/rollout"] == saved  # step 3 collects nothing: batch 4 is collected by step 4
+    assert fresh.get("/model_info")["weight_version"] == "4"

@@ -36,7 +36,8 @@ teacher's scores of a sample hold whatever weights generated it, so they overlap
 and the batch comes with them (``StepRollouts.teacher``). Local teachers share the trainer's devices, and at K=0
 there is nothing to overlap: the training step scores those, as before the pipeline existed.
 
-The trainer bills a batch's rollout FLOPs once, in the step that generated it (``step_end`` hands it over then), with
+The trainer bills a batch's rollout FLOPs once, in the step that generated it (``step_end`` hands it over then;
+one that SGLang servers generate across an in-flight update, in the step or checkpoint that collects it), with
 its teacher FLOPs when the servers scored it there; the lookahead stops at the stage's last step, so only a plateau
 stop leaves batches generated and never trained (up to K, billed: work done; paused ones are run to their end and
 billed by the checkpoint the stop forces). A checkpoint holds the generated-but-untrained batches, with their teacher
