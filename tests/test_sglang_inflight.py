@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -258,6 +259,47 @@ def test_only_inflight_updates_resubmit(fresh, assets, tmp_path, inflight):
     assert fresh.get("/model_info")["weight_version"] == "3"
 
 
+# A checkpoint that does not wait for the generation in flight (the negative control of the kill -9 test)
+NOT_WAITING = """
+from megaopd.rollout.pipeline import RolloutPipeline
+state_dict = RolloutPipeline.state_dict
+
+def not_waiting(self):
+    in_flight, self._in_flight = self._in_flight, None
+    try:
+        return state_dict(self)
+    finally:
+        self._in_flight = in_flight
+RolloutPipeline.state_dict = not_waiting
+"""
+
+
+def killed_mid_generation(fresh, assets, tmp_path, patch: str = ""):
+    """A 4-step run at K=1 with in-flight updates, its CLI killed (kill -9) once its step-2 checkpoint is written and
+    step 3's sync has interrupted batch 4; the server left on the base weights at version 0, as a requeued job's
+    fresh servers. `patch`: Python run in the trainer's process before the CLI. Returns the config, the checkpoint."""
+    from megaopd.config import save_config
+    from test_sglang import reset
+
+    cfg = attached(assets, tmp_path / "run", fresh, **{"train.steps": 4, "eval.every": 4, "checkpoint.every": 2,
+                                                        "rollout.max_staleness": 1, "rollout.inflight_updates": True})
+    save_config(cfg, tmp_path / "run.yaml")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt"
+    command = [sys.executable, "-c", f"{patch}\nimport sys\nfrom megaopd.cli import main\n"
+                                     f"sys.exit(main(['train', {str(tmp_path / 'run.yaml')!r}]))"]
+    with slowed(fresh, 0.3):
+        run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while not (checkpoint.exists() and fresh.get("/model_info")["weight_version"] == "3"):
+            assert run.poll() is None and time.time() < deadline, "the run ended before batch 4 was interrupted"
+            time.sleep(0.05)
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+    fresh.post("/continue_generation", {}, 60)  # in case the kill came between a sync's pause and its continue
+    reset(fresh, assets)
+    return cfg, checkpoint
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kill_9_mid_generation_resumes_with_the_checkpointed_versions_and_ledger(fresh, assets, tmp_path):
@@ -267,30 +309,15 @@ def test_kill_9_mid_generation_resumes_with_the_checkpointed_versions_and_ledger
     4 (partial responses held in memory only), then the run resumes on fresh servers (the base weights at version
     0, as a requeued job's launched ones): it trains batch 3 with the checkpointed versions, from the checkpointed
     ledger (batch 3 neither billed again nor lost)."""
-    from megaopd.config import save_config
     from megaopd.models.checkpoint import load_state
-    from test_sglang import reset
-    from test_train import _cli
 
-    cfg = attached(assets, tmp_path / "run", fresh, **{"train.steps": 4, "eval.every": 4, "checkpoint.every": 2,
-                                                        "rollout.max_staleness": 1, "rollout.inflight_updates": True})
-    save_config(cfg, tmp_path / "run.yaml")
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000002" / "state.pt"
+    cfg, checkpoint = killed_mid_generation(fresh, assets, tmp_path)
+    [ahead] = load_state(checkpoint)["rollouts"]
+    versions = [v for s in ahead["samples"] for v in s["token_versions"] or [s["weight_version"]] * len(
+        s["response_ids"])]
+    assert set(versions) == {1, 2}
+    trainer = Trainer(cfg)
     with slowed(fresh, 0.3):
-        run = subprocess.Popen(_cli(tmp_path / "run.yaml"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 300
-        while not (checkpoint.exists() and fresh.get("/model_info")["weight_version"] == "3"):
-            assert run.poll() is None and time.time() < deadline, "the run ended before batch 4 was interrupted"
-            time.sleep(0.05)
-        run.send_signal(signal.SIGKILL)
-        run.wait()
-        fresh.post("/continue_generation", {}, 60)  # in case the kill came between a sync's pause and its continue
-        reset(fresh, assets)
-        [ahead] = load_state(checkpoint)["rollouts"]
-        versions = [v for s in ahead["samples"] for v in s["token_versions"] or [s["weight_version"]] * len(
-            s["response_ids"])]
-        assert set(versions) == {1, 2}
-        trainer = Trainer(cfg)
         trainer.fit()
     steps = [m for m in read_metrics(tmp_path / "run") if "rollout/staleness_max" in m]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
@@ -303,3 +330,14 @@ def test_kill_9_mid_generation_resumes_with_the_checkpointed_versions_and_ledger
     assert saved - steps[1]["flops/rollout"] == pytest.approx(batch_3)  # billed at the checkpoint, every token
     assert steps[2]["flops/rollout"] == saved  # step 3 collects nothing: batch 4 is collected by step 4
     assert fresh.get("/model_info")["weight_version"] == "4"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_checkpoint_that_does_not_wait_loses_the_batch_in_flight(fresh, assets, tmp_path):
+    """Negative control of the test above: a checkpoint that does not collect the generation in flight holds no
+    batch 3, whose prompts the sampler had drawn: the resumed run would never train them."""
+    from megaopd.models.checkpoint import load_state
+
+    _, checkpoint = killed_mid_generation(fresh, assets, tmp_path, NOT_WAITING)
+    assert load_state(checkpoint)["rollouts"] == []
