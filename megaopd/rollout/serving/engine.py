@@ -136,13 +136,13 @@ class SGLangEngine:
         """Push the policy's weights as `version` (default: the next one), then verify every server serves them."""
         version = self.weight_version + 1 if version is None else version
         with self.pauses.pausing() if self.updates_in_flight else nullcontext():
-            self._generation("/pause_generation", {"mode": "abort"})  # each running request returns its partial
+            self._generation_control("/pause_generation", {"mode": "abort"})  # running requests return partials
             self.sync(self, policy, str(version))
             self.weight_version = version
-            self._generation("/continue_generation", {})  # first: a paused server holds every /generate, the probe's
+            self._generation_control("/continue_generation", {})  # a paused server would hold the probe's /generate
             self.verify(policy, version)
 
-    def _generation(self, path: str, payload: dict) -> None:
+    def _generation_control(self, path: str, payload: dict) -> None:
         """Pause or continue the servers' generation around an in-flight update (without, a sync waits for it)."""
         if self.updates_in_flight:
             on_leader(lambda: self.pool.broadcast(path, payload))

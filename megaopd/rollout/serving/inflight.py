@@ -35,13 +35,14 @@ class Pauses:
         """Around a sync: from before its pause until its weights are verified (or it failed)."""
         with self._changed:
             self._begun += 1
-            self._open, self._failed = True, True
+            self._open = True
+        verified = False
         try:
             yield
-            self._failed = False
+            verified = True
         finally:
             with self._changed:
-                self._open = False
+                self._open, self._failed = False, not verified
                 self._changed.notify_all()
 
     def settled(self, timeout_s: float) -> int:
