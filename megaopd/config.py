@@ -38,6 +38,7 @@ FixedAdvantageScope = Literal["response", "batch"]
 # fixed_advantage.scale: one advantage for every selected token (the paper's control), or by its entropy (its OPSA)
 FixedAdvantageScale = Literal["none", "entropy"]
 StaleTokens = Literal["refuse", "mask"]  # rollout.stale_tokens: tokens past rollout.max_staleness at training time
+PartialRollouts = Literal["continue", "requeue"]  # rollout.partial_rollouts: a response an in-flight update interrupts
 WeightSync = Literal["disk", "tensor", "distributed"]  # rollout.sglang.sync: megaopd.rollout.serving.weight_sync
 
 
@@ -137,12 +138,18 @@ class RolloutConfig:
     # batch waited: megaopd.rollout.staleness): refuse stops the run, naming the step; mask trains the batch with
     # those tokens' loss terms zeroed (they stay in the token-mean's denominator) and logs their share.
     stale_tokens: StaleTokens = "refuse"
-    # In-flight weight updates (local engine, max_staleness >= 1): the batches generated ahead advance one chunk of
-    # inflight_chunk decode steps per training step, and a weight update lands between chunks, so a response spans
-    # several versions, each token stamped with its own (Sample.token_versions). Off: each batch is generated whole
-    # by one version (the KV caches of the batches in flight are held across the updates when on).
+    # In-flight weight updates (max_staleness >= 1): a weight update lands in the middle of the generations ahead, so
+    # a response spans several versions, each token stamped with its own (Sample.token_versions). Local engine: the
+    # batches generated ahead advance one chunk of inflight_chunk decode steps per training step, the update lands
+    # between chunks (their KV caches held across it). SGLang: the sync aborts the requests running and resumes each
+    # from its partial response under the new weights (docs/serving.md). Off: each batch is generated whole by one
+    # version.
     inflight_updates: bool = False
     inflight_chunk: int = 16
+    # What happens to a response an in-flight update interrupts: continue (under the new weights from its prefix, in
+    # the same batch; never restarted, never dropped). requeue (cut it, continue its prefix in a later batch) is
+    # refused: it would split a GRPO group across batches.
+    partial_rollouts: PartialRollouts = "continue"
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def __post_init__(self):
@@ -152,9 +159,9 @@ class RolloutConfig:
         if self.inflight_updates and self.max_staleness < 1:
             raise ConfigError("rollout.inflight_updates lets weight updates land in the batches generated ahead, and "
                               "rollout.max_staleness=0 generates none: set rollout.max_staleness=1 or more")
-        if self.inflight_updates and self.engine != "local":
-            raise ConfigError(f"rollout.inflight_updates runs on rollout.engine=local (the SGLang in-flight path is "
-                              f"not there yet), got {self.engine}: set rollout.engine=local or leave it off")
+        if self.partial_rollouts == "requeue":
+            raise ConfigError("rollout.partial_rollouts=requeue would train a GRPO group split across batches (cut "
+                              "responses continued in a later one): use rollout.partial_rollouts=continue")
         if self.inflight_chunk < 1:
             raise ConfigError(f"rollout.inflight_chunk must be >= 1 decode steps, got {self.inflight_chunk}; "
                               "set e.g. 16")

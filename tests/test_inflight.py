@@ -14,6 +14,8 @@ from megaopd.rollout import pipeline as pipeline_module
 from megaopd.rollout.decode import FusedDecoder
 from megaopd.rollout.local import LocalEngine, resume, run_to_end
 from megaopd.rollout.pipeline import RolloutPipeline
+from megaopd.rollout.serving.inflight import Pauses
+from megaopd.rollout.serving.server import ServerError
 from megaopd.rollout.staleness import StaleRollouts, fresh_tokens, masked_loss
 from megaopd.data.sampler import PromptSampler
 from conftest import run_config
@@ -175,10 +177,31 @@ def test_a_bound_counted_at_generation_time_misses_the_queue(monkeypatch):
     assert pipe.take(2).samples[0].versions() == [0] * 6  # 2 versions old when it trains, and not refused
 
 
+def test_sglang_resubmits_only_after_its_sync_verified_the_weights():
+    """What a generation on SGLang servers sees of the syncs (serving.inflight.Pauses; the real-server tests are
+    tests/test_sglang_inflight.py): an abort with no sync since its round was submitted is not one of megaopd's; a
+    round waits while a sync runs; after a failed sync (its probe found other weights) nothing is resubmitted."""
+    pauses = Pauses()
+    settled = pauses.settled(1)
+    assert not pauses.caused(settled)
+    with pytest.raises(RuntimeError, match="the probe"):
+        with pauses.pausing():
+            assert pauses.caused(settled)
+            with pytest.raises(ServerError, match="did not end within 0.1 s"):
+                pauses.settled(0.1)
+            raise RuntimeError("the probe found other weights")
+    with pytest.raises(ServerError, match="the weight sync that paused this generation failed"):
+        pauses.settled(1)
+    with pauses.pausing():
+        pass
+    assert pauses.settled(1) == 2
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["rollout.inflight_updates=true"], r"rollout\.max_staleness=0 generates none: set rollout\.max_staleness=1"),
-    (["rollout.inflight_updates=true", "rollout.max_staleness=1", "rollout.engine=sglang"],
-     r"^rollout\.inflight_updates runs on rollout\.engine=local"),
+    (["rollout.inflight_updates=true", "rollout.max_staleness=1", "rollout.partial_rollouts=requeue"],
+     r"^rollout\.partial_rollouts=requeue would train a GRPO group split across batches \(cut "
+     r"responses continued in a later one\): use rollout\.partial_rollouts=continue$"),
     (["rollout.inflight_chunk=0"], r"^rollout\.inflight_chunk must be >= 1"),
 ])
 def test_inflight_settings_that_cannot_run_are_refused(overrides, message):

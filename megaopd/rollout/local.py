@@ -8,6 +8,8 @@ The interface every engine implements:
                                     # trainer's weights, so it only counts
     engine.weight_version           # stamped on every sample
     engine.shares_policy_weights    # True: samples from the trainer's own model (megaopd.rollout.pipeline)
+    engine.updates_in_flight        # optional; True: a sync may land while a generation runs, which resumes what it
+                                    # interrupted (SGLangEngine with rollout.inflight_updates)
     engine.close()                  # stop what the engine started
 
 The local engine prefills each distinct prompt once and shares its KV cache across the group

@@ -5,7 +5,7 @@ in step order and generated with the engine's current weights.
     rollouts = pipeline.take(step)      # StepRollouts: its rows, its samples, how long their generation took (and
                                         # the teacher servers' scores, when they scored it as it arrived)
     ... rewards, teachers, update ...
-    pipeline.sync_weights(policy)       # waits for a generation in flight, then pushes the new weights
+    pipeline.sync_weights(policy)       # waits for a generation in flight (unless updates land in it), then pushes
     metrics, generated = pipeline.step_end()  # the batches generated during this step, for the ledger
 
 So the first K+1 batches come from weight version 0 and every later one trains exactly K versions after the one that
@@ -14,27 +14,30 @@ Staleness is counted per response token when its batch trains (``megaopd.rollout
 is more than K versions old; one that is (a batch that waited longer) stops the run or is masked
 (``rollout.stale_tokens``).
 
-In-flight updates (``rollout.inflight_updates``, the local engine): the batches ahead are generations paused between
+In-flight updates (``rollout.inflight_updates``), on the local engine: the batches ahead are generations paused between
 chunks of ``rollout.inflight_chunk`` decode steps. ``take(k)`` runs batch k's to its end and advances each later one by
 a chunk, so the update after step k lands in their pauses and one response carries several versions, each token
 stamped with its own (``Sample.token_versions``); a batch started in step k - K trains in step k, its first chunk K
-versions old. A checkpoint runs the paused generations to their end (the trainer bills them there).
+versions old. A checkpoint runs the paused generations to their end (the trainer bills them there). On SGLang
+servers the sync does not wait for the generation in flight: it aborts the requests running, and the generation
+resumes each from its partial response under the new weights (``serving.inflight``).
 
 Where the generation runs: an engine that samples from the trainer's own model (``LocalEngine``) generates inline
 when the pipeline is refilled: the same staleness, no overlap. An engine with its own copy of the weights (SGLang
 servers) generates on one background thread, one generation in flight, so that batch k+K is generated while step k
 trains. Under torchrun only rank 0 talks to the servers (``serving.leader``): its thread generates ``leader_only``
 (no collective off the main thread), every other rank makes the same generator draws on its main thread, and the
-batch reaches every rank by broadcast when it is collected, a point of the loop all ranks share. The weight sync
-waits for the generation in flight before it pushes (no weight update mid-generation, no partial rollouts):
-nothing is in flight at an eval or a checkpoint.
+batch reaches every rank by broadcast when it is collected, a point of the loop all ranks share. Without in-flight
+updates the weight sync waits for the generation in flight before it pushes (no weight update mid-generation);
+either way a checkpoint collects it first, so a checkpoint holds whole responses only.
 
 Teacher servers (OPD, ``score``) score each batch on that thread right after its generation, at K >= 1: a frozen
 teacher's scores of a sample hold whatever weights generated it, so they overlap the update as the generation does,
 and the batch comes with them (``StepRollouts.teacher``). Local teachers share the trainer's devices, and at K=0
 there is nothing to overlap: the training step scores those, as before the pipeline existed.
 
-The trainer bills a batch's rollout FLOPs once, in the step that generated it (``step_end`` hands it over then), with
+The trainer bills a batch's rollout FLOPs once, in the step that generated it (``step_end`` hands it over then;
+one that SGLang servers generate across an in-flight update, in the step or checkpoint that collects it), with
 its teacher FLOPs when the servers scored it there; the lookahead stops at the stage's last step, so only a plateau
 stop leaves batches generated and never trained (up to K, billed: work done; paused ones are run to their end and
 billed by the checkpoint the stop forces). A checkpoint holds the generated-but-untrained batches, with their teacher
@@ -89,9 +92,11 @@ class RolloutPipeline:
         (rollout.inflight_updates; None: off); ``stale_tokens``: rollout.stale_tokens."""
         self.engine, self.sampler, self.generate = engine, sampler, generate
         self.max_staleness, self.last_step = max_staleness, last_step
-        self.generation, self.stale_tokens = generation, stale_tokens
-        self._paused: dict[int, _InFlight] = {}  # step -> its batch's paused generation (in-flight updates)
         self.background = not engine.shares_policy_weights
+        # An engine with its own weights takes in-flight updates into the generation itself (SGLangEngine)
+        self.generation = None if self.background else generation
+        self.stale_tokens = stale_tokens
+        self._paused: dict[int, _InFlight] = {}  # step -> its batch's paused generation (in-flight updates)
         self.score = score if self.background and max_staleness > 0 else None  # else the training step scores
         self._pool: ThreadPoolExecutor | None = None
         self._ready: dict[int, StepRollouts] = {}  # step -> its generated batch, in step order
@@ -125,9 +130,10 @@ class RolloutPipeline:
         return batch
 
     def sync_weights(self, policy) -> None:
-        """After the update: wait for the generation in flight (it samples the previous weights), then push."""
+        """After the update: wait for the generation in flight (it samples the previous weights), then push; an
+        engine that takes updates in flight pushes at once."""
         start = time.perf_counter()
-        if self._in_flight is not None:
+        if self._in_flight is not None and not getattr(self.engine, "updates_in_flight", False):
             self._collect()
         self._wait += time.perf_counter() - start
         self.engine.sync_weights(policy)

@@ -1,9 +1,10 @@
 """The ``sglang`` rollout engine: the local engine's interface, served by SGLang over HTTP, with verified syncs.
 
     generate(rows, n, ...)   one batched /generate per server: token ids, per-token logprobs, finish reasons,
-                             and the weight version each sample was produced by (checked against the trainer's)
+                             and the weight version each token was produced by (checked against the trainer's)
     sync_weights(policy)     push the new weights (disk everywhere; CUDA IPC or NCCL on GPUs), then prove the
-                             servers serve them: the reported version, and a logprob probe against the trainer
+                             servers serve them: the reported version, and a logprob probe against the trainer;
+                             with rollout.inflight_updates, while a generation runs (``serving.inflight``)
 
 Silently stale weights are the most reported bug of RL stacks with separate rollout servers; here a server that
 serves anything but the trainer's current weights stops the run with an error naming it.
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ from megaopd.models.chat import chat_prompt_ids, chat_prompt_ids_batch
 from megaopd.config import ModelConfig, RolloutConfig
 from megaopd.data.rows import Row
 from megaopd.rollout.serving import weight_sync
+from megaopd.rollout.serving.inflight import Pauses
 from megaopd.rollout.serving.leader import on_leader
 from megaopd.rollout.serving.pool import ServerPool, split_evenly
 from megaopd.rollout.serving.server import ServerError
@@ -35,6 +39,18 @@ class StaleWeightsError(RuntimeError):
     """A server serves weights other than the trainer's current ones."""
 
 
+@dataclass
+class _Request:
+    """One sample's request, over the rounds in-flight updates split it into (each resumes the previous one's)."""
+
+    group: int
+    seed: int
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weight version of each response token
+    finish: str = ""
+
+
 class SGLangEngine:
     shares_policy_weights = False  # its own copy: it can generate while the trainer updates (rollout_pipeline)
 
@@ -42,6 +58,9 @@ class SGLangEngine:
         self.cfg = rollout.sglang
         self.tokenizer, self.eos_id = policy.tokenizer, policy.eos_id
         self.weight_version = 0
+        # True: a sync lands while a generation runs (it pauses the servers, the generation resumes what it aborted)
+        self.updates_in_flight = rollout.inflight_updates
+        self.pauses = Pauses()
         self.sync = weight_sync.for_method(self.cfg.sync)
         self.weights_dir = Path(run_dir) / "rollout_weights"
         self.pool = None  # set on rank 0 only (see leader.py); a failed start stops every rank
@@ -67,39 +86,66 @@ class SGLangEngine:
 
     def _generate(self, rows, n, temperature, top_p, max_new_tokens, seeds) -> list[Sample]:
         prompts = chat_prompt_ids_batch(self.tokenizer, [row.prompt for row in rows])
-        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                    "stop_token_ids": [self.eos_id]}
-        # Whole groups per server, so that a group's prompt is prefilled once in that server's radix cache.
-        chunks = split_evenly(list(range(len(rows))), len(self.pool.servers))
-        payloads = [{"input_ids": [prompts[g] for g in chunk for _ in range(n)],
-                     "sampling_params": [sampling | {"sampling_seed": seeds[g * n + k]} for g in chunk
-                                         for k in range(n)],
+        sampling = {"temperature": temperature, "top_p": top_p, "stop_token_ids": [self.eos_id]}
+        requests = [_Request(i // n, seed) for i, seed in enumerate(seeds)]
+        pending = requests
+        while pending:  # one round, and one more after each in-flight update that aborted some
+            settled = self.pauses.settled(self.cfg.request_timeout_s)
+            submitted = self.weight_version
+            for request, answer in self._submit(pending, prompts, sampling, max_new_tokens):
+                self._record(request, answer["meta_info"], answer["output_ids"], submitted)
+            pending = [r for r in pending if r.finish == "abort"]
+            if pending and not self.pauses.caused(settled):
+                raise ServerError(f"SGLang server(s) {', '.join(self.pool.urls)} aborted {len(pending)} rollout "
+                                  "request(s) while no weight sync had paused them")
+        return [Sample(row=rows[r.group], group=r.group, prompt_ids=prompts[r.group], response_ids=r.response,
+                       rollout_logprobs=r.logprobs, finish_reason=r.finish, weight_version=r.versions[0],
+                       token_versions=r.versions if r.versions[0] != r.versions[-1] else None) for r in requests]
+
+    def _submit(self, requests: list[_Request], prompts, sampling: dict, max_new_tokens: int):
+        """(request, answer) pairs of one /generate per server. Whole groups per server, so that a group's prompt is
+        prefilled once in that server's radix cache. A resumed request goes on from its partial response for the
+        tokens it has left, with its own seed: a server with --enable-deterministic-inference draws each token from
+        a hash of the seed and the token's position, so the continuation draws the noise the uninterrupted request
+        would have (without it SGLang ignores the seed: CPU servers, whose attention it cannot make deterministic)."""
+        groups: dict[int, list[_Request]] = {}
+        for request in requests:
+            groups.setdefault(request.group, []).append(request)
+        chunks = [[r for g in part for r in groups[g]] for part in split_evenly(list(groups), len(self.pool.servers))]
+        payloads = [{"input_ids": [prompts[r.group] + r.response for r in chunk],
+                     "sampling_params": [sampling | {"max_new_tokens": max_new_tokens - len(r.response),
+                                                     "sampling_seed": r.seed} for r in chunk],
                      "return_logprob": True} for chunk in chunks]
         answers = [a for chunk_answers in self.pool.map("/generate", payloads) for a in chunk_answers]
+        return zip([r for chunk in chunks for r in chunk], answers)
 
-        samples = []
-        for i, answer in enumerate(answers):
-            meta = answer["meta_info"]
-            served = meta["weight_version"]
-            if served != str(self.weight_version):
-                raise StaleWeightsError(f"a rollout server served weight version {served!r} but the trainer is at "
-                                        f"{self.weight_version} (servers: {', '.join(self.pool.urls)})")
-            finish = meta["finish_reason"]["type"]
-            if finish == "abort":
-                raise ServerError(f"SGLang aborted a rollout request: {meta['finish_reason']}")
-            samples.append(Sample(
-                row=rows[i // n], group=i // n, prompt_ids=prompts[i // n], response_ids=list(answer["output_ids"]),
-                rollout_logprobs=[lp for lp, _, _ in meta["output_token_logprobs"]], finish_reason=finish,
-                weight_version=self.weight_version))
-        return samples
+    def _record(self, request: _Request, meta: dict, output_ids: list[int], submitted: int) -> None:
+        """Appends one answer's tokens to its request, each stamped with the version the server generated it by:
+        the one it reports (a weight update waits for the requests running; a pause aborts them first)."""
+        served = meta["weight_version"]
+        if served not in {str(v) for v in range(submitted, self.weight_version + 1)}:
+            raise StaleWeightsError(f"a rollout server served weight version {served!r} but the trainer is at "
+                                    f"{self.weight_version} (servers: {', '.join(self.pool.urls)})")
+        request.response += output_ids
+        request.logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
+        request.versions += [int(served)] * len(output_ids)
+        request.finish = meta["finish_reason"]["type"]
 
     # ---- weight sync ----
     def sync_weights(self, policy, version: int | None = None) -> None:
         """Push the policy's weights as `version` (default: the next one), then verify every server serves them."""
         version = self.weight_version + 1 if version is None else version
-        self.sync(self, policy, str(version))
-        self.weight_version = version
-        self.verify(policy, version)
+        with self.pauses.pausing() if self.updates_in_flight else nullcontext():
+            self._generation_control("/pause_generation", {"mode": "abort"})  # running requests return partials
+            self.sync(self, policy, str(version))
+            self.weight_version = version
+            self._generation_control("/continue_generation", {})  # a paused server would hold the probe's /generate
+            self.verify(policy, version)
+
+    def _generation_control(self, path: str, payload: dict) -> None:
+        """Pause or continue the servers' generation around an in-flight update (without, a sync waits for it)."""
+        if self.updates_in_flight:
+            on_leader(lambda: self.pool.broadcast(path, payload))
 
     def verify(self, policy, version: int) -> None:
         """Every server reports `version` and scores the probe like the trainer does, or the run stops."""
