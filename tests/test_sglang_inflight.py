@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from megaopd.accounting import flops
 from megaopd.accounting.metrics import read_metrics
 from megaopd.config import TrainConfig
 from megaopd.data.batch import collate
@@ -48,15 +49,17 @@ class Recorded:
     def __init__(self, engine: SGLangEngine):
         self.generations = self.rounds = self.generated = 0
         self.broadcasts = []
+        self.resumed = []  # prompt + partial response length of each request resubmitted
         generate, submit, record, broadcast = engine._generate, engine._submit, engine._record, engine.pool.broadcast
 
         def generating(*args):
             self.generations += 1
             return generate(*args)
 
-        def submitting(*args):
+        def submitting(requests, prompts, *args):
             self.rounds += 1
-            return submit(*args)
+            self.resumed += [len(prompts[r.group]) + len(r.response) for r in requests if r.response]
+            return submit(requests, prompts, *args)
 
         def recording(request, meta, *args):
             self.generated += meta["completion_tokens"]
@@ -253,9 +256,13 @@ def test_only_inflight_updates_resubmit(fresh, assets, tmp_path, inflight):
     if inflight:
         assert recorded.resubmissions > 0 and recorded.broadcasts.count("/pause_generation") == 3
         assert any(0 < m["rollout/staleness_mean"] < 1 for m in steps)
+        # The resumed requests' prefills are billed as hardware work, each whole
+        resumed = sum(flops.prefill_flops(trainer.policy.shape, n) for n in recorded.resumed)
+        assert resumed > 0 and sum(m["perf/resume_prefill_flops"] for m in steps) == resumed
     else:
         assert recorded.resubmissions == 0 and "/pause_generation" not in recorded.broadcasts
         assert [m["rollout/staleness_mean"] for m in steps] == [0, 1, 1]
+        assert recorded.resumed == [] and all(m["perf/resume_prefill_flops"] == 0 for m in steps)
     assert fresh.get("/model_info")["weight_version"] == "3"
 
 

@@ -35,5 +35,9 @@ class RolloutEngine(Protocol):
     def sync_weights(self, policy: Policy, version: int | None = None) -> None:
         """Serve ``policy``'s current weights as ``version`` (default: the next), verified where a copy is synced."""
 
+    def take_resumed_prefills(self) -> list[int]:
+        """The sequence lengths (prompt + partial response) the engine prefilled again since the last call, resuming
+        requests an in-flight update interrupted: hardware work beyond the ledger's model FLOPs."""
+
     def close(self) -> None:
         """Stop what the engine launched."""

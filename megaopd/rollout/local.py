@@ -99,6 +99,9 @@ class LocalEngine:
         assert policy is self.policy, "the local engine samples from the trainer's own model"
         self.weight_version = self.weight_version + 1 if version is None else version
 
+    def take_resumed_prefills(self) -> list[int]:
+        return []  # an update lands between decode chunks, the KV cache kept: nothing is prefilled again
+
     def close(self) -> None:
         pass  # nothing runs outside this process
 

@@ -40,6 +40,7 @@ from megaopd.errors import UserError, space_for
 from megaopd.run.evaluate import VALID, Evaluator, score_samples
 from megaopd.run.finished import FINAL_DIR, SUMMARY, finished_summary
 from megaopd.models.hf_policy import HFPolicy
+from megaopd.accounting import flops
 from megaopd.accounting.ledger import Ledger
 from megaopd.accounting.metrics import MetricsLogger, read_metrics, rollout_metrics
 from megaopd.objectives.losses import ISCorrection, build_objective, form_label, is_correction
@@ -225,7 +226,7 @@ class Trainer:
         metrics |= {f"train/{k}": v for k, v in merge_updates(applied or updates).items()}
         metrics |= self._skipped_metric(updates, applied)
         update_seconds = time.perf_counter() - update_start
-        self.rollouts.sync_weights(policy)  # once the generation in flight (if any) is done
+        self.rollouts.sync_weights(policy)  # after the generation in flight, or into it (rollout.inflight_updates)
 
         # Each step's ledger holds the work done in it: the batches generated during this step (their rollout, and
         # the teachers' scoring when the servers scored them then: _billed_ahead), and the rest of the trained one's.
@@ -234,9 +235,11 @@ class Trainer:
         model_flops = sum(self._book_flops(b.rows, b.samples, self._billed_ahead(b)) for b in generated)
         model_flops += self._book_flops(rows, samples, trained)
         # Hardware work beside the ledger's model FLOPs: less what shared prompts did not run, plus the teachers'
-        # recomputation.
+        # recomputation and the prefills of requests an in-flight update interrupted (billed whole: an upper bound,
+        # as a group's prompt may come from the server's prefix cache).
         shared = sum(p.take_prompt_saving() for p in (policy, self.reference) if p is not None)
-        hardware = model_flops - shared
+        resumed = sum(flops.prefill_flops(policy.shape, n) for n in self.engine.take_resumed_prefills())
+        hardware = model_flops - shared + resumed
         if self.teachers:
             self.teachers.release()
             recomputed = self.teachers.recompute_flops()
@@ -245,7 +248,8 @@ class Trainer:
                         # scored ahead, the step's wait for it is in perf/rollout_wait_seconds
                         "perf/teacher_seconds": scores.seconds,
                         "perf/teacher_wait_seconds": 0.0 if rollouts.teacher else scores.seconds}
-        metrics |= {"perf/hardware_flops": hardware, "perf/shared_prompt_saved_flops": shared}
+        metrics |= {"perf/hardware_flops": hardware, "perf/shared_prompt_saved_flops": shared,
+                    "perf/resume_prefill_flops": resumed}
         metrics |= rollout_metrics(samples, batch, routes, correction)
         metrics["rollout/verifier_errors"] = verifier_errors
         metrics |= pipeline_metrics

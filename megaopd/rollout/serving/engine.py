@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,8 @@ class SGLangEngine:
         # True: a sync lands while a generation runs (it pauses the servers, the generation resumes what it aborted)
         self.updates_in_flight = rollout.inflight_updates
         self.pauses = Pauses()
+        self._resumed: list[int] = []  # prompt + partial response lengths prefilled again (take_resumed_prefills)
+        self._resumed_lock = threading.Lock()  # appended on the generation thread, taken on the trainer's
         self.sync = weight_sync.for_method(self.cfg.sync)
         self.weights_dir = Path(run_dir) / "rollout_weights"
         self.pool = None  # set on rank 0 only (see leader.py); a failed start stops every rank
@@ -98,6 +101,8 @@ class SGLangEngine:
             if pending and not self.pauses.caused(settled):
                 raise ServerError(f"SGLang server(s) {', '.join(self.pool.urls)} aborted {len(pending)} rollout "
                                   "request(s) while no weight sync had paused them")
+            with self._resumed_lock:  # the weight update flushed their KV cache: resuming prefills them again
+                self._resumed += [len(prompts[r.group]) + len(r.response) for r in pending]
         return [Sample(row=rows[r.group], group=r.group, prompt_ids=prompts[r.group], response_ids=r.response,
                        rollout_logprobs=r.logprobs, finish_reason=r.finish, weight_version=r.versions[0],
                        token_versions=r.versions if r.versions[0] != r.versions[-1] else None) for r in requests]
@@ -130,6 +135,11 @@ class SGLangEngine:
         request.logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
         request.versions += [int(served)] * len(output_ids)
         request.finish = meta["finish_reason"]["type"]
+
+    def take_resumed_prefills(self) -> list[int]:
+        with self._resumed_lock:
+            resumed, self._resumed = self._resumed, []
+        return resumed
 
     # ---- weight sync ----
     def sync_weights(self, policy, version: int | None = None) -> None:
