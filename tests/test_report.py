@@ -585,24 +585,36 @@ def test_specialists_cost_both_ways(tmp_path):
     assert sj["saving_experts_to_final"] == pytest.approx(1 - 1015 / 6000)
 
 
-def make_k_study(root, k1: list[list[int]]):
-    """The same expert at K=0 and K=1 (compare_with: the K=0 one), evals at 0, 100, 200, 300 FLOPs on arith_add's
-    N prompts (per-prompt results, paired): K=0 right on 200, 300, 400, 500 of them; K=1 on `k1`'s vectors."""
+def make_k_study(root, k1: list[list[int]], role: str = "expert"):
+    """The same expert (or OPD stage: `role`) at K=0 and K=1 (compare_with: the K=0 one), evals at 0, 100, 200, 300
+    FLOPs on arith_add's N prompts (per-prompt results, paired): K=0 right on 200, 300, 400, 500 of them; K=1 on
+    `k1`'s vectors."""
     root.mkdir()
     k0 = [correct(a) for a in (200, 300, 400, 500)]
     for name, vectors, k in (("expert_k0", k0, 0), ("expert_k1", k1, 1)):
         acc = [sum(v) / N for v in vectors]
-        write_stage(root, name, "grpo", [(100 * i, {"arith_add": a, "mean": a}) for i, a in enumerate(acc)],
+        write_stage(root, name, "grpo" if role == "expert" else "opd",
+                    [(100 * i, {"arith_add": a, "mean": a}) for i, a in enumerate(acc)],
                     {"arith_add": acc[-1], "mean": acc[-1]})
         write_records(root / name, {**{10 * i: {"arith_add": v} for i, v in enumerate(vectors)},
                                     "final": {"arith_add": vectors[-1]}})
         (root / name / "config.yaml").write_text(yaml.safe_dump({"rollout": {"max_staleness": k}}))
     study = {"out": str(root), "seed": 0, "stages": [
-        {"name": "expert_k0", "config": "x.yaml", "role": "expert", "domain": "arith_add"},
-        {"name": "expert_k1", "config": "x.yaml", "role": "expert", "domain": "arith_add",
+        {"name": "expert_k0", "config": "x.yaml", "role": role, "domain": "arith_add"},
+        {"name": "expert_k1", "config": "x.yaml", "role": role, "domain": "arith_add",
          "compare_with": "expert_k0"}]}
     (root / "study.yaml").write_text(yaml.safe_dump(study))
     return root
+
+
+def test_an_opd_stage_against_another_opd_stage_is_one_method_at_another_setting(tmp_path):
+    """OPD at K=1 against OPD at K=0 (configs/studies/async_opd.yaml): a stage-vs-stage pair, never OPD vs GRPO,
+    so no finding reads it."""
+    report = write_report(make_k_study(tmp_path / "opd", [correct(a, 40, 40) for a in (200, 300, 400, 500)],
+                                       role="opd_external"), window=1, replicates=20)
+    (c,) = report["seeds"][0]["stage_comparisons"]
+    assert report["seeds"][0]["comparisons"] == [] and (c["stage"], c["reference"]) == ("expert_k1", "expert_k0")
+    assert c["max_staleness"] == {"stage": 1, "reference": 0}
 
 
 def test_stage_vs_stage_of_one_method_at_another_staleness(tmp_path):

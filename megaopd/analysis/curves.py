@@ -200,10 +200,12 @@ def analyse(study_dir: str | Path, study: dict, stages: list[Stage], metric: str
     """Every number of one study directory (one seed), from `load_study`'s study.yaml and stages."""
     by_name = {s.name: s for s in stages}
     pairs = [(s, by_name[s.compare_with]) for s in stages if s.compare_with in by_name]
-    comparisons = [compare_stages(s, ref, metric, target_fraction, window, x, length_window)
-                   for s, ref in pairs if s.role in OPD_VS_GRPO]
+    # An OPD stage against a stage of another method is OPD vs GRPO; against another OPD stage (the same distillation
+    # at another rollout.max_staleness, say) it is one method at another setting, which no finding reads.
+    opd_vs_grpo = [(s, ref) for s, ref in pairs if s.role in OPD_VS_GRPO and ref.role not in OPD_METHODS]
+    comparisons = [compare_stages(s, ref, metric, target_fraction, window, x, length_window) for s, ref in opd_vs_grpo]
     same_method = [compare_same_method(s, ref, metric, target_fraction, window, x, length_window)
-                   for s, ref in pairs if s.role not in OPD_VS_GRPO]
+                   for s, ref in pairs if (s, ref) not in opd_vs_grpo]
     controls = [compare_control(c, opd, metric, target_fraction, window, x, length_window, pairing)
                 for c, opd, pairing in control_pairs(controlled(stages))]
     experts = [s for s in stages if s.role == "expert" and s.domain]
