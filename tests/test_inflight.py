@@ -180,21 +180,24 @@ def test_a_bound_counted_at_generation_time_misses_the_queue(monkeypatch):
 def test_sglang_resubmits_only_after_its_sync_verified_the_weights():
     """What a generation on SGLang servers sees of the syncs (serving.inflight.Pauses; the real-server tests are
     tests/test_sglang_inflight.py): an abort with no sync since its round was submitted is not one of megaopd's; a
-    round waits while a sync runs; after a failed sync (its probe found other weights) nothing is resubmitted."""
+    sync waits for a round's answers; a round waits while a sync runs; after a failed sync (its probe found other
+    weights) nothing is resubmitted."""
     pauses = Pauses()
-    settled = pauses.settled(1)
-    assert not pauses.caused(settled)
+    with pauses.round(1) as settled:
+        assert not pauses.drained(0.01)  # a sync waits for the round's answers
+    assert pauses.drained(0) and not pauses.caused(settled)
     with pytest.raises(RuntimeError, match="the probe"):
         with pauses.pausing():
             assert pauses.caused(settled)
-            with pytest.raises(ServerError, match="did not end within 0.1 s"):
-                pauses.settled(0.1)
+            with pytest.raises(ServerError, match="did not end within 0.1 s"), pauses.round(0.1):
+                pass
             raise RuntimeError("the probe found other weights")
-    with pytest.raises(ServerError, match="the weight sync that paused this generation failed"):
-        pauses.settled(1)
+    with pytest.raises(ServerError, match="the weight sync that paused this generation failed"), pauses.round(1):
+        pass
     with pauses.pausing():
         pass
-    assert pauses.settled(1) == 2
+    with pauses.round(1) as settled:
+        assert settled == 2
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,9 +94,10 @@ class SGLangEngine:
         requests = [_Request(i // n, seed) for i, seed in enumerate(seeds)]
         pending = requests
         while pending:  # one round, and one more after each in-flight update that aborted some
-            settled = self.pauses.settled(self.cfg.request_timeout_s)
-            submitted = self.weight_version
-            for request, answer in self._submit(pending, prompts, sampling, max_new_tokens):
+            with self.pauses.round(self.cfg.request_timeout_s) as settled:
+                submitted = self.weight_version
+                answers = self._submit(pending, prompts, sampling, max_new_tokens)
+            for request, answer in answers:
                 self._record(request, answer["meta_info"], answer["output_ids"], submitted)
             pending = [r for r in pending if r.finish == "abort"]
             if pending and not self.pauses.caused(settled):
@@ -146,11 +148,28 @@ class SGLangEngine:
         """Push the policy's weights as `version` (default: the next one), then verify every server serves them."""
         version = self.weight_version + 1 if version is None else version
         with self.pauses.pausing() if self.updates_in_flight else nullcontext():
-            self._generation_control("/pause_generation", {"mode": "abort"})  # running requests return partials
+            self._abort_running()
+            self._generation_control("/pause_generation", {"mode": "abort"})  # nothing runs until it continues
             self.sync(self, policy, str(version))
             self.weight_version = version
             self._generation_control("/continue_generation", {})  # a paused server would hold the probe's /generate
             self.verify(policy, version)
+
+    def _abort_running(self) -> None:
+        """In-flight updates: abort the requests running and wait for their partial answers. SGLang's abort-mode
+        pause aborts them too, but then polls for them once a second: longer than a whole step on CPU."""
+        if self.updates_in_flight:
+            on_leader(self._abort_until_drained)
+
+    def _abort_until_drained(self) -> None:
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while True:  # again every 50 ms: a round's requests may reach a server just after an abort
+            self.pool.broadcast("/abort_request", {"abort_all": True})
+            if self.pauses.drained(0.05):
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(f"rollout requests aborted for a weight sync did not return within "
+                                  f"{self.cfg.request_timeout_s:g} s (servers: {', '.join(self.pool.urls)})")
 
     def _generation_control(self, path: str, payload: dict) -> None:
         """Pause or continue the servers' generation around an in-flight update (without, a sync waits for it)."""

@@ -189,9 +189,11 @@ class SGLangServer:
         self.start(timeout_s)
 
     # ---- HTTP ----
-    def post(self, path: str, payload: dict, timeout_s: float, retries: int = 0) -> dict | list:
-        """POST JSON and return the decoded answer; retried `retries` times on connection errors and 5xx."""
-        return json.loads(self._send(path, json.dumps(payload).encode(), timeout_s, retries))
+    def post(self, path: str, payload: dict, timeout_s: float, retries: int = 0) -> dict | list | None:
+        """POST JSON and return the decoded answer (None for an empty one, as /abort_request gives); retried
+        `retries` times on connection errors and 5xx."""
+        answer = self._send(path, json.dumps(payload).encode(), timeout_s, retries)
+        return json.loads(answer) if answer else None
 
     def load_weights(self, model_path: str | Path, version: str, timeout_s: float) -> None:
         """Serve the HF weights at `model_path` under `version` (the disk sync's two calls, for one server)."""
