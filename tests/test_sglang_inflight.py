@@ -330,7 +330,7 @@ def test_kill_9_mid_generation_resumes_with_the_checkpointed_versions_and_ledger
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert steps[2]["rollout/staleness_mean"] == pytest.approx(sum(2 - v for v in versions) / len(versions))
     n = cfg.rollout.samples_per_prompt
-    batch_3 = trainer.method.step_flops(cfg, trainer.policy.shape, None,
+    batch_3 = trainer.method.step_flops(cfg.train, cfg.rollout, cfg.grpo, trainer.policy.shape, None,
                                         [len(ahead["samples"][i * n]["prompt_ids"]) for i in range(len(ahead["rows"]))],
                                         [len(s["response_ids"]) for s in ahead["samples"]])["rollout"]
     saved = load_state(checkpoint)["ledger"]["own"]["rollout"]
