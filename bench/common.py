@@ -63,6 +63,61 @@ def fixed_length_model(preset: str, out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def long_tail_model(preset: str, out_dir: Path, median: int = 16, seed: int = 0) -> Path:
+    """build_model, with an end-of-turn probability that makes response lengths long-tailed (most near `median`
+    tokens, a few many times longer: the tail that holds a synchronous step until its longest response ends).
+
+    The residual stream's first channel is held at 1 (every token's embedding has 1 there, and no attention or MLP
+    output writes to it), and the tied end-of-turn row reads it with a weight `a`: the end-of-turn logit rises by
+    about a / rms(stream), which varies with the context, so lengths are a mixture of geometric ones. `a` is
+    searched so that the median length of sampled responses (temperature 1) is `median`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megaopd.models.chat import chat_prompt_ids_batch
+    from megaopd.models.embedded import build_model
+
+    if (out_dir / "config.json").exists():
+        return out_dir
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    build_model(preset, tmp, seed)
+    model = AutoModelForCausalLM.from_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    assert model.config.tie_word_embeddings, f"{preset}: the end-of-turn row is the embedding's (a tied preset)"
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+    prompts = chat_prompt_ids_batch(tokenizer, [[{"role": "user", "content": f"{i} + {i % 7} = ?"}]
+                                                for i in range(16)])
+
+    def sampled_lengths(a: float) -> list[int]:
+        with torch.no_grad():
+            embed[eos, 0] = a
+        torch.manual_seed(seed)
+        lengths = []
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids] * 4), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                 max_new_tokens=16 * median, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+            for row in out[:, len(ids):].tolist():
+                lengths.append(row.index(eos) + 1 if eos in row else len(row))
+        return sorted(lengths)
+
+    low, high = 1.0, 64.0  # a higher `a`: an earlier end
+    for _ in range(10):
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if statistics.median(sampled_lengths(mid)) > median else (low, mid)
+    lengths = sampled_lengths((low * high) ** 0.5)
+    (tmp / "lengths.json").write_text(json.dumps({"samples": len(lengths), "median": statistics.median(lengths),
+                                                  "p90": lengths[len(lengths) * 9 // 10], "max": lengths[-1]}))
+    model.save_pretrained(tmp)
+    tmp.rename(out_dir)
+    return out_dir
+
+
 def prepare_assets(root: Path = DEFAULT_ASSETS, presets=("qwen3-tiny", "qwen3-small", "llama-tiny"),
                    rows: int = 512) -> Path:
     from megaopd.models.embedded import build_data

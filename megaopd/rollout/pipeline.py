@@ -103,7 +103,7 @@ class RolloutPipeline:
         self._in_flight: tuple[int, list[Row], Future | None] | None = None  # step, its rows, rank 0's job
         self._drawn = 0  # the last step whose prompts were drawn
         self._row_index = {id(row): i for i, row in enumerate(sampler.rows)}  # rows go to a checkpoint by index
-        self._wait = 0.0
+        self._wait = self._sync = 0.0  # this step's seconds waiting for rollouts, and pushing weights
         self._generated: list[StepRollouts] = []  # this step's generations, for the trainer to bill
         self._staleness: list[int] = []  # this step's trained tokens' staleness, and how many were past the bound
         self._stale = 0
@@ -136,7 +136,9 @@ class RolloutPipeline:
         if self._in_flight is not None and not getattr(self.engine, "updates_in_flight", False):
             self._collect()
         self._wait += time.perf_counter() - start
+        start = time.perf_counter()
         self.engine.sync_weights(policy)
+        self._sync += time.perf_counter() - start
 
     def step_end(self) -> tuple[dict[str, float], list[StepRollouts]]:
         """This step's metrics, and the batches generated during it (billed in this step's ledger, whichever step
@@ -145,8 +147,8 @@ class RolloutPipeline:
         metrics = {"rollout/staleness_mean": sum(self._staleness) / tokens,
                    "rollout/staleness_max": max(self._staleness, default=0),
                    "rollout/staleness_masked_share": self._stale / tokens, "rollout/draw_index": self._draw_index,
-                   "perf/rollout_wait_seconds": self._wait}
-        self._wait, self._staleness, self._stale = 0.0, [], 0
+                   "perf/rollout_wait_seconds": self._wait, "perf/weight_sync_seconds": self._sync}
+        self._wait, self._sync, self._staleness, self._stale = 0.0, 0.0, [], 0
         return metrics, self.drain_generated()
 
     def drain_generated(self) -> list[StepRollouts]:
