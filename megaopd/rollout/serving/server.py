@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 from megaopd.config import SGLangConfig
@@ -35,6 +36,9 @@ class PortTaken(ServerError):
 
 
 LAUNCH_TRIES = 3  # ports a launch tries before it gives up
+# Ports from the OS's entropy, not `random`: a trainer seeds `random`, and two trainers seeded alike on one machine
+# (two test workers in CI) drew the same port and ended up sharing one server.
+_PORTS = random.SystemRandom()
 
 
 def free_port() -> int:
@@ -43,7 +47,7 @@ def free_port() -> int:
     machine's connections can take the port it was given (seen in CI: ``[Errno 98] address already in use``)."""
     low = _ephemeral_low()
     for _ in range(100):
-        port = random.randrange(20000, low) if low > 20000 else 0
+        port = _PORTS.randrange(20000, low) if low > 20000 else 0
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -85,6 +89,7 @@ class SGLangServer:
         self.log_path: Path | None = None
         self._log_start = 0  # where the last start's lines begin in the log (it is appended to)
         self.model_path, self.weight_version = "", "0"
+        self.name = ""  # the served model name each start gets: how wait_healthy knows the server that answers
 
     @classmethod
     def launch(cls, model_path: str, cfg: SGLangConfig, dtype: str, log_path: Path,
@@ -114,7 +119,9 @@ class SGLangServer:
     # ---- process ----
     def start(self, timeout_s: float) -> None:
         assert self.launched, f"{self.url} was attached, not launched: megaopd cannot start it"
-        command = self.launch_args + ["--model-path", self.model_path, "--weight-version", self.weight_version]
+        self.name = f"megaopd-{uuid.uuid4().hex[:12]}"
+        command = self.launch_args + ["--model-path", self.model_path, "--weight-version", self.weight_version,
+                                      "--served-model-name", self.name]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as out:
@@ -133,7 +140,10 @@ class SGLangServer:
                 raise (PortTaken if taken else ServerError)(f"SGLang server {self.url} exited with {self.process.returncode} during start-up; "
                                   f"last lines of {self.log_path}:\n{self.log_tail()}")
             if self.healthy():
-                return
+                if not self.launched or self.get("/model_info").get("served_model_name") == self.name:
+                    return
+                self.stop()  # ours loads, and then cannot bind the port another server holds
+                raise PortTaken(f"another server answers at {self.url} (not {self.name}, launched there)")
             time.sleep(1.0)
         self.stop()
         raise ServerError(f"SGLang server {self.url} not healthy after {timeout_s:.0f} s; log: {self.log_path}\n"
