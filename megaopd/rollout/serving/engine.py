@@ -50,6 +50,7 @@ class _Request:
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the weight version of each response token
+    served: int = 0  # the version of the last answer's server (a response of no tokens has only this one)
     finish: str = ""
 
 
@@ -106,8 +107,9 @@ class SGLangEngine:
             with self._resumed_lock:  # the weight update flushed their KV cache: resuming prefills them again
                 self._resumed += [len(prompts[r.group]) + len(r.response) for r in pending]
         return [Sample(row=rows[r.group], group=r.group, prompt_ids=prompts[r.group], response_ids=r.response,
-                       rollout_logprobs=r.logprobs, finish_reason=r.finish, weight_version=r.versions[0],
-                       token_versions=r.versions if r.versions[0] != r.versions[-1] else None) for r in requests]
+                       rollout_logprobs=r.logprobs, finish_reason=r.finish,
+                       weight_version=r.versions[0] if r.versions else r.served,
+                       token_versions=r.versions if len(set(r.versions)) > 1 else None) for r in requests]
 
     def _submit(self, requests: list[_Request], prompts, sampling: dict, max_new_tokens: int):
         """(request, answer) pairs of one /generate per server. Whole groups per server, so that a group's prompt is
@@ -135,7 +137,8 @@ class SGLangEngine:
                                     f"{self.weight_version} (servers: {', '.join(self.pool.urls)})")
         request.response += output_ids
         request.logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
-        request.versions += [int(served)] * len(output_ids)
+        request.served = int(served)
+        request.versions += [request.served] * len(output_ids)
         request.finish = meta["finish_reason"]["type"]
 
     def take_resumed_prefills(self) -> list[int]:
