@@ -3,7 +3,9 @@
 A 24 GB CI machine holds one real-size job (Megatron ranks at real width, an SGLang server of the 0.5B) beside the
 worker that launched it, but not beside whatever the other worker runs: twice CI's OOM killer took a rank or a
 worker so. `alone()` wraps such a job: it waits for the other worker's test in progress to finish, and the other
-worker starts no test until the job is done. Every test outside the memory unit runs under `sharing()`.
+worker starts no test until the job is done. Every test outside the memory unit runs under `sharing()`. A job
+alone has the machine's cores too: `alone()` yields their number for the processes it starts, and gives this
+process's torch that many threads while it holds the turn (the other worker's core would idle otherwise).
 
 Two flock(2) files, so the job cannot starve behind a stream of tests: the job takes the gate and then the memory,
 both exclusive; a test takes the gate shared only long enough to take the memory shared. Each wait is bounded: past
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -77,9 +80,29 @@ _alone_depth = 0  # a job alone inside another (a server fixture's module) alrea
 _sharing = False  # this process runs a test that shares the machine
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+@contextmanager
+def every_core():
+    """This process's torch (where it has imported it: the test parties have not) on every core, then as before."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @contextmanager
 def alone(who: str):
-    """Run the body with no test of the other worker running."""
+    """Run the body with no test of the other worker running; yields the cores it may use (all of them)."""
     global _alone_depth
     if _sharing:
         raise RuntimeError(f"{who}: a job alone in a test that shares the machine would wait for itself; add the "
@@ -87,7 +110,7 @@ def alone(who: str):
     if _alone_depth:
         _alone_depth += 1
         try:
-            yield
+            yield cores()
         finally:
             _alone_depth -= 1
         return
@@ -99,7 +122,8 @@ def alone(who: str):
         raise
     _alone_depth = 1
     try:
-        yield
+        with every_core():
+            yield cores()
     finally:
         _alone_depth = 0
         _release(memory)

@@ -4,7 +4,8 @@
 
 The vocabulary (151,936 for Qwen3) is padded to a multiple of 128 * tp = 256 (152,064) and split over the two
 ranks; the log-softmax and the top-K + tail KL run on each rank's 76,032 columns. HF runs on rank 0 only (its
-AdamW copy of a 0.19B-parameter model is the largest thing here); rank 0 writes what it measured.
+AdamW copy of a 0.19B-parameter model is the largest thing here), on every core while rank 1 waits; rank 0 writes
+what it measured.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).parent)]
 import megatron_worker as w  # noqa: E402  (redirects CUDA to CPU at import, like the tiny-model worker)
+from machine_memory import every_core  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -49,7 +51,7 @@ def main() -> None:
     logits, full, token = (megatron.logits(batch, w.MBS), megatron.full_logprobs(batch, w.MBS),
                            megatron.logprobs(batch, w.MBS))
     if rank0:
-        with torch.no_grad():
+        with torch.no_grad(), every_core():
             ref = hf.model(input_ids=batch.input_ids).logits
         full_ref = ref[:, :-1].log_softmax(-1)
         token_ref = full_ref.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) * batch.response_mask
@@ -71,7 +73,8 @@ def main() -> None:
             objective.prepare(batch, [])
         m = megatron.train_minibatch(batch, objective.token_loss, w.MBS, objective.vocab_term)
         if rank0:
-            h = hf.train_minibatch(batch, objective.token_loss, w.MBS, objective.vocab_term)
+            with every_core():
+                h = hf.train_minibatch(batch, objective.token_loss, w.MBS, objective.vocab_term)
             steps.append({"objective": type(objective).__name__, "loss_hf": h["loss"],
                           "loss": abs(m["loss"] - h["loss"]), "grad_norm_hf": h["grad_norm"],
                           "grad_norm": abs(m["grad_norm"] - h["grad_norm"])})

@@ -118,3 +118,21 @@ def test_a_test_without_its_turn_fails_at_setup_and_the_worker_goes_on(tmp_path)
         assert f"machine_memory: test_late.py::{test} waited 0.5 s for the gate turn, held by a Megatron launch " \
                f"(pid {job.pid})" in proc.stdout, proc.stdout
     assert "ran without its turn" not in proc.stdout
+
+
+def test_a_job_alone_has_every_core_and_gives_them_back(monkeypatch):
+    """While it holds its turn, this process's torch runs on every core and the job is told their number for the
+    processes it starts (the other worker's core would idle); a job nested in it too; afterwards, as before."""
+    import torch
+
+    import machine_memory
+
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", uuid.uuid4().hex)  # a run of its own: no other party's turn
+    monkeypatch.setattr(machine_memory, "_sharing", False)  # under xdist this test shares its own run's machine
+    monkeypatch.setattr(machine_memory, "cores", lambda: 3)  # not this machine's count, nor torch's own
+    before = torch.get_num_threads()
+    with machine_memory.alone("outer") as outer:
+        with machine_memory.alone("nested") as nested:
+            inside = torch.get_num_threads()
+    assert (outer, nested, inside) == (3, 3, 3)
+    assert torch.get_num_threads() == before

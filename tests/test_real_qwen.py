@@ -155,10 +155,10 @@ def strong_to_weak(assets, qwen05, qwen15, words, tmp_path, mode: str, form: str
         "opd.form": form, "opd.topk": 16, "plan.memory_gib": BUDGET_GIB,
         **({"opd.teacher_engine": "sglang"} if mode == "sglang" else {})})
     out = tmp_path / "result.json"
-    with alone(f"strong-to-weak {mode} {form}"):  # the 1.5B teacher and the 0.5B student: 11.5 GB
+    with alone(f"strong-to-weak {mode} {form}") as cores:  # the 1.5B teacher and the 0.5B student: 11.5 GB
         proc = subprocess.run([sys.executable, str(Path(__file__).parent / "strong_to_weak_worker.py"), str(out),
                                mode, *map(str, overrides)], capture_output=True, text=True, timeout=2000,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              env={**os.environ, "OMP_NUM_THREADS": str(cores)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     print(f"strong-to-weak {mode} {form}:\n{result['plan']['table']}\npeak RSS {result['peak_rss'] / 2**30:.2f} GiB "
