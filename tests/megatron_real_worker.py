@@ -2,7 +2,7 @@
 Llama) and tests/test_real_qwen.py (Qwen2.5-Coder-0.5B, qwen2: q/k/v biases, 2 KV heads):
 
     torchrun --nproc-per-node 3 tests/megatron_real_worker.py MODEL_DIR BATCH.pt GROUPED.pt OUT_DIR tp3  # tp3.json
-    torchrun --nproc-per-node 2 tests/megatron_real_worker.py MODEL_DIR BATCH.pt GROUPED.pt OUT_DIR pp2
+    torchrun --nproc-per-node 2 tests/megatron_real_worker.py MODEL_DIR BATCH.pt GROUPED.pt OUT_DIR tp2 pp2
 
 (GROUPED.pt given as - skips the shared-prompt check.)
 
@@ -10,7 +10,9 @@ megatron splits query and KV heads over TP ranks only evenly (SmolLM2's 9 / 3 ta
 layout: token logprobs and logits of real text against HF before any step, one GRPO step, then the exported
 checkpoint reloaded by transformers against the Megatron logits; each against HF at float64 too, beside HF's own
 float32 result (float32's error on 24-30 real layers: ~1e-4 on these logits). The HF references are computed on
-rank 0 only, the Megatron model freed before the reload (a 0.5B model's float64 copy is 4 GB).
+rank 0 only, on every core while the other ranks wait (the imported checkpoint's once a launch), the Megatron
+model freed before the reload (a 0.5B model's float64 copy is 4 GB). The layouts of one launch (one world size) run
+in turn, megatron's parallel state rebuilt for each.
 
 Negative controls, at PP=2: the output layer lives on the last stage, apart from the embedding it is tied to, so one
 breaks the tied mapping (the output layer read from ``lm_head.weight``, which a tied checkpoint does not have); on a
@@ -32,6 +34,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).parent)]
 import megatron_worker as w  # noqa: E402  (redirects CUDA to CPU at import, like the tiny-model worker)
+from machine_memory import every_core  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -85,18 +88,28 @@ def broken_bias(bridge_class):
     return Broken
 
 
-def references(model: str | Path, batch) -> dict | None:
+_KEPT: dict[str, dict] = {}  # checkpoint -> its references on this launch's one batch (rank 0)
+
+
+def references(model: str | Path, batch, keep: bool = False) -> dict | None:
     """HF's logits and token logprobs at float32 and float64, on rank 0 (None elsewhere), while the other ranks
-    wait holding nothing (a 0.5B model's float64 copy alone is 4 GB)."""
-    out = {"fp32": hf_reference(model, batch), "fp64": hf_reference(model, batch, torch.float64)} \
-        if dist.get_rank() == 0 else None
+    wait holding nothing (a 0.5B model's float64 copy alone is 4 GB) and so leave their cores idle (gloo's wait
+    sleeps). `keep`: computed once a launch (the imported checkpoint: every layout and control scores one batch)."""
+    out = None
+    if dist.get_rank() == 0:
+        out = _KEPT.get(str(model))
+        if out is None:
+            with every_core():
+                out = {"fp32": hf_reference(model, batch), "fp64": hf_reference(model, batch, torch.float64)}
+        if keep:
+            _KEPT[str(model)] = out
     dist.barrier()
     return out
 
 
 def check(model: str, batch, tp: int, pp: int, out_dir: Path, tag: str) -> dict:
     real = batch.attention_mask.bool()
-    before = references(model, batch)
+    before = references(model, batch, keep=True)
     policy = MegatronPolicy(cfg(model, tp, pp), OPTIM)
     logprobs, logits = policy.logprobs(batch, w.MBS), policy.logits(batch, w.MBS)
     # One GRPO step on the same text (advantages set, old logprobs the current ones): the export must carry it.
@@ -144,7 +157,7 @@ def broken_run(model: str, batch, tp: int, pp: int, breaks) -> dict:
     logprobs = policy.logprobs(batch, w.MBS)
     del policy
     gc.collect()
-    reference = references(model, batch)
+    reference = references(model, batch, keep=True)
     return {"logprobs": w.max_diff(logprobs, reference["fp32"][1])} if reference else {}
 
 
@@ -190,22 +203,26 @@ def check_shared(model: str, batch, tp: int, pp: int) -> dict:
 
 
 def main() -> None:
-    model, batch_file, grouped_file, out_dir, layout = sys.argv[1:]
-    out_dir, (tp, pp) = Path(out_dir), LAYOUTS[layout]
+    model, batch_file, grouped_file, out_dir, *layouts = sys.argv[1:]
+    out_dir = Path(out_dir)
     batch = torch.load(batch_file, weights_only=False)
     # A rank that fails leaves the others at a collective: they give up after 5 minutes, not gloo's 30.
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    result = check(model, batch.select(slice(0, batch.size)), tp, pp, out_dir, layout)
-    if pp > 1:  # the output layer apart from the embedding: where a tied mapping can go wrong
-        result["negative_control"] = negative_controls(model, batch, tp, pp)
-    if grouped_file != "-":
-        result["shared_prompt"] = check_shared(model, torch.load(grouped_file, weights_only=False), tp, pp)
-    if dist.get_rank() == 0:
-        (out_dir / f"{layout}.json").write_text(json.dumps(result | {"seconds": time.perf_counter() - t0}, indent=1))
-    dist.barrier()
+    for layout in layouts:
+        tp, pp = LAYOUTS[layout]
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        result = check(model, batch.select(slice(0, batch.size)), tp, pp, out_dir, layout)
+        if pp > 1:  # the output layer apart from the embedding: where a tied mapping can go wrong
+            result["negative_control"] = negative_controls(model, batch, tp, pp)
+        if grouped_file != "-":
+            result["shared_prompt"] = check_shared(model, torch.load(grouped_file, weights_only=False), tp, pp)
+        if dist.get_rank() == 0:
+            (out_dir / f"{layout}.json").write_text(json.dumps(result | {"seconds": time.perf_counter() - t0},
+                                                               indent=1))
+        dist.barrier()
     dist.destroy_process_group()
 
 

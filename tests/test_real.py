@@ -390,14 +390,15 @@ def megatron_against_hf(model: Path, layouts: dict[str, int], out: Path, rows: i
     if shared:
         torch.save(collate(grouped(tokenizer, word_split("test", 2)), tokenizer.pad_token_id), grouped_file)
     worker = Path(__file__).parent / "megatron_real_worker.py"
-    for layout, ranks in layouts.items():
-        with alone(f"megatron {layout} on {model.name}"):  # 8.6-12.8 GB above idle
+    for ranks in sorted(set(layouts.values())):  # one launch per world size: its layouts in turn
+        launch = [layout for layout, n in layouts.items() if n == ranks]
+        with alone(f"megatron {'+'.join(launch)} on {model.name}"):  # 8.6-12.8 GB above idle
             proc = run_ranks([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                               str(ranks), str(worker), str(model), str(out / "batch.pt"), str(grouped_file),
-                              str(out), layout], 900)
+                              str(out), *launch], 900)
         if proc.returncode:
             errors = [line for line in proc.stderr.splitlines() if "Warning" not in line and "warn" not in line]
-            pytest.fail(f"megatron real worker ({layout}) failed:\n" + "\n".join(errors[-60:]))
+            pytest.fail(f"megatron real worker ({'+'.join(launch)}) failed:\n" + "\n".join(errors[-60:]))
     result = {layout: json.loads((out / f"{layout}.json").read_text()) for layout in layouts}
     print(json.dumps(result, indent=1))
     return result
