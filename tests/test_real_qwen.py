@@ -46,6 +46,15 @@ PUBLISHED = {"qwen05": dict(layers=24, hidden=896, heads=14, kv_heads=2, paramet
 
 
 
+@pytest.fixture(scope="module", autouse=True)
+def machine():
+    """One turn alone for the whole file, not one per job: almost all of its time is jobs alone (the pair's steps,
+    Megatron, the 0.5B's server), and each turn waits for the other worker's test in progress (up to minutes),
+    whose worker may start another long one between two jobs. The few light tests run on every core meanwhile."""
+    with alone("tests/test_real_qwen.py"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def words(tmp_path_factory) -> Path:
     return build_word_problems(tmp_path_factory.mktemp("words"), train_rows=16, heldout_rows=4)
