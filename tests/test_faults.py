@@ -127,6 +127,22 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes
 
 
 @pytest.mark.timeout(300)
+def test_a_run_with_no_intact_checkpoint_starts_over_and_logs_each_step_once(assets, runs, tmp_path):
+    """What a kill before the first checkpoint leaves too: the run's metrics.jsonl and TensorBoard events, nothing
+    to resume from. The run starts over and its metrics and events hold each step once (its step-0 eval once)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = _copy_base(runs, tmp_path)
+    for state in (run / "checkpoints").glob("step_*/state.pt"):
+        state.write_bytes(b"")
+    _resumes_to_the_reference(assets, runs, run)
+    metrics = read_metrics(run)
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    for tag in events.Tags()["scalars"]:
+        assert [e.step for e in events.Scalars(tag)] == [m["step"] for m in metrics if tag in m], tag
+
+
+@pytest.mark.timeout(300)
 def test_a_checkpoint_without_a_manifest_loads_when_it_reads_as_data(assets, runs, tmp_path, caplog):
     """A checkpoint written before manifests (issue 55): loaded unverified when it reads completely as data, moved
     aside like a damaged one when it does not."""

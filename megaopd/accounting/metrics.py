@@ -120,17 +120,20 @@ def step_perf(model_flops: int, seconds: float, devices: int) -> dict[str, float
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, resume_step: int = 0, tensorboard: bool = True):
+        """`resume_step`: the step of the checkpoint the run resumed from; 0 when it starts over (none, or none
+        intact), and then it logs its step-0 eval again."""
         self.path = Path(run_dir) / "metrics.jsonl"
+        kept_up_to = resume_step if resume_step > 0 else -1
         if self.path.exists():
             # The final eval's line is written again when the run finishes (again).
             kept = [m for m in read_metrics(run_dir)
-                    if m["step"] <= resume_step and not any(k.startswith("final/") for k in m)]
+                    if m["step"] <= kept_up_to and not any(k.startswith("final/") for k in m)]
             self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
+            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=kept_up_to + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         line = json.dumps({"step": step, **metrics}) + "\n"
