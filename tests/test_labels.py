@@ -36,3 +36,7 @@ def test_a_ratio_undefined_in_some_resamples_is_inconclusive_with_its_share(tmp_
     assert c["interval"][0] > 1 and c["verdict"] == INCONCLUSIVE
     md = (root / "report" / "report.md").read_text()
     assert f"(defined in {100 * c['defined']:.0f}% of resamples)" in md
+    # The E3 table prints the ratio's share and no range: the defined resamples alone are no sample of it.
+    (row,) = [line for line in md.splitlines() if line.startswith("| opd_self (opd_self) | grpo |")
+              and "| GRPO final |" in line]
+    assert row.endswith(f"| 1.53e+03 (defined in {100 * c['defined']:.0f}% of resamples: no interval) |"), row

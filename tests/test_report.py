@@ -258,14 +258,16 @@ def test_seeds_give_mean_and_spread_and_a_split_verdict(tmp_path):
     spread = report["spread"]["FLOPs ratio GRPO/OPD, opd_self vs grpo (teacher target)"]
     # No per-prompt results: the interval is the seeds' bootstrap alone (means of 0.2 and 20 drawn with replacement).
     assert spread.pop("interval") == pytest.approx([0.2, 20.0])
-    assert spread == pytest.approx({"mean": 10.1, "min": 0.2, "max": 20.0, "n": 2})
+    # A ratio's mean is geometric, as the finding pools it: 0.2 and 20 are 5x each way from 1, not a mean of 10.1.
+    assert spread == pytest.approx({"mean": 2.0, "min": 0.2, "max": 20.0, "n": 2})
     c = next(f for f in report["findings"] if f["id"] == "c")
-    # Mean ratio 10.1 over the seeds, but its interval [0.2, 20] straddles 1.
+    assert c["checks"]["opd_self vs grpo (GRPO final)"]["value"] == pytest.approx(spread["mean"])
+    # Its interval [0.2, 20] straddles 1.
     assert c["verdict"] == "inconclusive" and c["seeds_reproduced"] == "1 of 2"
     assert verdicts(report)["e"] == "reproduced"
     md = (out / "report.md").read_text()
     assert "single seed" not in md
-    assert "- FLOPs ratio GRPO/OPD, opd_self vs grpo (teacher target): 10.1 [0.2, 20] (min 0.2, max 20, defined in 2 of " \
+    assert "- FLOPs ratio GRPO/OPD, opd_self vs grpo (teacher target): 2 [0.2, 20] (min 0.2, max 20, defined in 2 of " \
            "2 seeds)" in md
     # The interval is named for what it is: two seeds give three seed draws, little more than their range.
     assert report["rules"]["interval"] == interval_wording(2) and f"Intervals: a {interval_wording(2)}." in md

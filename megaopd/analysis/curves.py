@@ -255,24 +255,32 @@ def wall_clock_across(seeds: list[dict]) -> dict:
     return out
 
 
+# Headline numbers that are ratios of FLOPs: pooled over seeds as a geometric mean, as the findings pool them.
+FLOPS_RATIO, DISTILLATION_SHARE = "FLOPs ratio", "distillation share of specialist FLOPs"
+
+
+def pooled_geometrically(name: str) -> bool:
+    return name.startswith((FLOPS_RATIO, DISTILLATION_SHARE))
+
+
 def headline(r: dict) -> dict[str, float]:
     """The ratios worth a mean and a spread across seeds, by name."""
     out = {}
     for c in r["comparisons"]:
         for t, v in c["targets"].items():
             if v["ratio"] is not None:
-                out[f"FLOPs ratio GRPO/OPD, {c['opd']} vs {c['grpo']} ({t} target)"] = v["ratio"]
+                out[f"{FLOPS_RATIO} GRPO/OPD, {c['opd']} vs {c['grpo']} ({t} target)"] = v["ratio"]
     for c in r["stage_comparisons"]:
         for t, v in c["targets"].items():
             if v["ratio"] is not None:
-                out[f"FLOPs ratio {c['reference']}/{c['stage']} ({t} target)"] = v["ratio"]
+                out[f"{FLOPS_RATIO} {c['reference']}/{c['stage']} ({t} target)"] = v["ratio"]
         if c.get("matched", {}).get("gap") is not None:
             out[f"accuracy at matched FLOPs, {c['stage']} - {c['reference']}"] = c["matched"]["gap"]
         if None not in c["final"].values():
             out[f"final accuracy, {c['stage']} - {c['reference']}"] = c["final"]["stage"] - c["final"]["reference"]
     for m in r["multi_teacher"]:
         if m["share"] is not None:
-            out[f"distillation share of specialist FLOPs, {m['stage']}"] = m["share"]
+            out[f"{DISTILLATION_SHARE}, {m['stage']}"] = m["share"]
     for s in r["split_vs_joint"]:
         if s["saving"] is not None:
             out[f"split-then-merge saving vs {s['joint']}"] = s["saving"]

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from megaopd.analysis.curves import LENGTH_WINDOW, analyse, curve_points
+from megaopd.analysis.curves import LENGTH_WINDOW, analyse, curve_points, pooled_geometrically
 from megaopd.analysis.findings import BY_ID, judge, judged, verdict_of
 from megaopd.analysis.runs import Stage, load_study, resample_stage
 from megaopd.analysis.stats import (LEVEL, MAX_UNDEFINED, MIN_SEEDS, NOT_REPRODUCED, REPLICATES, REPRODUCED,
-                                    UNMEASURED, bounds_interval, defined_fraction, mean_bounds, percentile_interval,
-                                    resample, seed_bootstrap)
+                                    UNMEASURED, bounds_interval, defined_fraction, mean_bounds, mean_of,
+                                    percentile_interval, resample, seed_bootstrap)
 
 BOOTSTRAP_SEED = 17  # the resamples are drawn from a fixed seed: the same runs give the same report
 # FLOPs to a target that a replicate may never reach, and the key of what bounds them then (more than its last eval's)
@@ -136,23 +136,25 @@ def _check_interval(draws: list, bounds: list) -> list | None:
 
 
 def aggregate(seeds: list[dict], reps: list[dict[str, list]]) -> tuple[dict, list[dict]]:
-    """Headline numbers (mean, min-max, interval) and one verdict per finding over the seeds (INTERVAL_RULE):
-    each check's mean over the seeds, as bounds where a seed's arm was censored, with its two-level bootstrap
-    interval, and how many seeds reproduce it; a decisive verdict over fewer than MIN_SEEDS seeds is provisional."""
+    """Headline numbers (mean, min-max, interval; ratios of FLOPs pooled geometrically, as the findings pool them)
+    and one verdict per finding over the seeds (INTERVAL_RULE): each check's mean over the seeds, as bounds where a
+    seed's arm was censored, with its two-level bootstrap interval, and how many seeds reproduce it; a decisive
+    verdict over fewer than MIN_SEEDS seeds is provisional."""
     rng = np.random.default_rng([BOOTSTRAP_SEED, len(seeds)])
     numbers = [dict(_numbers(s)) for s in seeds]
 
     spread = {}
     for name in sorted({k for s in seeds for k in s["headline"]}):
         values = [s["headline"][name] for s in seeds if name in s["headline"]]
-        path = ("headline", name)
+        path, log = ("headline", name), pooled_geometrically(name)
         if len(seeds) == 1:
             interval = seeds[0]["intervals"].get(pointer(path))
         else:
             per_seed = [reps[k].get(pointer(path)) or [n[path]] for k, n in enumerate(numbers) if path in n]
-            interval = percentile_interval(seed_bootstrap(per_seed, rng)) if len(values) == len(seeds) else None
+            interval = (percentile_interval(seed_bootstrap(per_seed, rng, pool=lambda d: mean_of(d, log)))
+                        if len(values) == len(seeds) else None)
         # A number some seed lacks (its arm censored, say) gets no mean: the others alone are no sample of it.
-        spread[name] = {"mean": float(np.mean(values)) if len(values) == len(seeds) else None, "min": min(values),
+        spread[name] = {"mean": mean_of(values, log) if len(values) == len(seeds) else None, "min": min(values),
                         "max": max(values), "n": len(values),
                         "interval": list(interval[:2]) if interval else None}
     overall = []

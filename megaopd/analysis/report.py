@@ -33,7 +33,7 @@ from megaopd.analysis.controls import CONTROL_RULE  # noqa: E402
 from megaopd.analysis.findings import (BY_ID, control_attainment, control_flops_ratio, judged,  # noqa: E402
                                        needed, ratio)
 from megaopd.analysis.runs import stop_text  # noqa: E402
-from megaopd.analysis.stats import MIN_SEEDS, REPLICATES, UNMEASURED, interval_wording  # noqa: E402
+from megaopd.analysis.stats import MAX_UNDEFINED, MIN_SEEDS, REPLICATES, UNMEASURED, interval_wording  # noqa: E402
 from megaopd.accounting.flops import COMPONENTS  # noqa: E402
 from megaopd.teachers.check import weaker  # noqa: E402
 
@@ -166,12 +166,17 @@ def _pct(v: float | None) -> str:
 
 
 def _ci(r: dict, path: tuple, fmt: str = ".3e", scale: float = 1.0) -> str:
-    """ " [lo, hi]" after a number when it has an interval (and how often it is defined when not always)."""
+    """ " [lo, hi]" after a number when it has an interval (and how often it is defined when not always); none
+    where it is undefined in more than MAX_UNDEFINED of the resamples: the defined ones alone are no sample of it
+    (a ratio whose arm missed the target in most of them would print a range that excludes that arm's bound)."""
     interval = r.get("intervals", {}).get(pointer(path))
     if interval is None:
         return ""
-    return _interval(interval, fmt, scale) + (f" (defined in {100 * interval[2]:.0f}% of resamples)"
-                                              if len(interval) > 2 else "")
+    defined = interval[2] if len(interval) > 2 else 1.0
+    if defined < 1 - MAX_UNDEFINED:
+        return f" (defined in {100 * defined:.0f}% of resamples: no interval)"
+    return _interval(interval, fmt, scale) + (f" (defined in {100 * defined:.0f}% of resamples)" if defined < 1
+                                              else "")
 
 
 def _check_line(label: str, c: dict) -> str:
@@ -493,7 +498,8 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
         md += ([_check_line(label, c) for label, c in f["checks"].items()]
                + [magnitude_line(f), budget_line(f["budget"])])
     md += ["", "## Headline numbers" + (" (single seed)" if len(seeds) == 1 else
-                                        " across seeds (mean [interval], min-max)"), ""]
+                                        " across seeds (mean [interval], min-max; the mean of FLOPs ratios and shares "
+                                        "is geometric, as in the findings)"), ""]
     # A ratio is undefined in a seed whose stage never reaches the target: no mean without every seed.
     md += [f"- {k}: " + (f"{v['mean']:.4g}{_interval(v['interval'], '.4g')}" if v["mean"] is not None
                          else "no mean (not measured or censored in some seeds)")

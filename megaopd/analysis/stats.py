@@ -128,6 +128,11 @@ def mean_bounds(values: Sequence[Bounds], log: bool = False) -> Bounds:
     return side([b[0] for b in values]), side([b[1] for b in values])
 
 
+def mean_of(values: Sequence[float], log: bool = False) -> float | None:
+    """The mean of numbers, the geometric one with ``log`` (ratios; None where one is not positive)."""
+    return mean_bounds([(v, v) for v in values], log)[0]
+
+
 def bounds_interval(draws: Sequence[Bounds | None], level: float = LEVEL) -> Bounds | None:
     """Percentile interval of a bounded number's replicates (None where undefined): the lower end is the order
     statistic of their lower bounds, an unbounded one below every number, and the upper end that of their upper
