@@ -40,3 +40,6 @@ def test_a_ratio_undefined_in_some_resamples_is_inconclusive_with_its_share(tmp_
     (row,) = [line for line in md.splitlines() if line.startswith("| opd_self (opd_self) | grpo |")
               and "| GRPO final |" in line]
     assert row.endswith(f"| 1.53e+03 (defined in {100 * c['defined']:.0f}% of resamples: no interval) |"), row
+    # So does the headline number, the same ratio.
+    assert (f"- FLOPs ratio GRPO/OPD, opd_self vs grpo (teacher target): 1530 (defined in {100 * c['defined']:.0f}% "
+            "of resamples: no interval)") in md

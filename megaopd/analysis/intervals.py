@@ -151,12 +151,12 @@ def aggregate(seeds: list[dict], reps: list[dict[str, list]]) -> tuple[dict, lis
             interval = seeds[0]["intervals"].get(pointer(path))
         else:
             per_seed = [reps[k].get(pointer(path)) or [n[path]] for k, n in enumerate(numbers) if path in n]
-            interval = (percentile_interval(seed_bootstrap(per_seed, rng, pool=lambda d: mean_of(d, log)))
-                        if len(values) == len(seeds) else None)
+            draws = seed_bootstrap(per_seed, rng, pool=lambda d: mean_of(d, log)) if len(values) == len(seeds) else []
+            interval, share = percentile_interval(draws), defined_fraction(draws)
+            interval = list(interval) + ([share] if share < 1 else []) if interval else None
         # A number some seed lacks (its arm censored, say) gets no mean: the others alone are no sample of it.
         spread[name] = {"mean": mean_of(values, log) if len(values) == len(seeds) else None, "min": min(values),
-                        "max": max(values), "n": len(values),
-                        "interval": list(interval[:2]) if interval else None}
+                        "max": max(values), "n": len(values), "interval": interval}
     overall = []
     for i, f in enumerate(seeds[0]["findings"]):
         rule = BY_ID[f["id"]]

@@ -166,10 +166,14 @@ def _pct(v: float | None) -> str:
 
 
 def _ci(r: dict, path: tuple, fmt: str = ".3e", scale: float = 1.0) -> str:
-    """ " [lo, hi]" after a number when it has an interval (and how often it is defined when not always); none
+    """ " [lo, hi]" after a number of the analysis when it has an interval (``_shared_interval``)."""
+    return _shared_interval(r.get("intervals", {}).get(pointer(path)), fmt, scale)
+
+
+def _shared_interval(interval: list | None, fmt: str = ".3e", scale: float = 1.0) -> str:
+    """ " [lo, hi]" from [lo, hi] or [lo, hi, share defined] (and how often it is defined when not always); none
     where it is undefined in more than MAX_UNDEFINED of the resamples: the defined ones alone are no sample of it
     (a ratio whose arm missed the target in most of them would print a range that excludes that arm's bound)."""
-    interval = r.get("intervals", {}).get(pointer(path))
     if interval is None:
         return ""
     defined = interval[2] if len(interval) > 2 else 1.0
@@ -501,7 +505,7 @@ def write_report(study_dir: str | Path | list, out_dir: str | Path | None = None
                                         " across seeds (mean [interval], min-max; the mean of FLOPs ratios and shares "
                                         "is geometric, as in the findings)"), ""]
     # A ratio is undefined in a seed whose stage never reaches the target: no mean without every seed.
-    md += [f"- {k}: " + (f"{v['mean']:.4g}{_interval(v['interval'], '.4g')}" if v["mean"] is not None
+    md += [f"- {k}: " + (f"{v['mean']:.4g}{_shared_interval(v['interval'], '.4g')}" if v["mean"] is not None
                          else "no mean (not measured or censored in some seeds)")
            + (f" (min {v['min']:.4g}, max {v['max']:.4g}, defined in {v['n']} of {len(seeds)} seeds)"
               if len(seeds) > 1 else "")
