@@ -94,7 +94,7 @@ class DeviceDiscipline(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func == torch.Tensor.device.__get__:
-            return FAKE if on_device(args[0]) else torch.device("cpu")
+            return FAKE if on_device(args[0]) else func(*args, **kwargs)  # a host or meta tensor: its own
         if func == torch.Tensor.data.__set__:  # Module.to moves a parameter so: its data to the new tensor's place
             setattr(args[0], _TAG, on_device(args[1]))
             return func(*args, **kwargs)

@@ -37,3 +37,20 @@ def test_hf_trainer_keeps_every_tensor_on_its_device(assets, tmp_path, monkeypat
     # micro-batches here); the decoder's per-token syncs (its stop test) are its own and not bounded here.
     update = {site: n for site, n in seen.syncs.items() if site.split(":")[0] in UPDATE_PATH}
     assert all(n <= 2 * STEPS for n in update.values()), update
+
+
+def test_a_model_loaded_on_the_fake_device_holds_what_the_host_loads(assets, monkeypatch):
+    """transformers builds a model on the meta device and fills in what the checkpoint lacks (RoPE's inv_freq) by
+    asking each tensor for its device: read as a host tensor, a meta one was left as uninitialised memory, and the
+    runs above trained without (or with NaN) rotary embeddings, at random."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = assets / "models" / "qwen3-tiny"
+    host = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with fake_device(monkeypatch):
+        fake = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(FAKE)
+    expected = {**dict(host.named_parameters()), **dict(host.named_buffers())}  # non-persistent buffers too
+    got = {**dict(fake.named_parameters()), **dict(fake.named_buffers())}
+    assert got.keys() == expected.keys()
+    assert [name for name in expected if not torch.equal(got[name], expected[name])] == []
