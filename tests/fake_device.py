@@ -3,7 +3,8 @@
 Inside ``fake_device()``, ``FAKE`` (``cpu:0``, a device no real CPU tensor reports) plays the GPU. Tensors are
 tagged as on it when made there: moved with ``.to(FAKE)``, made by a factory given ``device=FAKE``, or computed
 from a tagged tensor; the rest are host tensors. A tagged tensor's ``.device`` reads ``FAKE``, so code that builds
-on ``x.device`` follows it there, and code that forgets the device makes a host tensor. A ``TorchFunctionMode``
+on ``x.device`` follows it there, and code that forgets the device makes a host tensor; any other tensor reads its
+own device (a meta one stays meta: transformers builds a model there). A ``TorchFunctionMode``
 then records, as CUDA would refuse them (or as they would cost a GPU run):
 
 * an op mixing device and host tensors (a host 0-dim scalar is allowed, as on CUDA; so is a host index or a copy);
@@ -94,7 +95,7 @@ class DeviceDiscipline(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func == torch.Tensor.device.__get__:
-            return FAKE if on_device(args[0]) else func(*args, **kwargs)  # a host or meta tensor: its own
+            return FAKE if on_device(args[0]) else func(*args, **kwargs)
         if func == torch.Tensor.data.__set__:  # Module.to moves a parameter so: its data to the new tensor's place
             setattr(args[0], _TAG, on_device(args[1]))
             return func(*args, **kwargs)

@@ -40,9 +40,10 @@ def test_hf_trainer_keeps_every_tensor_on_its_device(assets, tmp_path, monkeypat
 
 
 def test_a_model_loaded_on_the_fake_device_holds_what_the_host_loads(assets, monkeypatch):
-    """transformers builds a model on the meta device and fills in what the checkpoint lacks (RoPE's inv_freq) by
-    asking each tensor for its device: read as a host tensor, a meta one was left as uninitialised memory, and the
-    runs above trained without (or with NaN) rotary embeddings, at random."""
+    """transformers builds a model on the meta device, which it tells by a new tensor's device, and initialises what
+    the checkpoint lacks (RoPE's inv_freq) once the model is off it. A fake device that read meta as the host made
+    it initialise on meta, so that buffer kept uninitialised memory: the runs above trained without rotary
+    embeddings, or with NaN ones, at random."""
     import torch
     from transformers import AutoModelForCausalLM
 
