@@ -116,7 +116,7 @@ def bootstrap(study_dir: str | Path, study: dict, stages: list[Stage], metric: s
         reps[pointer(path)] = values
         if interval is None or (tuple(interval) == (value, value) and None not in values):
             continue  # no replicates, or a number the test sample does not move (FLOPs)
-        intervals[pointer(path)] = list(interval) + ([share] if share < 1 else [])
+        intervals[pointer(path)] = _stored(interval, share)
     for key, bounds in _check_bounds(result["findings"]).items():
         reps[key] = [d.get(key) for d in check_draws]
     result["intervals"] = intervals
@@ -125,6 +125,11 @@ def bootstrap(study_dir: str | Path, study: dict, stages: list[Stage], metric: s
                   if (interval := _check_interval(reps[pointer(("findings", i, "checks", label, "bounds"))],
                                                   c["bounds"]))})
     return result, reps
+
+
+def _stored(interval: tuple, share: float) -> list:
+    """An interval as the report reads it: [lo, hi], or [lo, hi, share of replicates defined] when some lack it."""
+    return list(interval) + ([share] if share < 1 else [])
 
 
 def _check_interval(draws: list, bounds: list) -> list | None:
@@ -153,7 +158,7 @@ def aggregate(seeds: list[dict], reps: list[dict[str, list]]) -> tuple[dict, lis
             per_seed = [reps[k].get(pointer(path)) or [n[path]] for k, n in enumerate(numbers) if path in n]
             draws = seed_bootstrap(per_seed, rng, pool=lambda d: mean_of(d, log)) if len(values) == len(seeds) else []
             interval, share = percentile_interval(draws), defined_fraction(draws)
-            interval = list(interval) + ([share] if share < 1 else []) if interval else None
+            interval = _stored(interval, share) if interval else None
         # A number some seed lacks (its arm censored, say) gets no mean: the others alone are no sample of it.
         spread[name] = {"mean": mean_of(values, log) if len(values) == len(seeds) else None, "min": min(values),
                         "max": max(values), "n": len(values), "interval": interval}
