@@ -41,6 +41,12 @@ class StudyError(UserError):
     what = "study error"
 
 
+class RunDirError(UserError):
+    """A file of a run directory (metrics.jsonl, summary.json) that megaopd cannot read back as it wrote it."""
+
+    what = "run error"
+
+
 def require_file(path, what: str, error: type[UserError]) -> None:
     """Refuse a path that is not an existing file, naming the setting it came from."""
     from pathlib import Path

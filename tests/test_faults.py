@@ -162,6 +162,26 @@ def test_a_checkpoint_without_a_manifest_loads_when_it_reads_as_data(assets, run
 
 
 @pytest.mark.timeout(300)
+def test_a_metrics_line_cut_short_is_left_out_and_the_run_resumes(assets, runs, tmp_path, caplog):
+    """A kill or a full disk mid-write leaves metrics.jsonl's last line without its end: the run resumes as the
+    unbroken one. A line damaged before the last is an error naming the file and line, not a traceback."""
+    run = _copy_base(runs, tmp_path)
+    metrics = run / "metrics.jsonl"
+    text = metrics.read_text()
+    metrics.write_text(text[:-len(text.splitlines()[-1]) // 2])
+    caplog.set_level("WARNING")
+    _resumes_to_the_reference(assets, runs, run)
+    assert any("the last line was cut short" in r.getMessage() for r in caplog.records)
+
+    from megaopd.errors import RunDirError
+
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(lines[:2] + [lines[2][:40] + "\n"] + lines[3:]))
+    with pytest.raises(RunDirError, match=rf"{metrics}:3: not a JSON line"):
+        read_metrics(run)
+
+
+@pytest.mark.timeout(300)
 def test_a_planted_pickle_in_the_latest_checkpoint_is_moved_aside(assets, runs, tmp_path, caplog):
     """Its manifest rewritten to match it too (someone who can write the file can write the manifest): loading
     still refuses it, creates nothing, and the run resumes from the one before."""

@@ -16,16 +16,19 @@ reads metrics without it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from megaopd.errors import space_for
+from megaopd.errors import RunDirError, space_for
 
 if TYPE_CHECKING:
     from megaopd.data.batch import Sample, TokenBatch
     from megaopd.objectives.losses import ISCorrection
+
+log = logging.getLogger(__name__)
 
 
 def per_domain_means(samples: list[Sample], value: Callable[[Sample], float]) -> dict[str, float]:
@@ -150,5 +153,24 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl. A last line cut short (no newline: a kill or a full disk mid-write) is left
+    out with a warning, as its step is after the run's last checkpoint and a resumed run writes it again; any other
+    line that is not JSON was changed after megaopd wrote it, and is an error naming it."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.splitlines()
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines) and not text.endswith("\n"):
+                log.warning("%s:%d: the last line was cut short (a write interrupted); left out", path, number)
+                break
+            raise RunDirError(f"{path}:{number}: not a JSON line (changed after megaopd wrote it); restore the file "
+                              "or delete that line") from None
+    return rows
