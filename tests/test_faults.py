@@ -182,6 +182,26 @@ def test_a_metrics_line_cut_short_is_left_out_and_the_run_resumes(assets, runs, 
 
 
 @pytest.mark.timeout(300)
+def test_a_summary_cut_short_ends_the_run_again_from_its_last_checkpoint(assets, runs, tmp_path, caplog):
+    """A kill while summary.json was written (before it was renamed into place) left half of one: the same command
+    ends the run again from its last checkpoint, with the same ledger and metrics, and writes it whole."""
+    import json
+
+    from megaopd.run.trainer import train
+
+    run = _copy_base(runs, tmp_path)
+    summary = run / "summary.json"
+    expected = json.loads(summary.read_text())
+    summary.write_text(summary.read_text()[:100])
+    caplog.set_level("WARNING")
+    train(run_config(assets, run, "grpo", **STEPS))
+    assert any("summary.json is not JSON" in r.getMessage() for r in caplog.records)
+    assert json.loads(summary.read_text())["ledger"]["own"] == expected["ledger"]["own"]
+    assert _deterministic(read_metrics(run)) == _deterministic(read_metrics(runs / "base" / "run"))
+    assert not list(run.glob(".tmp_*"))
+
+
+@pytest.mark.timeout(300)
 def test_a_planted_pickle_in_the_latest_checkpoint_is_moved_aside(assets, runs, tmp_path, caplog):
     """Its manifest rewritten to match it too (someone who can write the file can write the manifest): loading
     still refuses it, creates nothing, and the run resumes from the one before."""

@@ -10,19 +10,33 @@ and its report job, ``launchers/nemo_run_study.py``), each with the stage's conf
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from megaopd.accounting.flops import HF_CONFIG
 from megaopd.accounting.ledger import SUMMARY
 
+log = logging.getLogger(__name__)
 FINAL_DIR = "final"  # the exported HF model directory, with the ledger beside the weights
 
 
 def finished_summary(run_dir: str | Path, steps: int) -> dict | None:
     """The summary of the run in `run_dir` if it ended under the step cap `steps`, else None (it has not ended, or
-    ended under another cap)."""
+    ended under another cap, or its summary was cut short: then the run ends again from its last checkpoint)."""
     run_dir = Path(run_dir)
     if not ((run_dir / FINAL_DIR / HF_CONFIG).exists() and (run_dir / SUMMARY).exists()):
         return None
-    summary = json.loads((run_dir / SUMMARY).read_text())
+    try:
+        summary = json.loads((run_dir / SUMMARY).read_text())
+    except ValueError:  # written before summaries were renamed into place, and cut short
+        log.warning("%s is not JSON (a write interrupted): the run ends again from its last checkpoint",
+                    run_dir / SUMMARY)
+        return None
     return summary if summary.get("stop", {}).get("cap") == steps else None
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """summary.json, written beside and renamed into place: a kill never leaves half of one."""
+    tmp = run_dir / f".tmp_{SUMMARY}"
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(run_dir / SUMMARY)

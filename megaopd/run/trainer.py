@@ -13,7 +13,6 @@ with the ledger beside the weights, ``summary.json``).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -38,7 +37,7 @@ from megaopd.data.sampler import PromptSampler
 from megaopd.data.synthetic import corrupt
 from megaopd.errors import UserError, space_for
 from megaopd.run.evaluate import VALID, Evaluator, score_samples
-from megaopd.run.finished import FINAL_DIR, SUMMARY, finished_summary
+from megaopd.run.finished import FINAL_DIR, finished_summary, write_summary
 from megaopd.models.hf_policy import HFPolicy
 from megaopd.accounting import flops
 from megaopd.accounting.ledger import Ledger
@@ -454,7 +453,7 @@ class Trainer:
         summary = {"run_dir": str(self.run_dir), "algorithm": self.cfg.train.algorithm,
                    "form": form_label(self.cfg.train.algorithm, self.cfg.opd), "steps": step,
                    "stop": self.ledger.stop, "final": final_metrics, "ledger": self.ledger.state_dict()}
-        (self.run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
+        write_summary(self.run_dir, summary)
         return summary
 
 
