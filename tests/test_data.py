@@ -75,12 +75,78 @@ def test_malformed_rows_name_file_and_line_and_are_counted(tmp_path):
         f.write(json.dumps({"data_source": "arith_add", "prompt": [], "reward_model": {"ground_truth": 1}}) + "\n")
     rows, report = load_rows(path)
     assert len(rows) == 2 and report.loaded == 2 and len(report.skipped) == 3
-    assert [e.line for e in report.skipped] == [3, 4, 5]
+    assert [e.lineno for e in report.skipped] == [3, 4, 5]
     assert "invalid JSON" in report.skipped[0].problem
     assert "reward_model" in report.skipped[1].problem
     assert f"{path}:4" in report.summary()
     with pytest.raises(RowError, match=r"mixed\.jsonl:3: invalid JSON"):
         load_rows(path, strict=True)
+
+
+def _record(**changes) -> dict:
+    """A good record with `changes` set (dotted keys reach into reward_model and the first message)."""
+    record = make_split("arith_add", "train", 1)[0].to_dict()
+    for key, value in changes.items():
+        where, _, name = key.rpartition(".")
+        {"": record, "reward_model": record["reward_model"], "message": record["prompt"][0]}[where][name] = value
+    return record
+
+
+# null: what a Parquet column holds where a record lacks the value (a column holds one type)
+WRONG_TYPES = {"data_source": None, "message.content": None, "reward_model.ground_truth": None}
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_records_of_the_wrong_types_are_skipped_with_file_and_line(tmp_path, suffix):
+    """A field of the wrong type is a malformed record (skipped, named), not a prompt reading "None" or a verifier
+    that fails at the first step; in JSONL a line that is not UTF-8 is one too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [_record()] + [_record(**{key: value}) for key, value in WRONG_TYPES.items()]
+    path = tmp_path / f"typed.{suffix}"
+    if suffix == "jsonl":
+        path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records) + b'{"data_source": "\xff"}\n')
+    else:
+        pq.write_table(pa.Table.from_pylist(records), path)
+    rows, report = load_rows(path)
+    assert len(rows) == 1
+    assert [e.lineno for e in report.skipped] == list(range(2, len(records) + 1 + (suffix == "jsonl")))
+    assert "'data_source' must be a non-empty string" in report.skipped[0].problem
+    assert "messages with string values" in report.skipped[1].problem
+    assert "ground_truth' that is not null" in report.skipped[2].problem
+    if suffix == "jsonl":
+        assert report.skipped[-1].problem == "not UTF-8 text (byte 0xff at column 18)"
+    with pytest.raises(RowError) as err:
+        load_rows(path, strict=True)
+    assert err.value.line() == (f"megaopd: data error: {path}:2: field 'data_source' must be a non-empty string (it "
+                                "picks the verifier); fix or remove that record (data.strict=false skips malformed "
+                                "records)")
+
+
+@pytest.mark.parametrize("fault", ["json_cut_short", "parquet_cut_short", "not_parquet", "every_record_bad",
+                                   "unknown_suffix"])
+def test_a_data_file_that_cannot_be_read_is_one_data_error(tmp_path, fault):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megaopd.errors import DataError
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist([_record()] * 20), good)
+    path, expected = {
+        "json_cut_short": (tmp_path / "d.json", r"d\.json:1: invalid JSON \(Expecting value at column 16\); fix"),
+        "parquet_cut_short": (tmp_path / "d.parquet", r"d\.parquet is not a readable Parquet file \(.+\); give a"),
+        "not_parquet": (tmp_path / "e.parquet", r"e\.parquet is not a readable Parquet file \(.+\); give a"),
+        "every_record_bad": (tmp_path / "d.jsonl", r"no record of .+d\.jsonl can be used \(2 malformed; the first: "
+                                                   r".+d\.jsonl:1: invalid JSON .+\); fix the file"),
+        "unknown_suffix": (tmp_path / "d.csv", r"d\.csv: unsupported dataset format '\.csv'; use"),
+    }[fault]
+    path.write_bytes({"json_cut_short": b'[{"prompt": 1},', "parquet_cut_short": good.read_bytes()[:300],
+                      "not_parquet": b"PAR1 and no more", "every_record_bad": b"a,b\n1,2\n",
+                      "unknown_suffix": b"a,b\n"}[fault])
+    with pytest.raises(DataError, match=expected):
+        load_rows(path)
 
 
 def test_parquet_rows_load_through_the_same_path(tmp_path):

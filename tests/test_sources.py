@@ -29,7 +29,7 @@ def test_gsm8k_with_malformed_rows(tmp_path):
     ])
     rows, report = convert(path, "gsm8k")
     assert [r.ground_truth for r in rows] == ["1072"] and report.loaded == 1
-    assert [(e.line, e.path) for e in report.skipped] == [(2, str(path)), (3, str(path)), (4, str(path)),
+    assert [(e.lineno, e.path) for e in report.skipped] == [(2, str(path)), (3, str(path)), (4, str(path)),
                                                           (5, str(path))]
     problems = [e.problem for e in report.skipped]
     assert "####" in problems[0] and "invalid JSON" in problems[1] and "'question'" in problems[2]
@@ -43,7 +43,7 @@ def test_strict_mode_raises_at_the_first_bad_row(tmp_path):
     path = write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": "q", "answer": "#### 1"}, {"question": "q"}])
     with pytest.raises(RowError) as err:
         convert(path, "gsm8k", strict=True)
-    assert err.value.line == 2 and err.value.path == str(path)
+    assert err.value.lineno == 2 and err.value.path == str(path)
 
 
 def test_unknown_source_names_the_known_ones(tmp_path):
@@ -57,7 +57,7 @@ def test_math_layouts_from_parquet_and_json(tmp_path):
         {"problem": "No answer", "solution": "I give up.", "level": "Level 5"},
     ]), tmp_path / "math.parquet")
     rows, report = convert(tmp_path / "math.parquet", "math")
-    assert [r.ground_truth for r in rows] == ["\\frac{3}{4}"] and report.skipped[0].line == 2
+    assert [r.ground_truth for r in rows] == ["\\frac{3}{4}"] and report.skipped[0].lineno == 2
     assert score(rows[0], "\\boxed{0.75}") == 1.0
 
     (tmp_path / "aime.json").write_text(json.dumps([{"ID": "2024-I-1", "Problem": "p", "Answer": 204},
@@ -89,7 +89,7 @@ def test_apps_taco_codecontests_livecodebench(tmp_path):
     ])
     assert convert(tmp_path / "apps.jsonl", "apps")[0][0].data_source == "apps"
     rows, report = convert(tmp_path / "apps.jsonl", "taco")
-    assert len(rows) == 2 and "not valid JSON" in report.skipped[0].problem and report.skipped[0].line == 2
+    assert len(rows) == 2 and "not valid JSON" in report.skipped[0].problem and report.skipped[0].lineno == 2
     assert score(rows[0], "```python\nprint(sum(map(int, input().split())))\n```") == 1.0
     assert "class Solution" in rows[1].prompt[0]["content"]
     assert score(rows[1], "```python\nclass Solution:\n    def f(self, x):\n        return 2 * x\n```") == 1.0
@@ -156,7 +156,7 @@ def test_science_layouts(tmp_path):
     rows, report = convert(tmp_path / "mmlu.jsonl", "mmlu")
     assert [(r.data_source, r.ground_truth, r.extra_info["num_choices"]) for r in rows] == [
         ("mmlu", "B", 4), ("mmlu_pro", "J", 10)]
-    assert [e.line for e in report.skipped] == [3, 4]
+    assert [e.lineno for e in report.skipped] == [3, 4]
 
 
 def test_ifeval_layout(tmp_path):

@@ -8,7 +8,8 @@ A row looks like (verl / DAPO / DeepScaleR layout):
      "extra_info": {"split": "train", "index": 3, ...}}
 
 A malformed record never kills a run half-way: it is skipped, counted, and reported with its file, line (or
-Parquet row) and what is wrong, unless the caller asked for ``strict=True``.
+Parquet row) and what is wrong, unless the caller asked for ``strict=True``. A file that cannot be read at all (not
+JSON, not Parquet), or none of whose records can be used, is refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ log = logging.getLogger(__name__)
 
 
 class RowError(DataError):
-    """A record that cannot be used, with where it came from."""
+    """A record that cannot be used, with where it came from (its line, or Parquet row: ``lineno``)."""
 
     def __init__(self, path: str | Path, line: int, problem: str):
-        self.path, self.line, self.problem = str(path), line, problem
+        self.path, self.lineno, self.problem = str(path), line, problem
         super().__init__(f"{path}:{line}: {problem}")
+
+    def line(self) -> str:
+        return f"{super().line()}; fix or remove that record (data.strict=false skips malformed records)"
 
 
 @dataclass
@@ -81,16 +85,24 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, Any]]:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
-        with path.open(encoding="utf-8") as f:
+        with path.open("rb") as f:  # bytes: a line that is not UTF-8 is one bad record, not an unreadable file
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
-                    yield lineno, json.loads(line)
+                    yield lineno, json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    yield lineno, RowError(path, lineno, f"not UTF-8 text (byte {line[e.start]:#x} at column "
+                                                         f"{e.start + 1})")
                 except json.JSONDecodeError as e:
                     yield lineno, RowError(path, lineno, f"invalid JSON ({e.msg} at column {e.colno})")
     elif suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}); fix the file") from None
+        except UnicodeDecodeError:
+            raise DataError(f"{path} is not UTF-8 text; convert it, or give the file meant") from None
         if isinstance(data, dict):  # {"data": [...]} or {"id": {...}, ...}
             data = data.get("data", data.get("rows", list(data.values())))
         for i, record in enumerate(data, start=1):
@@ -98,10 +110,15 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, Any]]:
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for i, record in enumerate(pq.read_table(path).to_pylist(), start=1):
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError: a file cut short, or not Parquet
+            raise DataError(f"{path} is not a readable Parquet file (cut short, or another format: "
+                            f"{e.__class__.__name__}); give a complete Parquet file") from None
+        for i, record in enumerate(table.to_pylist(), start=1):
             yield i, record
     else:
-        raise ValueError(f"{path}: unsupported dataset format {suffix!r} (use .jsonl, .json or .parquet)")
+        raise DataError(f"{path}: unsupported dataset format {suffix!r}; use .jsonl, .json or .parquet")
 
 
 def parse_row(record: Any, path: str | Path, line: int) -> Row:
@@ -113,24 +130,27 @@ def parse_row(record: Any, path: str | Path, line: int) -> Row:
     for key in ("data_source", "prompt", "reward_model"):
         if key not in record:
             raise RowError(path, line, f"missing required field {key!r}")
+    if not isinstance(record["data_source"], str) or not record["data_source"]:
+        raise RowError(path, line, "field 'data_source' must be a non-empty string (it picks the verifier)")
     prompt = record["prompt"]
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if hasattr(prompt, "tolist"):  # numpy arrays from Parquet
         prompt = prompt.tolist()
     if not isinstance(prompt, list) or not prompt or not all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
     ):
-        raise RowError(path, line, "field 'prompt' must be a string or a non-empty list of {role, content} messages")
+        raise RowError(path, line, "field 'prompt' must be a string or a non-empty list of {role, content} messages "
+                                   "with string values")
     reward_model = record["reward_model"]
-    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-        raise RowError(path, line, "field 'reward_model' must be an object with a 'ground_truth'")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise RowError(path, line, "field 'reward_model' must be an object with a 'ground_truth' that is not null")
     extra_info = record.get("extra_info") or {}
     if not isinstance(extra_info, dict):
         raise RowError(path, line, "field 'extra_info' must be an object")
     return Row(
-        data_source=str(record["data_source"]),
-        prompt=[{"role": str(m["role"]), "content": str(m["content"])} for m in prompt],
+        data_source=record["data_source"],
+        prompt=[{"role": m["role"], "content": m["content"]} for m in prompt],
         ground_truth=reward_model["ground_truth"],
         ability=str(record.get("ability") or ""),
         extra_info=dict(extra_info),
@@ -149,6 +169,9 @@ def load_rows(path: str | Path, strict: bool = False) -> tuple[list[Row], LoadRe
                 raise
             report.skipped.append(err)
     report.loaded = len(rows)
+    if report.skipped and not rows:  # every record skipped: the wrong file, or a converter's layout
+        raise DataError(f"no record of {path} can be used ({len(report.skipped)} malformed; the first: "
+                        f"{report.skipped[0]}); fix the file, or convert it (megaopd convert)")
     if report.skipped:
         log.warning(report.summary())
     return rows, report
