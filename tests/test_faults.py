@@ -262,6 +262,44 @@ def test_a_distributed_checkpoint_verifies_with_every_shard(tmp_path):
     assert (tmp_path / "checkpoints" / "damaged" / "step_0000002").is_dir()
 
 
+# ---------------------------------------------------------------------------------------------- damaged models
+
+@pytest.mark.parametrize("fault", ["cut_short", "header_changed", "no_weights", "no_config"])
+@pytest.mark.parametrize("role", ["student", "teacher"])
+def test_a_model_directory_whose_weights_cannot_be_read_is_refused_before_the_run(assets, tmp_path, fault, role):
+    """A copy cut short, a changed header, no weights, no config.json: one model error naming the setting and the
+    file, before the run directory is made or any model loads (transformers' error came mid-load, a traceback)."""
+    import shutil
+
+    from megaopd.errors import ModelError
+    from megaopd.run.resolve import resolve_run
+
+    model = tmp_path / "model"
+    shutil.copytree(assets / "models" / "qwen3-tiny", model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    if fault == "cut_short":
+        weights.write_bytes(data[: len(data) // 2])
+    elif fault == "header_changed":
+        weights.write_bytes(data[:4] + bytes([data[4] ^ 0xFF]) + data[5:])
+    else:
+        (weights if fault == "no_weights" else model / "config.json").unlink()
+    setting = {"student": "model.path", "teacher": "opd.teachers.*"}[role]
+    cfg = run_config(assets, tmp_path / "run", "opd", **{"rollout.samples_per_prompt": 1,
+                                                          "opd.teachers.*": assets / "models" / "qwen3-tiny-seed1",
+                                                          setting: model})
+    problem = {"cut_short": "model.safetensors is not a readable safetensors file (Error while deserializing "
+                            "header: incomplete metadata, file not fully covered)",
+               "header_changed": "model.safetensors is not a readable safetensors file (Error while deserializing "
+                                 "header: header too large)",
+               "no_weights": "no weights there (no *.safetensors)", "no_config": "no config.json there"}[fault]
+    with pytest.raises(ModelError) as err:
+        resolve_run(cfg)
+    assert str(err.value) == (f"{setting}={model}: {problem}; point it at a complete HF model directory (copy or "
+                              "export it again)")
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------------------------------- non-finite steps
 
 def _megaopd_train(config: Path, *overrides) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ from megaopd.models.hf_shared_prompt import hf_attention_problem
 from megaopd.teachers.cross_tokenizer import alignment_tokenizers
 from megaopd.config import ConfigError, DataConfig, RunConfig
 from megaopd.data.rows import Row, load_split
-from megaopd.errors import DataError, UserError, require_file
+from megaopd.errors import DataError, ModelError, UserError, require_file
 from megaopd.objectives.methods import Method, method
 from megaopd.objectives.losses import check_fixed_advantage, check_opd
 from megaopd.rollout.local import policy_temperature, reported_sampling
@@ -65,6 +65,7 @@ def resolve_run(cfg: RunConfig, *, inputs_exist: bool = True) -> ResolvedRun:
     if not inputs_exist:
         return ResolvedRun(cfg, spec, aligned)
     splits = read_splits(cfg.data)
+    check_model_dirs(cfg, spec)
     train_domains = sorted({r.domain for r in splits.train})
     stop = StopRule(cfg.train.stop, cfg.train.steps, spec.teachers(cfg.opd), train_domains,
                     sorted({r.domain for r in splits.validation}), 0.0 if spec.rollouts else cfg.sft.stop_at_accuracy)
@@ -178,6 +179,40 @@ def check_temperature(cfg: RunConfig, spec: Method) -> None:
     if opd.teacher_engine == "local" and cfg.model.backend == "megatron" and top_p < 1.0:
         raise ConfigError(f"model.backend=megatron teachers score at a temperature without a top-p cut, and "
                           f"opd.match_sampling asks for rollout.top_p={top_p:g}'s: set rollout.top_p=1")
+
+
+def check_model_dirs(cfg: RunConfig, spec: Method) -> None:
+    """Refuses, before any model loads, a student or local teacher directory whose weights cannot be read (a copy
+    cut short, a damaged file, none there): transformers met them mid-way through loading, in a traceback."""
+    dirs = {"model.path": cfg.model.path}
+    if spec.teacher_term and cfg.opd.teacher_engine == "local":
+        dirs |= {f"opd.teachers.{route}": path for route, path in spec.teachers(cfg.opd).items()}
+    for setting, path in dirs.items():
+        if problem := weights_problem(Path(path)):
+            raise ModelError(f"{setting}={path}: {problem}; point it at a complete HF model directory (copy or "
+                             "export it again)")
+
+
+def weights_problem(directory: Path) -> str | None:
+    """Why the HF model directory's weights cannot be read, or None. Reads each safetensors file's header only: a
+    file cut short or whose header was changed fails it (a changed tensor byte does not: the format has no
+    checksum). A path that is no directory is left to where it is loaded."""
+    from safetensors import SafetensorError, safe_open
+
+    if not directory.is_dir():
+        return None
+    if not (directory / HF_CONFIG).is_file():
+        return f"no {HF_CONFIG} there"
+    files = sorted(directory.glob("*.safetensors"))
+    if not files and not any(directory.glob("pytorch_model*.bin")):
+        return "no weights there (no *.safetensors)"
+    for file in files:
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            return f"{file.name} is not a readable safetensors file ({' '.join(str(e).split())})"
+    return None
 
 
 def read_splits(data: DataConfig) -> Splits:
