@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from megaopd.config import load_config
-from megaopd.errors import UserError, is_no_space, no_space_line, space_for
+from megaopd.errors import UserError, is_no_space, no_space_line, refused_line, space_for
 
 
 # Subcommands that own their arguments.
@@ -43,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         print(e.line(), file=sys.stderr)
         return 2
     except Exception as e:
-        if debug or not is_no_space(e):
+        # A full disk or a read-only one is the cluster's fault: one line, as a user error's.
+        line = None if debug else no_space_line(e) if is_no_space(e) else refused_line(e)
+        if line is None:
             raise
-        print(no_space_line(e), file=sys.stderr)  # a full disk is the cluster's fault: one line, as a user error's
+        print(line, file=sys.stderr)
         return 2
 
 

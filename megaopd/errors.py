@@ -4,6 +4,7 @@ traceback only with ``--debug``. Anything else that escapes is a bug and keeps i
 
 A full disk is the cluster's fault, not a bug: ``NoSpace`` says which file could not be written and how much was
 needed and free (``space_for`` turns whatever a writer raises for it, torch's "unexpected pos" included, into one).
+So is a file that may not be written (a read-only filesystem, no permission): ``refused_line``.
 """
 
 from __future__ import annotations
@@ -79,18 +80,22 @@ def _size(n: int | None) -> str:
     return f"{n:.1f} TiB"
 
 
-def is_no_space(error: BaseException | None) -> bool:
-    """Whether `error`, or one it was raised from or during, is a write refused for lack of space (torch's writer
-    reports it as "unexpected pos" with the OSError as its context; safetensors as "os error 28")."""
+def _in_chain(error: BaseException | None, test) -> BaseException | None:
+    """The first of `error` and the errors it was raised from or during that passes `test`, or None."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(error) or "os error 28" in str(error):
-            return True
+        if test(error):
+            return error
         error = error.__cause__ or error.__context__
-    return False
+    return None
+
+
+def is_no_space(error: BaseException | None) -> bool:
+    """Whether `error`, or one it was raised from or during, is a write refused for lack of space (torch's writer
+    reports it as "unexpected pos" with the OSError as its context; safetensors as "os error 28")."""
+    return _in_chain(error, lambda e: (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+                     or "No space left on device" in str(e) or "os error 28" in str(e)) is not None
 
 
 def free_bytes(path) -> int:
@@ -122,16 +127,21 @@ def space_for(path, needed: int | None = None, partial=()):
 
 def _failed_file(error: BaseException | None) -> str | None:
     """The file an OSError in `error`'s chain names, if any."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.filename:
-            return str(error.filename)
-        error = error.__cause__ or error.__context__
-    return None
+    named = _in_chain(error, lambda e: isinstance(e, OSError) and e.filename)
+    return str(named.filename) if named else None
 
 
 def no_space_line(error: BaseException) -> str:
     """The one line for a full disk that no writer turned into ``NoSpace`` (the report's, say)."""
     path = _failed_file(error) or os.getcwd()
     return NoSpace(path, None, free_bytes(path)).line()
+
+
+def refused_line(error: BaseException) -> str | None:
+    """The one line for a file megaopd may not write or read (a read-only filesystem, no permission), or None."""
+    refused = _in_chain(error, lambda e: isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES,
+                                                                                 errno.EPERM))
+    if refused is None:
+        return None
+    return (f"megaopd: {refused.filename or os.getcwd()}: {refused.strerror.lower()}; make it writable, or write "
+            "elsewhere (run_dir, the study's out, --out)")

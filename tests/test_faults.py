@@ -389,9 +389,9 @@ def mount_small(request):
     if os.geteuid() != 0:
         pytest.skip("mounting a small filesystem needs root")
 
-    def mount(directory: Path, size: str = "64m") -> Path:
+    def mount(directory: Path, size: str = "64m", options: str = "") -> Path:
         directory.mkdir(parents=True, exist_ok=True)
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(directory)],
                           capture_output=True).returncode:
             pytest.skip("this machine does not let the test mount a tmpfs")
         request.addfinalizer(lambda: subprocess.run(["umount", "-l", str(directory)], check=False))
@@ -483,6 +483,18 @@ def test_a_full_disk_while_the_report_is_written_ends_in_one_line(small_disk, tm
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=280)
     line = _no_space_line(proc)
     assert line.startswith(f"megaopd: {small_disk}: no space left (more needed, "), line
+
+
+@pytest.mark.timeout(300)
+def test_a_run_dir_on_a_read_only_filesystem_ends_in_one_line(assets, mount_small, tmp_path, capsys):
+    from megaopd.cli import main
+
+    read_only = mount_small(tmp_path / "read_only", "1m", ",ro")
+    save_config(run_config(assets, read_only / "run", "grpo"), tmp_path / "run.yaml")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 2
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("megaopd:")]
+    assert line == (f"megaopd: {read_only / 'run'}: read-only file system; make it writable, or write elsewhere "
+                    "(run_dir, the study's out, --out)")
 
 
 # ---------------------------------------------------------------------------------------------- kill -9 mid-save
