@@ -47,6 +47,14 @@ def choices(literal: Any) -> tuple:
     return typing.get_args(literal)
 
 
+def check_at_least(section: str, settings: Any, least: int, *names: str) -> None:
+    """Refuses a count below `least` (a step count, a batch size, an interval), which would fail deep in a run."""
+    for name in names:
+        if getattr(settings, name) < least:
+            raise ConfigError(f"{section}.{name} must be >= {least}, got {getattr(settings, name)}; set a count of "
+                              f"at least {least}")
+
+
 @dataclass
 class MegatronConfig:
     """The megatron backend's layout and numerics (model.backend=megatron, launched with torchrun)."""
@@ -153,6 +161,7 @@ class RolloutConfig:
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def __post_init__(self):
+        check_at_least("rollout", self, 1, "samples_per_prompt", "max_new_tokens", "batch_prompts")
         if self.max_staleness < 0:
             raise ConfigError(f"rollout.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}; "
                               "set a non-negative number of weight versions")
@@ -327,6 +336,10 @@ class TrainConfig:
     nonfinite: Literal["stop", "skip"] = "stop"
     stop: StopConfig = field(default_factory=StopConfig)
 
+    def __post_init__(self):
+        check_at_least("train", self, 0, "steps")
+        check_at_least("train", self, 1, "prompts_per_step", "micro_batch_size", "epochs", "minibatches")
+
 
 @dataclass
 class EvalConfig:
@@ -335,6 +348,9 @@ class EvalConfig:
     final_prompts_per_domain: int = 0  # at the end; 0 means all held-out prompts
     sampled: bool = True  # also report accuracy at temperature 1 (greedy is always reported)
     max_new_tokens: int = 0  # 0 means rollout.max_new_tokens
+
+    def __post_init__(self):
+        check_at_least("eval", self, 1, "every")
 
 
 @dataclass

@@ -35,6 +35,18 @@ def test_types_are_checked_and_coerced():
         load_config(None, ["train.steps"])
 
 
+@pytest.mark.parametrize("override, least", [("train.steps=-3", 0), ("train.prompts_per_step=0", 1),
+                                             ("train.micro_batch_size=0", 1), ("train.epochs=0", 1),
+                                             ("train.minibatches=0", 1), ("rollout.samples_per_prompt=0", 1),
+                                             ("rollout.max_new_tokens=0", 1), ("rollout.batch_prompts=0", 1),
+                                             ("eval.every=0", 1)])
+def test_a_count_below_its_least_is_refused_at_load(override, least):
+    """A count that would fail deep in the run (a modulo by zero, an empty batch: tracebacks) is a config error."""
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^{key} must be >= {least}, got {value}; set a count of at least {least}$"):
+        load_config(None, [override])
+
+
 def test_free_form_mapping_and_override_on_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  steps: 5\nopd:\n  teachers:\n    arith_add: /a\n")
