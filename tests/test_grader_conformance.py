@@ -62,6 +62,13 @@ CASES = [
     ("numbers", "math", "1.225", "1,225", 0, {}),  # a comma before three digits groups thousands
     ("numbers", "math", "122", "1,22", 0, {}),
     ("numbers", "math", r"\boxed{1,22}", "1.22", 0, {}),  # inside a box a comma separates two answers
+    # --- currency in the reference: MATH writes an escaped dollar, a currency sign and no LaTeX delimiter
+    ("currency", "math", r"\boxed{32348}", r"\$32,\!348", 1, {}),  # sweep: lm-eval hendrycks_math; main refused
+    ("currency", "math", r"The total is $\$32,\!348$.", r"\$32,\!348", 1, {}),  # sweep: lm-eval hendrycks_math; main
+    ("currency", "math", r"\boxed{1.5}", r"\$1.50", 1, {}),  # sweep: prm800k grader; main refused
+    ("currency", "math", r"It costs $1.50.", r"\$1.50", 1, {}),  # sweep: prm800k grader; main refused
+    ("currency", "math", r"\boxed{32,349}", r"\$32,\!348", 0, {}),
+    ("currency", "math", r"\boxed{1.05}", r"\$1.50", 0, {}),
     # --- percentages
     ("percent", "math", "28 percent", r"$28\%$", 1, {}),
     ("percent", "math", r"$\boxed{28 pct}", r"$28\%$", 1, {}),

@@ -41,8 +41,12 @@ _DELIMITERS = (*LATEX_DELIMITERS, *("\\" + command for command in BOX_COMMANDS))
 
 
 def reference_candidates(gold: str) -> list[Candidate]:
-    """A reference answer as candidates: extracted when it holds LaTeX delimiters or a box, else on its own."""
-    return candidates(gold) if any(d in gold for d in _DELIMITERS) else [(bare(gold, decimal_comma=True),)]
+    """A reference answer as candidates: extracted when it holds LaTeX delimiters or a box, else on its own (an
+    escaped ``\\$`` is a currency sign, no delimiter: MATH writes ``\\$32,\\!348``)."""
+    unescaped = gold.replace("\\$", "")
+    if any(d in unescaped for d in _DELIMITERS):
+        return candidates(gold)
+    return [(bare(gold, decimal_comma=True),)]
 
 
 def extract_answer(response: str, extraction: str = FLEXIBLE) -> str | None:
