@@ -69,6 +69,20 @@ CASES = [
     ("currency", "math", r"It costs $1.50.", r"\$1.50", 1, {}),  # sweep: prm800k grader; main refused
     ("currency", "math", r"\boxed{32,349}", r"\$32,\!348", 0, {}),
     ("currency", "math", r"\boxed{1.05}", r"\$1.50", 0, {}),
+    # --- Unicode math: the minus sign, roots, infinity, degrees, vulgar fractions, superscripts
+    ("unicode", "math", "The answer is −5.", "-5", 1, {}),  # sweep: verl prime_math (unicode); main read 5
+    ("unicode", "math", r"\boxed{3√2}", r"3\sqrt{2}", 1, {}),  # sweep: verl prime_math (unicode); main
+    ("unicode", "math", r"\boxed{√(10)}", r"\sqrt{10}", 1, {}),  # sweep; main
+    ("unicode", "math", "The answer is √2.", r"\sqrt{2}", 1, {}),  # sweep; main
+    ("unicode", "math", r"\boxed{(−∞, 3]}", r"(-\infty, 3]", 1, {}),  # sweep; main
+    ("unicode", "math", "The angle is 30°.", "30", 1, {}),  # sweep
+    ("unicode", "math", r"\boxed{3½}", r"\frac{7}{2}", 1, {}),  # sweep; main
+    ("unicode", "math", r"\boxed{x²+1}", "x^2+1", 1, {}),  # sweep; main
+    ("unicode", "math", r"\boxed{10⁻³}", "0.001", 1, {}),  # sweep; main
+    ("unicode", "math", r"\boxed{−5}", "5", 0, {}),
+    ("unicode", "math", r"\boxed{√2}", r"\sqrt{3}", 0, {}),
+    ("unicode", "math", r"\boxed{¾}", r"\frac{1}{4}", 0, {}),
+    ("unicode", "math", r"\boxed{x²+1}", "x^3+1", 0, {}),
     # --- percentages
     ("percent", "math", "28 percent", r"$28\%$", 1, {}),
     ("percent", "math", r"$\boxed{28 pct}", r"$28\%$", 1, {}),

@@ -17,7 +17,8 @@ X is a LaTeX span (``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``, `` [..] ``,
 joined by "and", "or" or ","), a number (``1,000.5``, ``1 000``, ``1000,99``, ``28%``, ``28 percent``, ``$5``) or
 arithmetic on digits (``2/3``). Within a priority the candidate that ends last comes first; a grader takes the first
 that parses. A number counts only after a space, "=" or a currency sign, so ``AZYUK2A`` holds none and no LaTeX is
-cut down to a digit inside it; a response with no LaTeX span and no such number has no answer.
+cut down to a digit inside it; a response with no LaTeX span and no such number has no answer. Unicode math
+(``−5``, ``√2``, ``x²``, ``3½``, ``30°``) is read as its LaTeX.
 
 **Strict** extraction stops before "plain": only an answer the response marks counts (verl's GSM8K rule, widened
 to the marks our prompts ask for). **Flexible** also reads the last span or number when none is marked (the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,6 +53,33 @@ class Part:
 
 Candidate = tuple[Part, ...]  # several parts ("$1$, $2$ and $3$") form a set
 Hit = tuple[int, int, Candidate]  # where a candidate's match starts and ends: the later end is tried first
+
+# ----------------------------------------------------------------------------------------------- Unicode math
+
+# Unicode math that models write and neither the number patterns nor the LaTeX grammar read, as its LaTeX: the
+# minus sign, pi, infinity, degrees, roots, vulgar fractions (½) and superscripts (x², 10⁻³).
+_SYMBOLS = str.maketrans({"\u2212": "-", "π": "\\pi ", "∞": "\\infty ", "°": "^{\\circ}"})
+_ROOT = re.compile(r"√\s*+(?:(\d++(?:\.\d++)?|[A-Za-z])|\(([^()\n]{1,100})\))?")
+_SUPERSCRIPT = re.compile("[⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻]++")
+_VULGAR_FRACTION = re.compile("[\u00bc-\u00be\u2150-\u215e]")
+
+
+def _vulgar_fraction(match: re.Match) -> str:
+    """½ as \\frac{1}{2}, from its Unicode decomposition ("<fraction> 0031 2044 0032")."""
+    numerator, denominator = "".join(chr(int(code, 16)) for code in
+                                     unicodedata.decomposition(match.group()).split()[1:]).split("\u2044")
+    return f"\\frac{{{numerator}}}{{{denominator}}}"
+
+
+def unicode_math(text: str) -> str:
+    """``text`` with the Unicode math it writes spelled in LaTeX (√(10) is \\sqrt{10}, x² is x^{2}); linear."""
+    if text.isascii():
+        return text
+    text = _SUPERSCRIPT.sub(lambda m: "^{" + unicodedata.normalize("NFKC", m.group()) + "}", text)
+    text = _VULGAR_FRACTION.sub(_vulgar_fraction, text)
+    text = _ROOT.sub(lambda m: "\\sqrt{" + (m.group(1) or m.group(2)) + "}" if m.lastindex else "\\sqrt", text)
+    return text.translate(_SYMBOLS)
+
 
 # ----------------------------------------------------------------------------------------------- numbers
 
@@ -446,6 +475,7 @@ def _plain(text: str, spans: _Spans) -> list[Hit]:
 
 def candidates(response: str, extraction: str = FLEXIBLE) -> list[Candidate]:
     """The answers a response states, best first (see the module docstring); empty when it states none."""
+    response = unicode_math(response)
     spans = _Spans(response)
     groups = [_sentences(response, spans) + _boxes(response, spans) + _gsm8k(response),
               _final(response, spans), _labelled(response, spans, _ANSWER_LABEL),
@@ -466,7 +496,7 @@ def bare(answer: str, percent: bool = False, decimal_comma: bool = False) -> Par
     whole numbers, ``\\frac{3}{4}`` or ``3/4``, as "3/4"), else LaTeX. With ``decimal_comma`` (a reference answer
     without delimiters, as the reference reads one) a comma not grouping thousands is a decimal comma: ``1,22`` is
     1.22, ``1,225`` is 1225; inside a box or a span ``1,22`` stays a pair, as the reference reads it."""
-    text = answer.strip()
+    text = unicode_math(answer).strip()
     plain = _PLAIN_NUMBER.fullmatch(text) or (decimal_comma and _DECIMAL_COMMA.fullmatch(text))
     number = _NUMBER.fullmatch(text) if plain else None
     if number:
