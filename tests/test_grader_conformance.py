@@ -38,6 +38,17 @@ CASES = [
     ("extraction", "openai/gsm8k", "She has 72 clips left.", "72", 0, {}),  # main paid: strict wants a mark
     ("extraction", "openai/gsm8k", "She has 72 clips left.", "72", 1, {"extraction": "flexible"}),
     ("extraction", "math", "She has 72 clips left.", "72", 0, {"extraction": "strict"}),  # main
+    # --- a number with a power, subscript or LaTeX command written on it is the start of an expression, no number
+    ("glued", "math", r"The answer is 2\sqrt{3}.", "2", 0, {}),  # sweep: Qwen2.5-Math parser (answer line); main paid
+    ("glued", "math", r"The final answer is 2\sqrt{3}", "2", 0, {}),  # sweep; main paid
+    ("glued", "math", r"So x = 2^{10}", "2", 0, {}),  # sweep; main paid
+    ("glued", "math", r"The answer is 3\frac{1}{2}.", r"\frac{1}{2}", 0, {}),  # sweep; main paid
+    ("glued", "math", r"The answer is 2\sqrt{3}.", r"2\sqrt{3}", 1, {}),  # sweep: Qwen2.5-Math parser; main read 2
+    ("glued", "math", r"The answer is 2\pi.", r"2\pi", 1, {}),  # sweep; main read 2
+    ("glued", "math", r"The answer is 3\frac{1}{2}.", r"\frac{7}{2}", 1, {}),  # sweep; main read 1/2
+    ("glued", "math", r"So the answer is 2^{10}", "1024", 1, {}),  # sweep; main: no answer
+    ("glued", "math", r"The angle is 30^\circ.", "30", 1, {}),
+    ("glued", "math", r"The answer is 12\text{ cm}.", "12", 1, {}),
     # --- what boxes mean: read together, and an empty box among them is no answer (the reference's reading)
     ("boxes", "math", r"\boxed{42} and finally \boxed{}", "42", 0, {}),  # issue 55: main paid
     ("boxes", "math", r"So \boxed{} and then \boxed{7}", "7", 0, {}),  # issue 55

@@ -85,13 +85,17 @@ def unicode_math(text: str) -> str:
 
 _CURRENCY = "$€£¥₹₽₪₩₫฿₡₢₣₤₥₦₧₨₭₮₯₰₱₲₳₴₵₶₷₸₺₻₼₾₿"
 # A number token: thousands groups of exactly three digits (comma or space), a decimal point or comma, or a bare
-# integer; a percent sign or word may follow. Every repetition is bounded by what follows it, so this is linear.
+# integer; a percent sign or word may follow. A power, subscript or LaTeX command written on it continues an
+# expression (2\sqrt{3}, 2^{10}, 2\pi), so it is no number (degrees, units, spacing and closing delimiters may
+# follow). Every repetition is bounded by what follows it, so this is linear.
 _NUMBER = re.compile(r"""(?<!\d)(?:
       (?P<grouped>-?[1-9]\d{0,2}(?:[ ,]\d{3})++)(?![\d,])(?P<grouped_decimal>\.\d++)?
     | (?P<whole>-?\d++)(?P<decimal>[.,]\d++)
     | (?P<fraction>\.\d++)
     | (?P<integer>-?\d++)
-    )(?P<percent>[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct))?""", re.VERBOSE)
+    )(?P<percent>[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct))?
+    (?!\^(?!\{?\\circ)|_|\\(?!%|[,!;:\ \\)\]}$]|text|mbox|mathrm|quad|qquad|right|end|c?dots|ldots))
+    """, re.VERBOSE)
 # Where a stated value may start: the response's start, or whitespace or "=" (then bold "**", a currency sign).
 _VALUE_START = re.compile(rf"(?:^|[\s=])(?:\*\*)?[{re.escape(_CURRENCY)}]?(?=[-.(\d])")
 _PLAIN_VALUE = re.compile(rf"(?:^|[\s=])(?:\*\*)?[{re.escape(_CURRENCY)}]?" + _NUMBER.pattern, re.VERBOSE)
@@ -190,8 +194,10 @@ def _last_numbers(text: str, keep: Callable[[int], bool]) -> list[Hit]:
 
 # ----------------------------------------------------------------------------------------------- LaTeX spans
 
-_OPENERS = re.compile(r"\$|\\\[|\\\(|\s\[|-?\\frac\{")
-_FRACTION = re.compile(r"-?\\frac\{-?\d+(?:[.,]\d+)?\}\{-?\d+(?:[.,]\d+)?\}")
+# A bare fraction starts with the whole number written on it (3\frac{1}{2} is a mixed number, not a half); the
+# lookbehind starts it only where a run of digits starts, so trying every opening stays linear.
+_OPENERS = re.compile(r"\$|\\\[|\\\(|\s\[|(?<!\d)-?\d*+\\frac\{")
+_FRACTION = re.compile(r"-?\d*+\\frac\{-?\d+(?:[.,]\d+)?\}\{-?\d+(?:[.,]\d+)?\}")
 _PERCENT_AFTER = re.compile(r"\s*+(\\?%|[Pp]ercent(?:age)?|[Pp]ct)?")
 _JOINER = re.compile(r"\s*+(?:,?and|,?or|,)\s*+")
 _MAX_JOINED = 6  # the reference reads at most six spans joined by "and"/"or"/","
@@ -454,12 +460,12 @@ def _value_in_line(text: str, at: int) -> tuple[int, Part] | None:
 
 
 def _answer_lines(text: str) -> list[Hit]:
-    """The rest of an answer line written in LaTeX without delimiters ("The answer is \\sqrt{2}."): read after
-    every anchored form found nothing that parses, before any plain span or number."""
+    """The rest of an answer line written in LaTeX without delimiters ("The answer is \\sqrt{2}.", "... is 2^{10}"):
+    read after every anchored form found nothing that parses, before any plain span or number."""
     hits = []
     for m in _ANSWER_LINE.finditer(text):
         content = m.group(1).strip().rstrip(".").strip().strip("$")
-        if "\\" in content:
+        if "\\" in content or "^" in content:
             hits.append((m.start(), m.end(), (bare(content),)))
     return hits
 
