@@ -73,6 +73,11 @@ CASES = [
     ("numbers", "math", "1.225", "1,225", 0, {}),  # a comma before three digits groups thousands
     ("numbers", "math", "122", "1,22", 0, {}),
     ("numbers", "math", r"\boxed{1,22}", "1.22", 0, {}),  # inside a box a comma separates two answers
+    # a bare reference "1,2" reads two ways, both paid: a decimal comma (the reference's reading) and a pair
+    ("numbers", "math", r"\boxed{1,2}", "1,2", 1, {}),  # sweep: hendrycks_math, prm800k; main; ours: reference refuses
+    ("numbers", "math", r"\boxed{-1, 2}", "-1,2", 1, {}),  # sweep: lm-eval hendrycks_math, prm800k; main refused
+    ("numbers", "math", "The solutions are $2$ and $3$.", "2,3", 1, {}),  # sweep; main refused
+    ("numbers", "math", r"\boxed{2, 4}", "2,3", 0, {}),
     # --- currency in the reference: MATH writes an escaped dollar, a currency sign and no LaTeX delimiter
     ("currency", "math", r"\boxed{32348}", r"\$32,\!348", 1, {}),  # sweep: lm-eval hendrycks_math; main refused
     ("currency", "math", r"The total is $\$32,\!348$.", r"\$32,\!348", 1, {}),  # sweep: lm-eval hendrycks_math; main

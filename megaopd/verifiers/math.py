@@ -11,8 +11,8 @@ number. Each data source has its convention (``extra_info["extraction"]`` overri
 | GSM8K (``openai/gsm8k``, ``gsm8k``) | strict | verl's default for GSM8K: only a marked answer counts |
 
 A reference answer is read the same way when it holds LaTeX delimiters or a box, else as one answer on its own
-(``\\frac{\\sqrt{2}}{2}``, ``1,000``, ``1,22`` with a decimal comma); ``ground_truth`` may be a list of acceptable
-answers.
+(``\\frac{\\sqrt{2}}{2}``, ``1,000``, ``1,22`` with a decimal comma or as a pair: ``reference_readings``);
+``ground_truth`` may be a list of acceptable answers.
 
 Equivalence is the reference's (``math_grade``): two numbers compare here, in the caller's process (exactly, or
 rounded to ``extra_info["precision"]`` decimal places, default 6, when one is a decimal); everything else runs in
@@ -40,13 +40,16 @@ _pool = KillablePool("megaopd.verifiers.math_grade:grade", size=2)
 _DELIMITERS = (*LATEX_DELIMITERS, *("\\" + command for command in BOX_COMMANDS))
 
 
-def reference_candidates(gold: str) -> list[Candidate]:
-    """A reference answer as candidates: extracted when it holds LaTeX delimiters or a box, else on its own (an
-    escaped ``\\$`` is a currency sign, no delimiter: MATH writes ``\\$32,\\!348``)."""
+def reference_readings(gold: str) -> list[list[Candidate]]:
+    """A reference answer's readings, each as candidates; a response that states any of them is right. Extracted
+    when it holds LaTeX delimiters or a box, else read on its own (an escaped ``\\$`` is a currency sign, no
+    delimiter: MATH writes ``\\$32,\\!348``). On its own ``1,2`` reads two ways, both kept: a decimal comma, as
+    the reference grader reads it, and the pair English data writes (the reference refuses ``\\boxed{1,2}``)."""
     unescaped = gold.replace("\\$", "")
     if any(d in unescaped for d in _DELIMITERS):
-        return candidates(gold)
-    return [(bare(gold, decimal_comma=True),)]
+        return [candidates(gold)]
+    readings = dict.fromkeys([bare(gold, decimal_comma=True), bare(gold)])
+    return [[(part,)] for part in readings]
 
 
 def extract_answer(response: str, extraction: str = FLEXIBLE) -> str | None:
@@ -116,7 +119,8 @@ def _score(response: str, ground_truth: Any, extra_info: dict, extraction: str) 
     extraction, precision, timeout_s = _options(extra_info, extraction)
     pred = candidates(response, extraction)
     golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
-    return float(any(grade(pred, reference_candidates(str(gold)), precision, timeout_s) for gold in golds))
+    return float(any(grade(pred, reading, precision, timeout_s)
+                     for gold in golds for reading in reference_readings(str(gold))))
 
 
 @register("math", "DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "hendrycks/competition_math",
