@@ -151,6 +151,15 @@ CASES = [
     ("intervals", "math", r"$-2 < x \le 7$", r"$x \in [-2,7]$", 0, {}),
     ("intervals", "math", r"$-2 \le x \le 8$", r"$x \in [-2,7]$", 0, {}),
     ("intervals", "math", r"$-1 < t < 3$", r"[-1, 3]", 0, {}),
+    ("intervals", "math", r"\boxed{x \geq 5}", r"[5, \infty)", 1, {}),  # sweep: prm800k grader; main; ours
+    ("intervals", "math", r"\boxed{x \le 3}", r"(-\infty, 3]", 1, {}),  # sweep: prm800k grader; main; ours
+    ("intervals", "math", r"\boxed{x<-2 \text{ or } x>3}", r"(-\infty,-2)\cup(3,\infty)", 1, {}),  # sweep; main
+    ("intervals", "math", r"\boxed{(-\infty,-2)\cup(3,\infty)}", r"x<-2 \text{ or } x>3", 1, {}),  # sweep; main
+    ("intervals", "math", r"\boxed{x^2 < 4}", "(-2, 2)", 1, {}),  # sweep; main
+    ("intervals", "math", r"\boxed{x > 5}", r"[5, \infty)", 0, {}),
+    ("intervals", "math", r"\boxed{x\le-2 \text{ or } x>3}", r"(-\infty,-2)\cup(3,\infty)", 0, {}),
+    ("intervals", "math", r"\boxed{x>1 \text{ and } x<3}", "(1, 3)", 0, {}),  # overlapping: no "or" reading
+    ("intervals", "math", r"\boxed{x \ge 5}", "5", 0, {}),
     ("intervals", "math", r"\boxed{\{1,2\}}", r"\{2,1\}", 1, {}),
     ("intervals", "math", r"\boxed{\{1,2\}}", r"\{1,3\}", 0, {}),
     # --- relations and equations

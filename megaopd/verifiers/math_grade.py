@@ -15,8 +15,9 @@ One reading of the LaTeX grammar is refused, because it pays wrong answers: numb
 as 5, ``1\\,000`` as 0); thousands grouped by threes are joined first. In plain
 text a whole number before a proper fraction on the same line is a mixed number (``1 1/2`` is 3/2; ``11 7/6`` is
 no answer; ``11`` and ``5/6`` on two lines are two numbers, never 71/6), and a percent after it applies to the
-whole of it (``4 4/9 %`` is 2/45). A chained inequality of one variable (``-2 \\le x \\le 7``) is read as its
-interval, from either side (the reference reads it so only as the reference answer).
+whole of it (``4 4/9 %`` is 2/45). An inequality of one variable (``x \\le 3``, ``-2 \\le x \\le 7``) is read as its
+interval, from either side (the reference reads it so only as the reference answer), and a list of them with
+disjoint solutions (``x<-2 \\text{ or } x>3``) as their union.
 """
 
 from __future__ import annotations
@@ -72,23 +73,38 @@ def _arithmetic(text: str) -> sympy.Basic | None:
         return None
 
 
-def _interval(value: sympy.Basic) -> sympy.Basic:
-    """A chained inequality of one variable between two numbers (``-2 \\le x \\le 7``) as the interval it states,
-    so it meets ``x \\in [-2,7]`` or ``[-2,7]`` from either side (the reference reads it so only as the reference
-    answer); anything else as it is."""
-    if not isinstance(value, sympy.And) or len(value.args) != 2:
-        return value
-    if not all(isinstance(arg, (sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge)) for arg in value.args):
-        return value
-    if len(value.free_symbols) != 1:
-        return value
+_ORDER = (sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge)
+
+
+def _as_interval(value: sympy.Basic) -> sympy.Set | None:
+    """The interval (or union of intervals) of numbers an inequality of one variable states (``x \\le 3``,
+    ``-2 \\le x \\le 7``), or None for anything else."""
+    chained = isinstance(value, sympy.And) and len(value.args) == 2 and all(isinstance(a, _ORDER) for a in value.args)
+    if not (chained or isinstance(value, _ORDER)) or len(value.free_symbols) != 1:
+        return None
     try:
-        interval = value.as_set()
+        solution = value.as_set()
     except Exception:  # noqa: BLE001: what sympy cannot solve stays a relation
-        return value
-    if not isinstance(interval, sympy.Interval) or not interval.start.is_number or not interval.end.is_number:
-        return value
-    return interval
+        return None
+    pieces = solution.args if isinstance(solution, sympy.Union) else (solution,)
+    if not all(isinstance(p, sympy.Interval) and p.start.is_number and p.end.is_number for p in pieces):
+        return None
+    return solution
+
+
+def _interval(value: sympy.Basic) -> sympy.Basic:
+    """An inequality of one variable (``x \\le 3``, ``-2 \\le x \\le 7``) as the interval it states, so it meets
+    ``x \\in [-2,7]`` or ``[-2,7]`` from either side (the reference reads it so only as the reference answer, and
+    only when chained); a list of inequalities of one variable with disjoint solutions (``x<-2 \\text{ or } x>3``:
+    read as "or", since "and" would state no number) as their union; anything else as it is."""
+    if isinstance(value, FiniteSet) and len(value.args) > 1:
+        pieces = [_as_interval(arg) for arg in value.args]
+        if None in pieces or len(set().union(*(arg.free_symbols for arg in value.args))) != 1:
+            return value
+        if any(a.intersect(b) != sympy.S.EmptySet for i, a in enumerate(pieces) for b in pieces[i + 1:]):
+            return value
+        return sympy.Union(*pieces)
+    return _as_interval(value) or value
 
 
 def _part(kind: str, text: str, percent: bool) -> tuple[sympy.Basic | None, str]:
