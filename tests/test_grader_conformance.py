@@ -160,6 +160,9 @@ CASES = [
     ("intervals", "math", r"\boxed{x\le-2 \text{ or } x>3}", r"(-\infty,-2)\cup(3,\infty)", 0, {}),
     ("intervals", "math", r"\boxed{x>1 \text{ and } x<3}", "(1, 3)", 0, {}),  # overlapping: no "or" reading
     ("intervals", "math", r"\boxed{x \ge 5}", "5", 0, {}),
+    ("intervals", "math", r"\boxed{\varnothing}", r"\emptyset", 1, {}),  # sweep: Qwen2.5-Math parser; main
+    ("intervals", "math", r"The set is $\emptyset$.", r"\varnothing", 1, {}),  # sweep: Qwen2.5-Math parser; main
+    ("intervals", "math", r"\boxed{\varnothing}", r"\{0\}", 0, {}),
     ("intervals", "math", r"\boxed{\{1,2\}}", r"\{2,1\}", 1, {}),
     ("intervals", "math", r"\boxed{\{1,2\}}", r"\{1,3\}", 0, {}),
     # --- relations and equations

@@ -45,6 +45,7 @@ _MIXED = re.compile(r"(-?)(\d{1,6})[ \t]+(\d{1,6})/(\d{1,6})")  # "1 1/2" on one
 def _latex(text: str) -> tuple[sympy.Basic | None, str]:
     shown = text
     try:
+        text = text.replace("\\varnothing", "\\emptyset")  # the grammar reads \varnothing as a symbol
         shown = normalize_latex(_THOUSANDS.sub(lambda m: re.sub(r"\D", "", m.group()), text), _NORMALIZATION)
         return (None if _SIDE_BY_SIDE.search(shown) else parse_latex_cached(shown)), shown
     except Exception:  # noqa: BLE001: text outside the grammar is no answer
