@@ -190,6 +190,15 @@ CASES = [
     ("tuples", "math", r"\boxed{(3,2)}", "(2,3)", 0, {}),
     ("tuples", "math", r"\boxed{1,2}", "1,2,3", 0, {}),
     ("tuples", "math", "$n=2, 3, 4$", "$n=1, 2, 3$", 0, {}),
+    # --- multiple choice: a reference that is an option letter is answered by the letter the response marks
+    ("choice", "math", "The answer is (C).", "C", 1, {}),  # sweep: Qwen2.5-Math choice_answer_clean; main refused
+    ("choice", "math", "**Answer:** C", r"\text{(C)}", 1, {}),  # sweep: Qwen2.5-Math; main refused
+    ("choice", "math", r"\boxed{(C) 12}", "C", 1, {}),  # sweep: Qwen2.5-Math; main refused
+    ("choice", "math", "C", "(C)", 1, {}),  # sweep: Qwen2.5-Math; main refused
+    ("choice", "math", r"\boxed{\text{(C)}}", "C", 1, {}),
+    ("choice", "math", "The answer is (B).", "C", 0, {}),
+    ("choice", "math", r"Option (C) is 12, so \boxed{12}", "C", 0, {}),  # a letter in passing is no choice
+    ("choice", "math", "(C) is wrong. The answer is (B).", r"\text{(C)}", 0, {}),
     # --- units and text
     ("units", "math", r"the area is $\boxed{15\mbox{ cm}^2}$.", "15", 1, {}),
     ("units", "math", r"The distance is $\boxed{125\textnormal{ miles}}.$", "125", 1, {}),

@@ -22,6 +22,7 @@ a small pool of worker processes (``killable``) with a hard wall-clock limit (``
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 from typing import Any
 
@@ -30,6 +31,7 @@ from megaopd.verifiers import register
 from megaopd.verifiers.expr import MAX_LENGTH
 from megaopd.verifiers.extract import FLEXIBLE, NUMBER, STRICT, Candidate, bare, candidates
 from megaopd.verifiers.killable import CallTimeout, KillablePool
+from megaopd.verifiers.science import extract_choice
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_PRECISION = 6  # decimal places a decimal answer is rounded to before it is compared (the reference's)
@@ -50,6 +52,17 @@ def reference_readings(gold: str) -> list[list[Candidate]]:
         return [candidates(gold)]
     readings = dict.fromkeys([bare(gold, decimal_comma=True), bare(gold)])
     return [[(part,)] for part in readings]
+
+
+# A multiple-choice reference: an option letter, as "C", "(C)" or "\\text{(C)}".
+_OPTION = re.compile(r"\$?\s*+(?:\\(?:text|textbf|mathrm)\{\s*+)?\(?([A-J])\)?\s*+\}?\s*+\$?")
+
+
+def _chooses(response: str, gold: str) -> bool:
+    """Whether a multiple-choice reference's letter is the one the response marks as its answer ("The answer is
+    (C)", "Answer: C", ``\\boxed{C: 12}``), read as the science verifier reads it (never a "(C)" in passing)."""
+    option = _OPTION.fullmatch(gold.strip())
+    return option is not None and extract_choice(response, marked=True) == option[1]
 
 
 def extract_answer(response: str, extraction: str = FLEXIBLE) -> str | None:
@@ -119,8 +132,9 @@ def _score(response: str, ground_truth: Any, extra_info: dict, extraction: str) 
     extraction, precision, timeout_s = _options(extra_info, extraction)
     pred = candidates(response, extraction)
     golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
-    return float(any(grade(pred, reading, precision, timeout_s)
-                     for gold in golds for reading in reference_readings(str(gold))))
+    return float(any(_chooses(response, str(gold)) or any(grade(pred, reading, precision, timeout_s)
+                                                          for reading in reference_readings(str(gold)))
+                     for gold in golds))
 
 
 @register("math", "DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "hendrycks/competition_math",
