@@ -32,6 +32,11 @@ CASES = [
     ("extraction", "math", "AZYUK2A", "2", 0, {}),  # main paid
     ("extraction", "math", "11 7/6", "7/6", 0, {}),  # main paid
     ("extraction", "math", "Answer $ \n 9 \n $", "9", 0, {}),  # main; ours: no number inside LaTeX, even broken
+    ("extraction", "openai/gsm8k", "**Answer: 18**", "18", 1, {}),  # sweep: lm-eval gsm8k; main read 18** as arithmetic
+    ("extraction", "math", "The answer is **18**.", "18", 1, {}),  # sweep: lm-eval gsm8k
+    ("extraction", "math", "**The final answer is 18**", "18", 1, {}),  # sweep
+    ("extraction", "math", "**Answer: 2/3**", r"\frac{2}{3}", 1, {}),  # sweep; main read 2/3**
+    ("extraction", "openai/gsm8k", "**Answer: 19**", "18", 0, {}),
     ("extraction", "math", "She has 72 clips left.", "72", 1, {}),
     ("extraction", "openai/gsm8k", "Natalia sold 48/2 = 24 clips in May.\n#### 72", "72", 1, {}),
     ("extraction", "openai/gsm8k", r"Natalia sold $\boxed{72}$ clips.", "72", 1, {}),

@@ -124,6 +124,7 @@ _EXPRESSION_START = re.compile(rf"(?:^|[\s=])(?:\*\*)?(?=-?\(?-?\d{_EXPR_CHARS}{
 _LAST_CLOSER = re.compile(r".*[.)\s]", re.DOTALL)
 _DIGIT = re.compile(r"\d")
 _OPERATOR = re.compile(r"[+\-*×/^()÷]")
+_DANGLING = " \t.+*×/^÷-"  # operators (and points, spaces) at a run's end, with nothing after them
 _EXPRESSION_PERCENT = re.compile(r"[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct)")
 
 
@@ -139,14 +140,15 @@ def _expression_at(text: str, start: int) -> tuple[int, Part] | None:
         if closer is None:
             return None
         end = closer.end() - 1
-    first_digit = _DIGIT.search(text, start).start()
-    first_operator = _OPERATOR.search(text, first_digit + 1, end)
-    if first_operator is None or first_operator.start() > end - 2:  # an operator with something after it
+    body = text[start:end].rstrip(_DANGLING).strip()  # "18**" (Markdown bold after 18) is no arithmetic
+    first_digit = _DIGIT.search(body).start()
+    first_operator = _OPERATOR.search(body, first_digit + 1)
+    if first_operator is None or first_operator.start() > len(body) - 2:  # an operator with something after it
         return None
     percent = _EXPRESSION_PERCENT.match(text, end)
     if percent:  # "4 4/9 %": the percent applies to the whole value
-        return percent.end(), Part(EXPR, text[start:end].strip(), True)
-    return end + (end < len(text)), Part(EXPR, text[start:end].strip())
+        return percent.end(), Part(EXPR, body, True)
+    return end + (end < len(text)), Part(EXPR, body)
 
 
 def _value_at(text: str, at: int, kinds: str = "en") -> tuple[int, Part] | None:
