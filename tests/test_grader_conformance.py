@@ -135,6 +135,11 @@ CASES = [
     ("mixed numbers", "math", r"\boxed{-2\frac{1}{4}}", "-9/4", 1, {}),
     ("mixed numbers", "math", "The answer is 1 1/2", "3/2", 1, {}),  # main; ours: the reference reads 1
     ("mixed numbers", "math", r"\boxed{\frac{6}{4}}", r"6\frac{1}{4}", 0, {}),
+    ("mixed numbers", "math", r"\boxed{\frac{31}{4}}", "7 3/4", 1, {}),  # sweep: prm800k grader; main; ours
+    ("mixed numbers", "math", r"\boxed{7.75}", "7 3/4", 1, {}),  # sweep: prm800k grader; main; ours
+    ("mixed numbers", "math", r"\boxed{2 1/3}", r"2\frac{1}{3}", 1, {}),  # sweep: prm800k grader; main; ours
+    ("mixed numbers", "math", r"\boxed{\frac{30}{4}}", "7 3/4", 0, {}),
+    ("mixed numbers", "math", r"\boxed{11 7/6}", r"\frac{83}{6}", 0, {}),
     ("mixed numbers", "math", "The answer is 11 7/6", r"\frac{83}{6}", 0, {}),  # improper: no mixed number
     ("mixed numbers", "math", "11\n5/6", "71/6", 0, {}),  # issue 55: no mixed number across a line break
     ("mixed numbers", "math", "The answer is 3\n1/4", "13/4", 0, {}),  # issue 55

@@ -101,6 +101,7 @@ _VALUE_START = re.compile(rf"(?:^|[\s=])(?:\*\*)?[{re.escape(_CURRENCY)}]?(?=[-.
 _PLAIN_VALUE = re.compile(rf"(?:^|[\s=])(?:\*\*)?[{re.escape(_CURRENCY)}]?" + _NUMBER.pattern, re.VERBOSE)
 # An answer on its own that is one number (commas only between groups of three), or a fraction of whole numbers.
 _PLAIN_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})++|\d++)(?:\.\d++)?(?:\\?%)?|-?\.\d++(?:\\?%)?")
+MIXED_NUMBER = re.compile(r"(-?)(\d{1,6})[ \t]+(\d{1,6})/(\d{1,6})")  # "1 1/2" on one line: "11\n5/6" is two numbers
 _DECIMAL_COMMA = re.compile(r"-?\d++,\d++(?:\\?%)?")
 _PLAIN_FRACTION = re.compile(r"(-?)(?:\\[dt]?frac\{(?P<numerator>\d{1,50})\}\{(?P<denominator>\d{1,50})\}"
                              r"|(?P<over>\d{1,50})/(?P<under>\d{1,50}))")
@@ -503,13 +504,16 @@ def bare(answer: str, percent: bool = False, decimal_comma: bool = False) -> Par
     follows it: a number when it is only one (thousands grouped by commas of exactly three digits; a fraction of
     whole numbers, ``\\frac{3}{4}`` or ``3/4``, as "3/4"), else LaTeX. With ``decimal_comma`` (a reference answer
     without delimiters, as the reference reads one) a comma not grouping thousands is a decimal comma: ``1,22`` is
-    1.22, ``1,225`` is 1225; inside a box or a span ``1,22`` stays a pair, as the reference reads it."""
+    1.22, ``1,225`` is 1225; inside a box or a span ``1,22`` stays a pair, as the reference reads it. A mixed number
+    (``7 3/4``) is digit arithmetic."""
     text = unicode_math(answer).strip()
     plain = _PLAIN_NUMBER.fullmatch(text) or (decimal_comma and _DECIMAL_COMMA.fullmatch(text))
     number = _NUMBER.fullmatch(text) if plain else None
     if number:
         part = number_part(number)
         return Part(NUMBER, part.text, part.percent or percent)
+    if MIXED_NUMBER.fullmatch(text):  # "7 3/4": digit arithmetic, where a mixed number is read
+        return Part(EXPR, text, percent)
     fraction = _PLAIN_FRACTION.fullmatch(text)
     if fraction and not percent and int(fraction["denominator"] or fraction["under"]) != 0:
         numerator, denominator = fraction["numerator"] or fraction["over"], fraction["denominator"] or fraction["under"]

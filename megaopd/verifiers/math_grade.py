@@ -32,6 +32,7 @@ from math_verify import verify
 from math_verify.parser import LatexExtractionConfig, parse_latex_cached
 
 from megaopd.verifiers import expr
+from megaopd.verifiers.extract import MIXED_NUMBER
 
 # math-verify warns on every call that we disabled its signal-based timeouts; the worker's kill is the deadline.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -39,7 +40,6 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 _NORMALIZATION = LatexExtractionConfig().normalization_config
 _THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\,|\\ |~|\{,\}|\s)\d{3})++(?![\d])")
 _SIDE_BY_SIDE = re.compile(r"\d\s+\d")
-_MIXED = re.compile(r"(-?)(\d{1,6})[ \t]+(\d{1,6})/(\d{1,6})")  # "1 1/2" on one line: "11\n5/6" is two numbers
 
 
 def _latex(text: str) -> tuple[sympy.Basic | None, str]:
@@ -62,7 +62,7 @@ def _number(text: str) -> sympy.Number:
 
 def _arithmetic(text: str) -> sympy.Basic | None:
     """Digit arithmetic through our grammar; a whole number before a proper fraction is a mixed number."""
-    mixed = _MIXED.fullmatch(text)
+    mixed = MIXED_NUMBER.fullmatch(text)
     if mixed:
         whole, numerator, denominator = (int(g) for g in mixed.group(2, 3, 4))
         if numerator < denominator:
