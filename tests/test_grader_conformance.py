@@ -111,6 +111,11 @@ CASES = [
     ("percent", "math", r"\boxed{28\%}", "0.28", 1, {}),
     ("percent", "math", r"\boxed{28\%}", "28", 1, {}),
     ("percent", "math", r"\boxed{29\%}", r"28\%", 0, {}),
+    ("percent", "math", r"\boxed{12.5}", r"12.5\%", 1, {}),  # sweep: math-verify semantics; main refused a decimal
+    ("percent", "math", r"\boxed{12.5\%}", "12.5", 1, {}),  # sweep: math-verify semantics; main
+    ("percent", "math", r"\boxed{0.125}", r"12.5\%", 1, {}),
+    ("percent", "math", r"\boxed{1.25}", r"12.5\%", 0, {}),
+    ("percent", "math", r"\boxed{12.6}", r"12.5\%", 0, {}),
     ("percent", "math", "28/100", "$28$", 0, {}),
     ("percent", "math", r"\boxed{\frac{28}{100}}", "28", 0, {}),
     # --- rounding at the stated precision (extra_info["precision"], default 6 decimal places)

@@ -76,19 +76,17 @@ def extract_answer(response: str, extraction: str = FLEXIBLE) -> str | None:
 def _numbers_agree(pred: Candidate, gold: Candidate, precision: int) -> bool | None:
     """The reference's grade of two numbers, or None when this cannot tell cheaply (two decimals within rounding
     of each other: the worker rounds as the reference does). Equal values agree, a percentage by its value (28% is
-    0.28); of whole numbers a percentage also agrees with its number (28% and 28), as in the reference."""
+    0.28) and, as in the reference, by its number (28% and 28, 12.5% and 12.5)."""
     if len(pred) != 1 or len(gold) != 1 or pred[0].kind != NUMBER or gold[0].kind != NUMBER:
         return None
     (p,), (g,) = pred, gold
     if max(len(p.text), len(g.text)) > MAX_LENGTH:
         return None
     a, b = Fraction(p.text), Fraction(g.text)
-    value_a, value_b = a / 100 if p.percent else a, b / 100 if g.percent else b
-    if value_a == value_b:
+    readings = {(a / 100 if p.percent else a, b / 100 if g.percent else b), (a, b)}
+    if any(x == y for x, y in readings):
         return True
-    if "." not in p.text + g.text:
-        return a == b
-    if abs(value_a - value_b) >= Fraction(1, 10**precision):
+    if "." not in p.text + g.text or all(abs(x - y) >= Fraction(1, 10**precision) for x, y in readings):
         return False
     return None
 
