@@ -214,6 +214,15 @@ CASES = [
     ("choice", "math", "The answer is (B).", "C", 0, {}),
     ("choice", "math", r"Option (C) is 12, so \boxed{12}", "C", 0, {}),  # a letter in passing is no choice
     ("choice", "math", "(C) is wrong. The answer is (B).", r"\text{(C)}", 0, {}),
+    # --- LaTeX spellings the grammar misreads
+    ("spellings", "math", r"\boxed{\bigl(1, 2\bigr)}", "(1, 2)", 1, {}),  # sweep: math-verify pays it; main refused
+    ("spellings", "math", r"\boxed{\Big[0, 1\Big)}", "[0, 1)", 1, {}),  # sweep; main refused
+    ("spellings", "math", r"\boxed{45\degree}", r"45^\circ", 1, {}),  # sweep: Qwen2.5-Math parser; main refused
+    ("spellings", "math", r"\boxed{12~\text{km}}", "12", 1, {}),  # sweep: lm-eval minerva_math; main refused
+    ("spellings", "math", r"\boxed{\sqrt{2}.}", r"\sqrt{2}", 1, {}),  # sweep: Qwen2.5-Math strip_string; main
+    ("spellings", "math", r"\boxed{\bigl(1, 2\bigr]}", "(1, 2)", 0, {}),
+    ("spellings", "math", r"\boxed{46\degree}", r"45^\circ", 0, {}),
+    ("spellings", "math", r"\boxed{1~000}", "1000", 1, {}),
     # --- units and text
     ("units", "math", r"the area is $\boxed{15\mbox{ cm}^2}$.", "15", 1, {}),
     ("units", "math", r"The distance is $\boxed{125\textnormal{ miles}}.$", "125", 1, {}),

@@ -40,13 +40,20 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 _NORMALIZATION = LatexExtractionConfig().normalization_config
 _THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\,|\\ |~|\{,\}|\s)\d{3})++(?![\d])")
 _SIDE_BY_SIDE = re.compile(r"\d\s+\d")
+# Spellings the grammar misreads, as ones it reads: sizing commands (\bigl( is a parenthesis), \degree, \varnothing
+# (read as a symbol), a tie "~" (a space; "1~000" is joined first) and a closing period (``\sqrt{2}.``).
+_SPELLINGS = ((re.compile(r"\\[bB]igg?[lrm]?(?![a-zA-Z])"), ""), (re.compile(r"\\degree(?![a-zA-Z])"), r"^{\\circ}"),
+              (re.compile(r"\\varnothing(?![a-zA-Z])"), r"\\emptyset"), (re.compile("~"), " "),
+              (re.compile(r"(?<!\.)\.\s*+$"), ""))
 
 
 def _latex(text: str) -> tuple[sympy.Basic | None, str]:
     shown = text
     try:
-        text = text.replace("\\varnothing", "\\emptyset")  # the grammar reads \varnothing as a symbol
-        shown = normalize_latex(_THOUSANDS.sub(lambda m: re.sub(r"\D", "", m.group()), text), _NORMALIZATION)
+        text = _THOUSANDS.sub(lambda m: re.sub(r"\D", "", m.group()), text)
+        for spelling, read_as in _SPELLINGS:
+            text = spelling.sub(read_as, text)
+        shown = normalize_latex(text, _NORMALIZATION)
         return (None if _SIDE_BY_SIDE.search(shown) else parse_latex_cached(shown)), shown
     except Exception:  # noqa: BLE001: text outside the grammar is no answer
         return None, shown
