@@ -104,6 +104,13 @@ CASES = [
     ("unicode", "math", r"\boxed{√2}", r"\sqrt{3}", 0, {}),
     ("unicode", "math", r"\boxed{¾}", r"\frac{1}{4}", 0, {}),
     ("unicode", "math", r"\boxed{x²+1}", "x^3+1", 0, {}),
+    # --- scientific notation
+    ("scientific", "math", r"\boxed{1.5e3}", "1500", 1, {}),  # sweep: Qwen2.5-Math parse_digits; main; ours
+    ("scientific", "math", "The answer is 1.5E-4.", "0.00015", 1, {}),  # sweep: prm800k grader; main; ours
+    ("scientific", "math", r"\boxed{1500}", "1.5e3", 1, {}),  # sweep: Qwen2.5-Math parse_digits; main; ours
+    ("scientific", "math", r"\boxed{1.5 \times 10^{3}}", "1500", 1, {}),
+    ("scientific", "math", r"\boxed{1.5e4}", "1500", 0, {}),
+    ("scientific", "math", "The answer is 1.5e3.", "1.5", 0, {}),  # main paid
     # --- percentages
     ("percent", "math", "28 percent", r"$28\%$", 1, {}),
     ("percent", "math", r"$\boxed{28 pct}", r"$28\%$", 1, {}),

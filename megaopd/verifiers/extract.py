@@ -33,6 +33,7 @@ import bisect
 import re
 import unicodedata
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Callable
 
 from megaopd.data.answers import BOX, BOX_COMMANDS, LATEX_DELIMITERS, boxed_answer
@@ -85,22 +86,23 @@ def unicode_math(text: str) -> str:
 
 _CURRENCY = "$€£¥₹₽₪₩₫฿₡₢₣₤₥₦₧₨₭₮₯₰₱₲₳₴₵₶₷₸₺₻₼₾₿"
 # A number token: thousands groups of exactly three digits (comma or space), a decimal point or comma, or a bare
-# integer; a percent sign or word may follow. A power, subscript or LaTeX command written on it continues an
-# expression (2\sqrt{3}, 2^{10}, 2\pi), so it is no number (degrees, units, spacing and closing delimiters may
-# follow). Every repetition is bounded by what follows it, so this is linear.
+# integer; scientific notation's exponent (1.5e3, 6.02E-23) and a percent sign or word may follow. A power,
+# subscript or LaTeX command written on it continues an expression (2\sqrt{3}, 2^{10}, 2\pi), so it is no number
+# (degrees, units, spacing and closing delimiters may follow). Every repetition is bounded by what follows it, so
+# this is linear.
 _NUMBER = re.compile(r"""(?<!\d)(?:
       (?P<grouped>-?[1-9]\d{0,2}(?:[ ,]\d{3})++)(?![\d,])(?P<grouped_decimal>\.\d++)?
     | (?P<whole>-?\d++)(?P<decimal>[.,]\d++)
     | (?P<fraction>\.\d++)
     | (?P<integer>-?\d++)
-    )(?P<percent>[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct))?
+    )(?P<exponent>[eE][+-]?\d{1,2}(?!\d|\.\d))?(?P<percent>[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct))?
     (?!\^(?!\{?\\circ)|_|\\(?!%|[,!;:\ \\)\]}$]|text|mbox|mathrm|quad|qquad|right|end|c?dots|ldots))
     """, re.VERBOSE)
 # Where a stated value may start: the response's start, or whitespace or "=" (then bold "**", a currency sign).
 _VALUE_START = re.compile(rf"(?:^|[\s=])(?:\*\*)?[{re.escape(_CURRENCY)}]?(?=[-.(\d])")
 _PLAIN_VALUE = re.compile(rf"(?:^|[\s=])(?:\*\*)?[{re.escape(_CURRENCY)}]?" + _NUMBER.pattern, re.VERBOSE)
 # An answer on its own that is one number (commas only between groups of three), or a fraction of whole numbers.
-_PLAIN_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})++|\d++)(?:\.\d++)?(?:\\?%)?|-?\.\d++(?:\\?%)?")
+_PLAIN_NUMBER = re.compile(r"(?:-?(?:\d{1,3}(?:,\d{3})++|\d++)(?:\.\d++)?|-?\.\d++)(?:[eE][+-]?\d{1,2})?(?:\\?%)?")
 MIXED_NUMBER = re.compile(r"(-?)(\d{1,6})[ \t]+(\d{1,6})/(\d{1,6})")  # "1 1/2" on one line: "11\n5/6" is two numbers
 _DECIMAL_COMMA = re.compile(r"-?\d++,\d++(?:\\?%)?")
 _PLAIN_FRACTION = re.compile(r"(-?)(?:\\[dt]?frac\{(?P<numerator>\d{1,50})\}\{(?P<denominator>\d{1,50})\}"
@@ -108,12 +110,16 @@ _PLAIN_FRACTION = re.compile(r"(-?)(?:\\[dt]?frac\{(?P<numerator>\d{1,50})\}\{(?
 
 
 def number_part(match: re.Match) -> Part:
-    """The canonical Part of a ``_NUMBER`` match: separators dropped, a decimal comma made a point."""
+    """The canonical Part of a ``_NUMBER`` match: separators dropped, a decimal comma made a point, an exponent
+    applied (1.5e3 is 1500)."""
     whole = match["grouped"] or match["whole"] or match["integer"] or ""
     decimal = (match["grouped_decimal"] or match["decimal"] or match["fraction"] or "").replace(",", ".")
     sign = "-" if whole.startswith("-") else ""
     digits = whole.lstrip("-").replace(",", "").replace(" ", "").lstrip("0") or "0"
-    return Part(NUMBER, f"{sign}{digits}{decimal}", bool(match["percent"]))
+    text = f"{sign}{digits}{decimal}"
+    if match["exponent"]:
+        text = format(Decimal(text + match["exponent"]), "f")
+    return Part(NUMBER, text, bool(match["percent"]))
 
 
 # ----------------------------------------------------------------------------------------------- digit arithmetic
