@@ -227,6 +227,14 @@ CASES = [
     ("spellings", "math", r"\boxed{45\degree}", r"45^\circ", 1, {}),  # sweep: Qwen2.5-Math parser; main refused
     ("spellings", "math", r"\boxed{12~\text{km}}", "12", 1, {}),  # sweep: lm-eval minerva_math; main refused
     ("spellings", "math", r"\boxed{\sqrt{2}.}", r"\sqrt{2}", 1, {}),  # sweep: Qwen2.5-Math strip_string; main
+    ("spellings", "math", r"\boxed{3+2\mathrm{i}}", "5", 0, {}),  # sweep: Qwen2.5-Math (complex); main paid
+    ("spellings", "math", r"\boxed{2\mathrm{i}}", "2", 0, {}),  # sweep; main paid: \mathrm{i} dropped as a unit
+    ("spellings", "math", r"\boxed{3+2\mathrm{i}}", "3+2i", 1, {}),  # sweep; main refused
+    ("spellings", "math", r"\boxed{\mathrm{e}^2}", "e^2", 1, {}),  # sweep: Qwen2.5-Math parser; main refused
+    ("spellings", "math", r"\boxed{45^{\degree}}", r"45^\circ", 1, {}),  # sweep; main refused
+    ("spellings", "math", r"\boxed{7}", r"7 \pmod{9}", 1, {}),  # sweep: math-verify pays it; main refused
+    ("spellings", "math", r"\boxed{7 \pmod{9}}", "7", 1, {}),  # sweep: Qwen2.5-Math parser; main refused
+    ("spellings", "math", r"\boxed{7 \pmod{9}}", "9", 0, {}),
     ("spellings", "math", r"\boxed{\bigl(1, 2\bigr]}", "(1, 2)", 0, {}),
     ("spellings", "math", r"\boxed{46\degree}", r"45^\circ", 0, {}),
     ("spellings", "math", r"\boxed{1~000}", "1000", 1, {}),

@@ -41,9 +41,13 @@ _NORMALIZATION = LatexExtractionConfig().normalization_config
 _THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\,|\\ |~|\{,\}|\s)\d{3})++(?![\d])")
 _SIDE_BY_SIDE = re.compile(r"\d\s+\d")
 # Spellings the grammar misreads, as ones it reads: sizing commands (\bigl( is a parenthesis), \degree, \varnothing
-# (read as a symbol), a tie "~" (a space; "1~000" is joined first) and a closing period (``\sqrt{2}.``).
-_SPELLINGS = ((re.compile(r"\\[bB]igg?[lrm]?(?![a-zA-Z])"), ""), (re.compile(r"\\degree(?![a-zA-Z])"), r"^{\\circ}"),
-              (re.compile(r"\\varnothing(?![a-zA-Z])"), r"\\emptyset"), (re.compile("~"), " "),
+# (read as a symbol), an upright i or e (\mathrm{i} was dropped as a unit: 3+2\mathrm{i} read as 5), a residue's
+# \pmod{9}, a tie "~" (a space; "1~000" is joined first) and a closing period (``\sqrt{2}.``).
+_SPELLINGS = ((re.compile(r"\\[bB]igg?[lrm]?(?![a-zA-Z])"), ""),
+              (re.compile(r"\^\{\\degree\}|\^?\\degree(?![a-zA-Z])"), r"^{\\circ}"),
+              (re.compile(r"\\varnothing(?![a-zA-Z])"), r"\\emptyset"),
+              (re.compile(r"\\(?:mathrm|text|mathit|operatorname)\s*+\{\s*+([ie])\s*+\}"), r"\1"),
+              (re.compile(r"\\pmod\s*+\{[^{}]*+\}"), ""), (re.compile("~"), " "),
               (re.compile(r"(?<!\.)\.\s*+$"), ""))
 
 
