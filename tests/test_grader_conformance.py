@@ -52,6 +52,12 @@ CASES = [
     ("glued", "math", r"The answer is 2\pi.", r"2\pi", 1, {}),  # sweep; main read 2
     ("glued", "math", r"The answer is 3\frac{1}{2}.", r"\frac{7}{2}", 1, {}),  # sweep; main read 1/2
     ("glued", "math", r"So the answer is 2^{10}", "1024", 1, {}),  # sweep; main: no answer
+    ("glued", "math", r"The answer is 3 \times 5.", "3", 0, {}),  # sweep: hendrycks_math strictness; main paid
+    ("glued", "math", r"The answer is x + 5.", "5", 0, {}),  # sweep; main paid: an operand is no answer
+    ("glued", "math", r"We get y = x + 5", "5", 0, {}),  # sweep; main paid
+    ("glued", "math", r"The answer is 3 \times 5.", "15", 1, {}),  # sweep; main read 3
+    ("glued", "math", r"The answer is 2 \cdot 3.", "6", 1, {}),  # sweep; main read 2
+    ("glued", "math", "Answer: 2 + 3 = 5", "5", 1, {}),
     ("glued", "math", r"The angle is 30^\circ.", "30", 1, {}),
     ("glued", "math", r"The answer is 12\text{ cm}.", "12", 1, {}),
     # --- what boxes mean: read together, and an empty box among them is no answer (the reference's reading)

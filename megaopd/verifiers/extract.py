@@ -87,20 +87,23 @@ def unicode_math(text: str) -> str:
 _CURRENCY = "$€£¥₹₽₪₩₫฿₡₢₣₤₥₦₧₨₭₮₯₰₱₲₳₴₵₶₷₸₺₻₼₾₿"
 # A number token: thousands groups of exactly three digits (comma or space), a decimal point or comma, or a bare
 # integer; scientific notation's exponent (1.5e3, 6.02E-23) and a percent sign or word may follow. A power,
-# subscript or LaTeX command written on it continues an expression (2\sqrt{3}, 2^{10}, 2\pi), so it is no number
-# (degrees, units, spacing and closing delimiters may follow). Every repetition is bounded by what follows it, so
-# this is linear.
+# subscript or LaTeX command written on it, or a LaTeX operator after it (3 \times 5), continues an expression
+# (2\sqrt{3}, 2^{10}, 2\pi), so it is no number (degrees, units, spacing and closing delimiters may follow). Every
+# repetition is bounded by what follows it, so this is linear.
 _NUMBER = re.compile(r"""(?<!\d)(?:
       (?P<grouped>-?[1-9]\d{0,2}(?:[ ,]\d{3})++)(?![\d,])(?P<grouped_decimal>\.\d++)?
     | (?P<whole>-?\d++)(?P<decimal>[.,]\d++)
     | (?P<fraction>\.\d++)
     | (?P<integer>-?\d++)
     )(?P<exponent>[eE][+-]?\d{1,2}(?!\d|\.\d))?(?P<percent>[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct))?
-    (?!\^(?!\{?\\circ)|_|\\(?!%|[,!;:\ \\)\]}$]|text|mbox|mathrm|quad|qquad|right|end|c?dots|ldots))
+    (?!\^(?!\{?\\circ)|_|\\(?!%|[,!;:\ \\)\]}$]|text|mbox|mathrm|quad|qquad|right|end|c?dots|ldots)
+      |\s++\\(?:times|cdot|div|pm|mp)(?![a-zA-Z]))
     """, re.VERBOSE)
-# Where a stated value may start: the response's start, or whitespace or "=" (then bold "**", a currency sign).
-_VALUE_START = re.compile(rf"(?:^|[\s=])(?:\*\*)?[{re.escape(_CURRENCY)}]?(?=[-.(\d])")
-_PLAIN_VALUE = re.compile(rf"(?:^|[\s=])(?:\*\*)?[{re.escape(_CURRENCY)}]?" + _NUMBER.pattern, re.VERBOSE)
+# Where a stated value may start: the response's start, or whitespace or "=" (then bold "**", a currency sign);
+# not after an operator, whose operand it is ("x + 5", "3 \times 5").
+_START = r"(?:^|(?<![+×÷])(?<!\\times)(?<!\\cdot)(?<!\\div)(?<!\\pm)(?<!\\mp)[\s=])"
+_VALUE_START = re.compile(rf"{_START}(?:\*\*)?[{re.escape(_CURRENCY)}]?(?=[-.(\d])")
+_PLAIN_VALUE = re.compile(rf"{_START}(?:\*\*)?[{re.escape(_CURRENCY)}]?" + _NUMBER.pattern, re.VERBOSE)
 # An answer on its own that is one number (commas only between groups of three), or a fraction of whole numbers.
 _PLAIN_NUMBER = re.compile(r"(?:-?(?:\d{1,3}(?:,\d{3})++|\d++)(?:\.\d++)?|-?\.\d++)(?:[eE][+-]?\d{1,2})?(?:\\?%)?")
 MIXED_NUMBER = re.compile(r"(-?)(\d{1,6})[ \t]+(\d{1,6})/(\d{1,6})")  # "1 1/2" on one line: "11\n5/6" is two numbers
