@@ -58,6 +58,10 @@ CASES = [
     ("glued", "math", r"The answer is 3 \times 5.", "15", 1, {}),  # sweep; main read 3
     ("glued", "math", r"The answer is 2 \cdot 3.", "6", 1, {}),  # sweep; main read 2
     ("glued", "math", "Answer: 2 + 3 = 5", "5", 1, {}),
+    ("glued", "math", "Answer: 2x+1", "2", 0, {}),  # sweep: prm800k strictness; main paid a coefficient
+    ("glued", "math", "The answer is 3x^2 - 1.", "3", 0, {}),  # sweep; main paid
+    ("glued", "math", "The answer is 12cm.", "12", 1, {}),
+    ("glued", "math", "The area is 1,000.99m².", "1000.99", 1, {}),  # Math-Verify tests/test_all.py
     ("glued", "math", r"The angle is 30^\circ.", "30", 1, {}),
     ("glued", "math", r"The answer is 12\text{ cm}.", "12", 1, {}),
     # --- what boxes mean: read together, and an empty box among them is no answer (the reference's reading)

@@ -87,9 +87,9 @@ def unicode_math(text: str) -> str:
 _CURRENCY = "$€£¥₹₽₪₩₫฿₡₢₣₤₥₦₧₨₭₮₯₰₱₲₳₴₵₶₷₸₺₻₼₾₿"
 # A number token: thousands groups of exactly three digits (comma or space), a decimal point or comma, or a bare
 # integer; scientific notation's exponent (1.5e3, 6.02E-23) and a percent sign or word may follow. A power,
-# subscript or LaTeX command written on it, or a LaTeX operator after it (3 \times 5), continues an expression
-# (2\sqrt{3}, 2^{10}, 2\pi), so it is no number (degrees, units, spacing and closing delimiters may follow). Every
-# repetition is bounded by what follows it, so this is linear.
+# subscript, LaTeX command or variable term written on it (2\sqrt{3}, 2^{10}, 2\pi, 2x+1), or a LaTeX operator after
+# it (3 \times 5), continues an expression, so it is no number (degrees, units such as 12cm, spacing and closing
+# delimiters may follow). Every repetition is bounded by what follows it, so this is linear.
 _NUMBER = re.compile(r"""(?<!\d)(?:
       (?P<grouped>-?[1-9]\d{0,2}(?:[ ,]\d{3})++)(?![\d,])(?P<grouped_decimal>\.\d++)?
     | (?P<whole>-?\d++)(?P<decimal>[.,]\d++)
@@ -97,7 +97,7 @@ _NUMBER = re.compile(r"""(?<!\d)(?:
     | (?P<integer>-?\d++)
     )(?P<exponent>[eE][+-]?\d{1,2}(?!\d|\.\d))?(?P<percent>[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct))?
     (?!\^(?!\{?\\circ)|_|\\(?!%|[,!;:\ \\)\]}$]|text|mbox|mathrm|quad|qquad|right|end|c?dots|ldots)
-      |\s++\\(?:times|cdot|div|pm|mp)(?![a-zA-Z]))
+      |\s++\\(?:times|cdot|div|pm|mp)(?![a-zA-Z])|[A-Za-z]++(?:\^\{?\d++\}?)?\s*+[-+=(])
     """, re.VERBOSE)
 # Where a stated value may start: the response's start, or whitespace or "=" (then bold "**", a currency sign);
 # not after an operator, whose operand it is ("x + 5", "3 \times 5").
