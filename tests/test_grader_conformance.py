@@ -4,7 +4,9 @@ training grades them.
 
 Rows marked ``main`` were graded the other way by the grader before issue 40 (``issue 55``: before issue 55) (a
 right answer refused, or a wrong one paid); rows marked ``ours`` are where we part from the reference on purpose,
-each because the reference pays a wrong answer or refuses a right one for a reason of form.
+each because the reference pays a wrong answer or refuses a right one for a reason of form. Rows marked ``sweep``
+come from other graders' cases and conventions (lm-evaluation-harness's MATH and Minerva graders, prm800k's,
+Qwen2.5-Math's, verl's, hendrycks/math's tests); with ``main`` they were graded the other way before that sweep.
 """
 
 import pytest
@@ -221,6 +223,11 @@ CASES = [
     ("tuples", "math", r"so the ordered pair is $(7, 6)$.", "(7,6)", 1, {}),  # main: read 6
     ("tuples", "math", r"\boxed{(3,2)}", "(2,3)", 0, {}),
     ("tuples", "math", r"\boxed{1,2}", "1,2,3", 0, {}),
+    # ours (sweep): hendrycks/math's is_equiv refuses a list out of order (math_equivalence_test.py); an answer
+    # listed "separated by commas" is a set, as the reference reads it
+    ("tuples", "math", r"\boxed{4, 10, -2}", "10, 4, -2", 1, {}),
+    # ours (sweep): prm800k's grader refuses an unreduced fraction; the reference pays its value
+    ("fractions", "math", r"\boxed{\frac{2}{4}}", r"\frac{1}{2}", 1, {}),
     ("tuples", "math", "$n=2, 3, 4$", "$n=1, 2, 3$", 0, {}),
     # --- multiple choice: a reference that is an option letter is answered by the letter the response marks
     ("choice", "math", "The answer is (C).", "C", 1, {}),  # sweep: Qwen2.5-Math choice_answer_clean; main refused
