@@ -123,6 +123,14 @@ CASES = [
     ("scientific", "math", r"\boxed{1.5 \times 10^{3}}", "1500", 1, {}),
     ("scientific", "math", r"\boxed{1.5e4}", "1500", 0, {}),
     ("scientific", "math", "The answer is 1.5e3.", "1.5", 0, {}),  # main paid
+    # --- scale words: a power of ten, never a unit
+    ("scale", "math", r"\boxed{2.5 \text{ million}}", "2500000", 1, {}),  # sweep: prm800k grader; main refused
+    ("scale", "math", r"\boxed{2500000}", r"2.5\text{ million}", 1, {}),  # sweep: prm800k grader; main refused
+    ("scale", "math", "The answer is 2 million.", "2000000", 1, {}),  # sweep: prm800k grader; main read 2
+    ("scale", "math", r"\boxed{2000000}", "2 million", 1, {}),  # sweep: prm800k grader; main refused
+    ("scale", "math", r"\boxed{2.5 \text{ million}}", "2.5", 0, {}),  # main paid: the scale read as a unit
+    ("scale", "math", r"\boxed{2.5}", r"2.5\text{ million}", 0, {}),  # main paid
+    ("scale", "math", "The answer is 2 million.", "2", 0, {}),  # main paid
     # --- percentages
     ("percent", "math", "28 percent", r"$28\%$", 1, {}),
     ("percent", "math", r"$\boxed{28 pct}", r"$28\%$", 1, {}),

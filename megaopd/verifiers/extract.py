@@ -84,18 +84,22 @@ def unicode_math(text: str) -> str:
 
 # ----------------------------------------------------------------------------------------------- numbers
 
+# Scale words, each a power of ten: "2.5 million" is 2500000, never 2.5 with a unit.
+SCALES = {"thousand": 3, "million": 6, "billion": 9, "trillion": 12}
 _CURRENCY = "$€£¥₹₽₪₩₫฿₡₢₣₤₥₦₧₨₭₮₯₰₱₲₳₴₵₶₷₸₺₻₼₾₿"
 # A number token: thousands groups of exactly three digits (comma or space), a decimal point or comma, or a bare
-# integer; scientific notation's exponent (1.5e3, 6.02E-23) and a percent sign or word may follow. A power,
-# subscript, LaTeX command or variable term written on it (2\sqrt{3}, 2^{10}, 2\pi, 2x+1), or a LaTeX operator after
-# it (3 \times 5), continues an expression, so it is no number (degrees, units such as 12cm, spacing and closing
-# delimiters may follow). Every repetition is bounded by what follows it, so this is linear.
+# integer; scientific notation's exponent (1.5e3, 6.02E-23), a scale word and a percent sign or word may follow. A
+# power, subscript, LaTeX command or variable term written on it (2\sqrt{3}, 2^{10}, 2\pi, 2x+1), or a LaTeX operator
+# after it (3 \times 5), continues an expression, so it is no number (degrees, units such as 12cm, spacing and
+# closing delimiters may follow). Every repetition is bounded by what follows it, so this is linear.
 _NUMBER = re.compile(r"""(?<!\d)(?:
       (?P<grouped>-?[1-9]\d{0,2}(?:[ ,]\d{3})++)(?![\d,])(?P<grouped_decimal>\.\d++)?
     | (?P<whole>-?\d++)(?P<decimal>[.,]\d++)
     | (?P<fraction>\.\d++)
     | (?P<integer>-?\d++)
-    )(?P<exponent>[eE][+-]?\d{1,2}(?!\d|\.\d))?(?P<percent>[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct))?
+    )(?P<exponent>[eE][+-]?\d{1,2}(?!\d|\.\d))?
+    (?P<scale>[ \t]++(?:""" + "|".join(SCALES) + r""")(?![A-Za-z]))?
+    (?P<percent>[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct))?
     (?!\^(?!\{?\\circ)|_|\\(?!%|[,!;:\ \\)\]}$]|text|mbox|mathrm|quad|qquad|right|end|c?dots|ldots)
       |\s++\\(?:times|cdot|div|pm|mp)(?![a-zA-Z])|[A-Za-z]++(?:\^\{?\d++\}?)?\s*+[-+=(])
     """, re.VERBOSE)
@@ -105,7 +109,8 @@ _START = r"(?:^|(?<![+×÷])(?<!\\times)(?<!\\cdot)(?<!\\div)(?<!\\pm)(?<!\\mp)[
 _VALUE_START = re.compile(rf"{_START}(?:\*\*)?[{re.escape(_CURRENCY)}]?(?=[-.(\d])")
 _PLAIN_VALUE = re.compile(rf"{_START}(?:\*\*)?[{re.escape(_CURRENCY)}]?" + _NUMBER.pattern, re.VERBOSE)
 # An answer on its own that is one number (commas only between groups of three), or a fraction of whole numbers.
-_PLAIN_NUMBER = re.compile(r"(?:-?(?:\d{1,3}(?:,\d{3})++|\d++)(?:\.\d++)?|-?\.\d++)(?:[eE][+-]?\d{1,2})?(?:\\?%)?")
+_PLAIN_NUMBER = re.compile(r"(?:-?(?:\d{1,3}(?:,\d{3})++|\d++)(?:\.\d++)?|-?\.\d++)(?:[eE][+-]?\d{1,2})?"
+                           r"(?:[ \t]++(?:" + "|".join(SCALES) + r"))?(?:\\?%)?")
 MIXED_NUMBER = re.compile(r"(-?)(\d{1,6})[ \t]+(\d{1,6})/(\d{1,6})")  # "1 1/2" on one line: "11\n5/6" is two numbers
 _DECIMAL_COMMA = re.compile(r"-?\d++,\d++(?:\\?%)?")
 _PLAIN_FRACTION = re.compile(r"(-?)(?:\\[dt]?frac\{(?P<numerator>\d{1,50})\}\{(?P<denominator>\d{1,50})\}"
@@ -114,14 +119,16 @@ _PLAIN_FRACTION = re.compile(r"(-?)(?:\\[dt]?frac\{(?P<numerator>\d{1,50})\}\{(?
 
 def number_part(match: re.Match) -> Part:
     """The canonical Part of a ``_NUMBER`` match: separators dropped, a decimal comma made a point, an exponent
-    applied (1.5e3 is 1500)."""
+    and a scale word applied (1.5e3 and 1.5 thousand are 1500)."""
     whole = match["grouped"] or match["whole"] or match["integer"] or ""
     decimal = (match["grouped_decimal"] or match["decimal"] or match["fraction"] or "").replace(",", ".")
     sign = "-" if whole.startswith("-") else ""
     digits = whole.lstrip("-").replace(",", "").replace(" ", "").lstrip("0") or "0"
     text = f"{sign}{digits}{decimal}"
-    if match["exponent"]:
-        text = format(Decimal(text + match["exponent"]), "f")
+    if match["exponent"] or match["scale"]:
+        exponent = int(match["exponent"][1:]) if match["exponent"] else 0
+        exponent += SCALES[match["scale"].strip()] if match["scale"] else 0
+        text = format(Decimal(text).scaleb(exponent), "f")
     return Part(NUMBER, text, bool(match["percent"]))
 
 

@@ -32,7 +32,7 @@ from math_verify import verify
 from math_verify.parser import LatexExtractionConfig, parse_latex_cached
 
 from megaopd.verifiers import expr
-from megaopd.verifiers.extract import MIXED_NUMBER
+from megaopd.verifiers.extract import MIXED_NUMBER, SCALES
 
 # math-verify warns on every call that we disabled its signal-based timeouts; the worker's kill is the deadline.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -42,12 +42,16 @@ _THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\,|\\ |~|\{,\}|\s)\d{3})++(?![
 _SIDE_BY_SIDE = re.compile(r"\d\s+\d")
 # Spellings the grammar misreads, as ones it reads: sizing commands (\bigl( is a parenthesis), \degree, \varnothing
 # (read as a symbol), an upright i or e (\mathrm{i} was dropped as a unit: 3+2\mathrm{i} read as 5), a residue's
-# \pmod{9}, a tie "~" (a space; "1~000" is joined first) and a closing period (``\sqrt{2}.``).
+# \pmod{9}, a scale word (2.5\text{ million} was 2.5 with a unit), a tie "~" (a space; "1~000" is joined first) and
+# a closing period (``\sqrt{2}.``).
 _SPELLINGS = ((re.compile(r"\\[bB]igg?[lrm]?(?![a-zA-Z])"), ""),
               (re.compile(r"\^\{\\degree\}|\^?\\degree(?![a-zA-Z])"), r"^{\\circ}"),
               (re.compile(r"\\varnothing(?![a-zA-Z])"), r"\\emptyset"),
               (re.compile(r"\\(?:mathrm|text|mathit|operatorname)\s*+\{\s*+([ie])\s*+\}"), r"\1"),
-              (re.compile(r"\\pmod\s*+\{[^{}]*+\}"), ""), (re.compile("~"), " "),
+              (re.compile(r"\\pmod\s*+\{[^{}]*+\}"), ""),
+              *((re.compile(rf"\\(?:text|mbox|mathrm)\{{\s*+{word}\s*+\}}"), rf"\\times 10^{{{power}}}")
+                for word, power in SCALES.items()),
+              (re.compile("~"), " "),
               (re.compile(r"(?<!\.)\.\s*+$"), ""))
 
 
