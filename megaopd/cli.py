@@ -68,6 +68,11 @@ def _main(argv: list[str]) -> int:
                    help="tiny presets, or real shapes such as qwen3-0.6b:layers=2 (megaopd.accounting.shapes.REAL_SHAPES)")
     p.add_argument("--domains", nargs="*", default=None)
     p.add_argument("--seed", type=int, default=0)
+    # Row counts per domain that every domain holds at its default difficulty (2-digit subtraction has about 410
+    # distinct held-out problems, shared by the validation and test rows)
+    p.add_argument("--train-rows", type=int, default=4000)
+    p.add_argument("--validation-rows", type=int, default=100)
+    p.add_argument("--heldout-rows", type=int, default=300, help="test rows per domain")
 
     p = sub.add_parser("train", help="run one stage (sft, grpo or opd) from a config")
     p.add_argument("config")
@@ -130,7 +135,8 @@ def _run(args) -> int:
     if args.command == "make-embedded":
         from megaopd.models.embedded import make_embedded
 
-        make_embedded(args.out, args.presets, args.domains, args.seed)
+        make_embedded(args.out, args.presets, args.domains, args.seed, args.train_rows, args.heldout_rows,
+                      validation_rows=args.validation_rows)
     elif args.command == "train":
         cfg = load_config(args.config, args.overrides)  # a config error is reported before torch is imported
         from megaopd.run import allocator

@@ -56,6 +56,23 @@ def test_make_embedded_then_eval(tmp_path):
     assert metrics["eval/mean/accuracy_greedy"] == 2 / 5
 
 
+def test_make_embedded_builds_every_domain_by_default(tmp_path):
+    """The README's first command, with no --domains: each domain's rows fit its distinct problems (its default
+    counts asked 2-digit subtraction for 700 held-out rows of its ~410, a ValueError traceback); a count too large
+    for a domain is one data-error line naming what to lower."""
+    megaopd("make-embedded", "--out", tmp_path, "--presets")
+    lines = {p.relative_to(tmp_path / "data").as_posix(): len(p.read_text().splitlines())
+             for p in (tmp_path / "data").glob("*/*.jsonl")}
+    assert {name.split("/")[0] for name in lines} == {"arith_add", "arith_sub", "prog_trace", "letter_count"}
+    assert lines["arith_sub/test.jsonl"] == 300 and lines["arith_sub/validation.jsonl"] == 100
+
+    result = megaopd("make-embedded", "--out", tmp_path / "more", "--presets", "--domains", "arith_sub",
+                     "--heldout-rows", "400", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("megaopd: data error: arith_sub at difficulty 2 has "
+                                                             "too few distinct heldout problems for 500 rows")
+
+
 def test_config_error_is_one_clear_line(tmp_path):
     result = megaopd("train", "configs/embedded/grpo.yaml", "optim.lrr=1", check=False)
     assert result.returncode == 2

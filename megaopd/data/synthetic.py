@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megaopd.data.rows import Row
+from megaopd.errors import DataError
 
 ANSWER_PREFIX = "answer:"
 
@@ -203,8 +204,9 @@ def _cut(domain: str, ability: str, make: Callable[[random.Random], Problem], st
     while len(problems) < count:
         attempts += 1
         if attempts > 200 * count:
-            raise ValueError(f"{domain} at difficulty {difficulty} has too few distinct {stream} problems for "
-                             f"{count} rows; lower the count or raise the difficulty")
+            raise DataError(f"{domain} at difficulty {difficulty} has too few distinct {stream} problems for "
+                            f"{count} rows; ask for fewer (make-embedded --train-rows / --validation-rows / "
+                            "--heldout-rows, a study's assets.*_rows) or raise its difficulty (assets.difficulty)")
         problem = make(rng)
         if is_heldout(problem.key, heldout_percent) != want_heldout or (want_heldout and problem.key in seen):
             continue
