@@ -73,6 +73,23 @@ def test_make_embedded_builds_every_domain_by_default(tmp_path):
                                                              "too few distinct heldout problems for 500 rows")
 
 
+def embedded_letter_count(tmp_path):
+    """A tiny Llama and five held-out letter_count rows: (model directory, rows file)."""
+    megaopd("make-embedded", "--out", tmp_path, "--presets", "llama-tiny", "--domains", "letter_count",
+            "--train-rows", "10", "--validation-rows", "0", "--heldout-rows", "5")
+    return tmp_path / "models" / "llama-tiny", tmp_path / "data" / "letter_count" / "test.jsonl"
+
+
+def test_eval_refuses_rows_without_a_verifier(tmp_path):
+    """Rows of a data source no verifier reads are one data-error line, as at a run's start (a KeyError traceback)."""
+    model, rows = embedded_letter_count(tmp_path)
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text(rows.read_text().replace('"letter_count"', '"no_such_task"'))
+    result = megaopd("eval", "--model", model, "--data", unknown, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "megaopd: data error: no verifier for data_source='no_such_task'" in result.stderr
+
+
 def test_config_error_is_one_clear_line(tmp_path):
     result = megaopd("train", "configs/embedded/grpo.yaml", "optim.lrr=1", check=False)
     assert result.returncode == 2

@@ -155,7 +155,8 @@ class Trainer:
         # The validation split, greedy only (what the stop rules read); its per-prompt results are not recorded
         self.validator = Evaluator(valid_rows, replace(cfg.eval, sampled=False), cfg.rollout.max_new_tokens,
                                    cfg.train.seed, self.policy.device, VALID) if valid_rows else None
-        verifiers.check_ready(train_rows + valid_rows + test_rows, cfg.verifier.sandbox)
+        # The rows the run scores: an SFT run's training rows never are (a chat dataset may have no verifier)
+        verifiers.check_ready((train_rows if spec.rollouts else []) + valid_rows + test_rows, cfg.verifier.sandbox)
         self.verifier_watch = verifiers.ErrorWatch(cfg.verifier.max_error_share, cfg.verifier.error_steps)
         self.generator = sampling_generator(self.policy.device, cfg.train.seed)  # rollout sampling only
         self.ledger = Ledger(self.run_dir.name, cfg.counts_as)

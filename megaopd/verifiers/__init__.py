@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from megaopd.config import SandboxConfig
 from megaopd.data.rows import Row
+from megaopd.errors import DataError
 from megaopd.verifiers.sandbox import SandboxUnavailable
 
 log = logging.getLogger(__name__)
@@ -63,26 +64,23 @@ def get_verifier(row: Row) -> Verifier:
             return _REGISTRY[key]
     close = difflib.get_close_matches(row.data_source, list(_REGISTRY), n=1)
     hint = f" (closest: {close[0]!r})" if close else ""
-    raise KeyError(f"no verifier for data_source={row.data_source!r} / ability={row.ability!r}{hint}; "
-                   f"known: {sorted(_REGISTRY)}")
+    raise DataError(f"no verifier for data_source={row.data_source!r} / ability={row.ability!r}{hint}; fix the rows' "
+                    f"data_source, or register a verifier for it (megaopd.verifiers.register); known: "
+                    f"{sorted(_REGISTRY)}")
 
 
 def check_ready(rows: list[Row], settings: SandboxConfig | None = None) -> None:
-    """Start-up check: the sandbox takes the run's `settings` (``verifier.sandbox``), and if any row's verifier runs
-    programs this machine must be able to sandbox them in the namespaces mode, or in the fallback mode when
-    ``settings.allow_fallback`` (SandboxUnavailable names what is missing), so a run fails now rather than at its
-    first code row."""
+    """Start-up check of the rows a run will score, so that it fails now rather than at its first such row: each
+    has a verifier (a ``DataError`` names the one that has none), the sandbox takes the run's `settings`
+    (``verifier.sandbox``), and if any row's verifier runs programs this machine must be able to sandbox them in
+    the namespaces mode, or in the fallback mode when ``settings.allow_fallback`` (SandboxUnavailable names what is
+    missing)."""
     from megaopd.verifiers import sandbox
 
     sandbox.configure(settings or SandboxConfig())
-    for row in {(r.data_source, r.ability): r for r in rows}.values():
-        try:
-            verifier = get_verifier(row)
-        except KeyError:
-            continue  # reported when the row is scored (an SFT run never scores)
-        if getattr(verifier, "needs_sandbox", False):
-            log.info("code sandbox: %s", sandbox.describe())
-            return
+    found = [get_verifier(row) for row in {(r.data_source, r.ability): r for r in rows}.values()]
+    if any(getattr(verifier, "needs_sandbox", False) for verifier in found):
+        log.info("code sandbox: %s", sandbox.describe())
 
 
 _errors: collections.Counter[str] = collections.Counter()
