@@ -154,10 +154,12 @@ def _run(args) -> int:
         from megaopd.run.evaluate import Evaluator
         from megaopd.models.hf_policy import HFPolicy
         from megaopd.rollout.local import LocalEngine
+        from megaopd.run.resolve import check_model_dir
 
-        policy = HFPolicy(ModelConfig(path=args.model))
+        check_model_dir("--model", args.model)  # the model and the rows refused before the model loads, as a run's
         rows = load_split(args.data, False)
-        verifiers.check_ready(rows, environment.sandbox(SandboxConfig()))  # as a run's start would
+        verifiers.check_ready(rows, environment.sandbox(SandboxConfig()))
+        policy = HFPolicy(ModelConfig(path=args.model))
         evaluator = Evaluator(rows, EvalConfig(prompts_per_domain=args.prompts_per_domain), args.max_new_tokens,
                               seed=0, device=policy.device)
         print(json.dumps(evaluator.run(LocalEngine(policy), policy.tokenizer, step=0), indent=1))

@@ -90,6 +90,18 @@ def test_eval_refuses_rows_without_a_verifier(tmp_path):
     assert "megaopd: data error: no verifier for data_source='no_such_task'" in result.stderr
 
 
+def test_eval_refuses_weights_it_cannot_read_before_loading(tmp_path):
+    """``megaopd eval`` checks its model directory before the model loads, as a run does: weights cut short are one
+    model-error line (a safetensors traceback mid-load)."""
+    model, rows = embedded_letter_count(tmp_path)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = megaopd("eval", "--model", model, "--data", rows, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"megaopd: model error: --model={model}: "
+                                                             "model.safetensors is not a readable safetensors file")
+
+
 def test_config_error_is_one_clear_line(tmp_path):
     result = megaopd("train", "configs/embedded/grpo.yaml", "optim.lrr=1", check=False)
     assert result.returncode == 2

@@ -188,9 +188,14 @@ def check_model_dirs(cfg: RunConfig, spec: Method) -> None:
     if spec.teacher_term and cfg.opd.teacher_engine == "local":
         dirs |= {f"opd.teachers.{route}": path for route, path in spec.teachers(cfg.opd).items()}
     for setting, path in dirs.items():
-        if problem := weights_problem(Path(path)):
-            raise ModelError(f"{setting}={path}: {problem}; point it at a complete HF model directory (copy or "
-                             "export it again)")
+        check_model_dir(setting, path)
+
+
+def check_model_dir(setting: str, path: str) -> None:
+    """Refuses the HF model directory `path` (given as `setting`) whose weights cannot be read (``weights_problem``)."""
+    if problem := weights_problem(Path(path)):
+        raise ModelError(f"{setting}={path}: {problem}; point it at a complete HF model directory (copy or export it "
+                         "again)")
 
 
 def weights_problem(directory: Path) -> str | None:
