@@ -87,6 +87,26 @@ def test_from_hf_config_objects_and_defaults():
     assert ModelShape.from_hf_config(d, gated_mlp=False).matmul_params == 2 * (4 * 64 * 64 + 2 * 64 * 128) + 64 * 128
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_is_refused_by_name(family, tmp_path):
+    """The formulas count one dense MLP per layer: a Mixtral or Qwen3-MoE (router, k active experts) was billed as
+    one MLP of intermediate_size, with no error, and FlopCounterMode does not see the experts' matmuls (a tiny one
+    measured 48% under that bill: its attention, router and LM head only), so the audit could not catch it. Its
+    shape is refused, from the config object or its config.json, and the plan (what the trainer and ``megaopd plan``
+    read first, before any model loads) names the model directory."""
+    from transformers import AutoConfig
+
+    from megaopd.errors import ModelError
+    from megaopd.run.plan import resolve_arch
+
+    config = AutoConfig.for_model(family, **TINY, num_experts_per_tok=2, num_local_experts=4, num_experts=4)
+    with pytest.raises(ModelError, match="mixture of experts .*num_.*experts=4.*use a dense model"):
+        ModelShape.from_hf_config(config)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match=f"^{tmp_path}: the model is a mixture of experts"):
+        resolve_arch(str(tmp_path))
+
+
 def test_formulas_small_cases():
     s = ModelShape(2, 64, 4, 2, 16, 128, 128)
     body, head, a = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128), 64 * 128, 2 * 4 * 16

@@ -22,8 +22,8 @@ Implements the conventions of ``docs/flops.md`` (``megaopd.run.flop_audit`` chec
 * **Prefix-cached prefill by default**: with ``prefix_cached=True`` a prompt is prefilled once and its KV cache is
   shared by all samples of the group; with ``prefix_cached=False`` every sample prefills its own prompt.
 * **Real token counts** (after truncation), never padded lengths: callers pass per-sample lengths.
-* Dense decoder with GQA and (by default) a gated SwiGLU MLP. For MoE, build a ``ModelShape`` from the active
-  experts' width.
+* Dense decoder with GQA and (by default) a gated SwiGLU MLP. A mixture-of-experts config is refused
+  (``ModelShape.from_hf_config``): its router and active experts are no dense MLP of ``intermediate_size``.
 
 Formulas (L layers, d model width, nq/nkv query/key-value heads, dh head dim, dff MLP width, V vocab)::
 
@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Union
+
+from megaopd.errors import ModelError
 
 __all__ = [
     "COMPONENTS",
@@ -126,9 +128,10 @@ class ModelShape:
         Reads num_hidden_layers, hidden_size, num_attention_heads, num_key_value_heads (``attention_heads``),
         head_dim (default: hidden_size // num_attention_heads; Qwen3 sets it explicitly, e.g. 128 with hidden 2048
         and 16 heads), intermediate_size and vocab_size. The SwiGLU families listed are gated; pass
-        ``gated_mlp=False`` for a plain 2-matrix MLP.
+        ``gated_mlp=False`` for a plain 2-matrix MLP. A mixture-of-experts config is refused (``_refuse_experts``).
         """
         get = _config_getter(cfg)
+        _refuse_experts(get)
 
         def req(key: str) -> int:
             v = get(key)
@@ -170,6 +173,20 @@ def _config_getter(cfg: Union[Mapping[str, Any], Any]):
         return lambda key: cfg.get(key)
     cfg = getattr(cfg, "text_config", None) or cfg
     return lambda key: getattr(cfg, key, None)
+
+
+# The keys that give an HF config's expert count: Qwen2/3-MoE, Mixtral / OLMoE / PhiMoE, DeepSeek.
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _refuse_experts(get) -> None:
+    """The formulas count one dense MLP of ``intermediate_size`` per layer: a mixture-of-experts model (a router and
+    its active experts' MLPs, some layers dense) would be mis-billed, under or over, with no error, so it is refused."""
+    experts = {key: get(key) for key in EXPERT_KEYS if get(key)}
+    if experts:
+        named = ", ".join(f"{key}={value}" for key, value in experts.items())
+        raise ModelError(f"the model is a mixture of experts ({named}), which megaopd's FLOP ledger and memory plan do "
+                         "not count (they assume one dense MLP per layer); use a dense model")
 
 
 def attention_heads(cfg: Union[Mapping[str, Any], Any]) -> tuple[int, int]:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from megaopd.accounting import flops
 from megaopd.config import ConfigError, RunConfig, TrainConfig
-from megaopd.errors import UserError
+from megaopd.errors import ModelError, UserError
 from megaopd.objectives.methods import method
 from megaopd.accounting.shapes import REAL_SHAPES, real_model_config, real_shape
 
@@ -171,7 +171,10 @@ class Arch:
 def resolve_arch(path: str, aliases: dict[str, str] | None = None) -> Arch:
     path = (aliases or {}).get(path.rstrip("/"), path)
     if (Path(path) / flops.HF_CONFIG).exists():
-        return Arch.from_hf(flops.read_hf_config(path))
+        try:
+            return Arch.from_hf(flops.read_hf_config(path))
+        except ModelError as e:  # an architecture megaopd cannot bill: name the model (a teacher's, maybe)
+            raise ModelError(f"{path}: {e}") from None
     name = Path(path.rstrip("/")).name.lower()
     shape = real_shape(name)
     if shape is None:
