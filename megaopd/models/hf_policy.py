@@ -53,6 +53,16 @@ def realised_logprobs(logits: torch.Tensor, picked: torch.Tensor, temperature: f
     return logits.gather(-1, picked).squeeze(-1) - logits.logsumexp(-1)
 
 
+def attention_kernel(path: str) -> str:
+    """SDPA, or the family's eager attention where its class cannot run SDPA: Gemma 2 soft-caps the attention scores,
+    which SDPA cannot, and transformers refuses to load it with SDPA."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(AutoConfig.from_pretrained(path)), None)
+    return "eager" if model_class is not None and not model_class._supports_sdpa else "sdpa"
+
+
 class HFPolicy(TokenizerIds):
     def __init__(self, cfg: ModelConfig, optim: OptimConfig | None = None, logit_chunk_rows: int = 1024,
                  shared_prompt: bool = False):
@@ -66,7 +76,8 @@ class HFPolicy(TokenizerIds):
         mixed = optim is not None and master != compute
         # Loaded at the master precision when it differs, so the masters hold the checkpoint's own values.
         self.model, info = AutoModelForCausalLM.from_pretrained(
-            cfg.path, dtype=master if mixed else compute, attn_implementation="sdpa", output_loading_info=True)
+            cfg.path, dtype=master if mixed else compute, attn_implementation=attention_kernel(cfg.path),
+            output_loading_info=True)
         self.model.to(self.device)
         # transformers fills a missing weight with random values and only warns: a policy or teacher must be whole.
         if problems := {k: v for k, v in info.items() if v}:  # missing, unexpected, mismatched keys, errors
