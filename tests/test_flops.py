@@ -13,6 +13,7 @@ What FlopCounterMode measures (torch 2.13, checked in these tests):
   and their backward counts 5 score-sized matmuls (recompute of QK^T) instead of 4.)
 """
 
+import dataclasses
 import json
 import math
 
@@ -322,35 +323,66 @@ def test_measured_forward_and_backward(family, tied):
         assert measured_frozen == analytic_train
 
 
-@pytest.mark.parametrize("family,tied", [("qwen3", True), ("llama", False)])
-def test_measured_generation_kv_cache(family, tied):
-    """Prefill of P tokens (logits at the last prompt position only) then R-1 single-token decode steps with a
-    DynamicCache (the R-th token is sampled from the last step's logits and never fed back); fed-back token t attends
-    to P+t keys. Compared with generation_flops in the non-causal form (prefill attention un-halved; decode attention
-    is exact either way)."""
+def _measure_generation(model, prompt_len: int, response_len: int) -> int:
+    """FlopCounterMode over greedy generation of BATCH random prompts through the cache transformers builds for the
+    model (a sliding-window layer's keeps its window): a prefill, then response_len - 1 tokens fed back."""
     import torch
     from transformers import DynamicCache
 
     from megaopd.rollout.decode import cache_argument
-    model, shape = _tiny_model(family, tied)
-    prompts = torch.randint(0, shape.vocab_size, (BATCH, GEN_P))
+    prompts = torch.randint(0, model.config.vocab_size, (BATCH, prompt_len))
 
     def generate():
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
             out = model(prompts, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
             tok = out.logits[:, -1:].argmax(-1)
-            for _ in range(GEN_R - 1):
+            for _ in range(response_len - 1):
                 out = model(tok, **cache_argument(model, cache), use_cache=True)
                 tok = out.logits[:, -1:].argmax(-1)
-            assert cache.get_seq_length() == GEN_P + GEN_R - 1
+    return _measure(generate)
 
-    measured = _measure(generate)
+
+@pytest.mark.parametrize("family,tied", [("qwen3", True), ("llama", False)])
+def test_measured_generation_kv_cache(family, tied):
+    """Prefill of P tokens (logits at the last prompt position only) then R-1 single-token decode steps with a
+    DynamicCache (the R-th token is sampled from the last step's logits and never fed back); fed-back token t attends
+    to P+t keys. Compared with generation_flops in the non-causal form (prefill attention un-halved; decode attention
+    is exact either way)."""
+    model, shape = _tiny_model(family, tied)
+    measured = _measure_generation(model, GEN_P, GEN_R)
     # BATCH independent prompts, one sample each (prefix caching is irrelevant with samples=1)
     analytic = BATCH * generation_flops(shape, GEN_P, GEN_R, samples=1, causal=False)
     assert measured == analytic
     assert analytic == BATCH * (forward_flops(shape, GEN_P, causal=False, head_positions=1)
                                 + decode_flops(shape, GEN_P, GEN_R))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])  # every layer windowed; every other one
+def test_a_sliding_window_is_billed_within_it_and_refused_past_it(family):
+    """A sliding-window model attends to all earlier tokens while a sequence fits its window: there the formulas
+    are its count (generation through the windowed cache too). Past the window that cache attends fewer keys than
+    the formulas bill, which were applied without a word; the ledger refuses instead, naming the window."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megaopd.errors import ModelError
+    window = GEN_P + GEN_R - 1  # the last token fed back attends to P + R - 1 keys
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **TINY, sliding_window=window),
+                                             attn_implementation="eager")
+    shape = ModelShape.from_hf_config(model.config)
+    assert shape.window == window
+    assert _measure_generation(model, GEN_P, GEN_R) == BATCH * generation_flops(shape, GEN_P, GEN_R, causal=False)
+    past = GEN_P + 8
+    full_attention = dataclasses.replace(shape, window=None)
+    billed_as_before = BATCH * generation_flops(full_attention, past, GEN_R, causal=False)
+    assert _measure_generation(model, past, GEN_R) < billed_as_before
+    with pytest.raises(ModelError, match=f"{past + GEN_R - 1} tokens exceeds the model's sliding attention window "
+                                         f"of {window} tokens"):
+        generation_flops(shape, past, GEN_R)
+    with pytest.raises(ModelError, match="sliding attention window"):  # a teacher-forced pass over P + R tokens
+        step_flops(shape, [GEN_P], [GEN_R], 1)
 
 
 @pytest.mark.parametrize("algorithm,form,recompute", [("grpo", "", False), ("grpo", "shared_prompt", False),

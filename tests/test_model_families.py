@@ -70,3 +70,15 @@ def test_rollout_scoring_and_the_model_forward_agree(assets, tmp_path, variant):
     forward = (logits.log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)) * batch.response_mask
     assert torch.allclose(scored, forward, atol=1e-5)
     assert torch.allclose(scored, batch.rollout_logprobs, atol=1e-5)
+
+
+def test_a_window_named_by_sliding_window_alone_turns_shared_prompts_off():
+    """Mistral names its window by ``sliding_window`` alone (no ``layer_types``, no ``use_sliding_window``): the
+    shared-prompt check read only those two and let it through, and the run failed at its first shared forward."""
+    from transformers import AutoConfig
+
+    from megaopd.models.hf_shared_prompt import hf_attention_problem
+
+    assert hf_attention_problem(AutoConfig.for_model("mistral", sliding_window=8)) == \
+        "its attention has a sliding window (8 tokens)"
+    assert hf_attention_problem(AutoConfig.for_model("mistral", sliding_window=None)) is None

@@ -18,7 +18,8 @@ Implements the conventions of ``docs/flops.md`` (``megaopd.run.flop_audit`` chec
   prefill: the score and value matmuls cost 2*L*nq*dh*S^2 instead of the full 4*L*nq*dh*S^2. verl does not halve;
   pass ``causal=False`` to get the un-discounted (dense-matmul) count, which is also what
   ``torch.utils.flop_counter.FlopCounterMode`` measures for eager attention. Decode steps have one query per step,
-  so their attention cost is exact and has no discount.
+  so their attention cost is exact and has no discount. A sliding-window model (``ModelShape.window``) is counted so
+  while no sequence exceeds its window; past it the formulas refuse (they would bill the keys the window skips).
 * **Prefix-cached prefill by default**: with ``prefix_cached=True`` a prompt is prefilled once and its KV cache is
   shared by all samples of the group; with ``prefix_cached=False`` every sample prefills its own prompt.
 * **Real token counts** (after truncation), never padded lengths: callers pass per-sample lengths.
@@ -59,6 +60,7 @@ __all__ = [
     "HF_CONFIG",
     "read_hf_config",
     "attention_heads",
+    "sliding_window",
     "forward_flops",
     "train_flops",
     "prefill_flops",
@@ -87,12 +89,15 @@ class ModelShape:
     d_ff: int
     vocab_size: int
     gated_mlp: bool = True
+    window: int | None = None  # the sliding attention window of some layer (``sliding_window``); None: none has one
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"ModelShape.{name} must be a positive int, got {v!r}")
+        if self.window is not None and (not isinstance(self.window, int) or self.window <= 0):
+            raise ValueError(f"ModelShape.window must be a positive int or None, got {self.window!r}")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
@@ -153,6 +158,7 @@ class ModelShape:
             d_ff=req("intermediate_size"),
             vocab_size=req("vocab_size"),
             gated_mlp=gated_mlp,
+            window=sliding_window(cfg),
         )
 
 
@@ -189,6 +195,30 @@ def _refuse_experts(get) -> None:
                          "not count (they assume one dense MLP per layer); use a dense model")
 
 
+def sliding_window(cfg: Union[Mapping[str, Any], Any]) -> int | None:
+    """The sliding attention window of an HF config (the most keys a query attends), None where every layer attends
+    to all earlier tokens: windowed are the layers ``layer_types`` names so (Gemma 2 / 3), or without it every layer
+    where ``sliding_window`` is set and ``use_sliding_window`` is not false (Mistral, Phi-3; Qwen2 / 3 name a window
+    they do not use)."""
+    get = _config_getter(cfg)
+    window, layer_types = get("sliding_window"), get("layer_types")
+    if not window:
+        return None
+    if layer_types:
+        return int(window) if "sliding_attention" in layer_types else None
+    return int(window) if get("use_sliding_window") is not False else None
+
+
+def _within_window(shape: ModelShape, keys: int) -> None:
+    """The formulas count full causal attention: a sliding-window model's exactly while no query attends more keys
+    than its window; past it they would bill the keys it skips, so that is refused."""
+    if shape.window is not None and keys > shape.window:
+        raise ModelError(f"a sequence of {keys} tokens exceeds the model's sliding attention window of {shape.window} "
+                         "tokens, and megaopd's FLOP ledger counts full causal attention (it would bill the keys the "
+                         "window skips); keep prompt + rollout.max_new_tokens (plan.prompt_tokens: the prompt the plan "
+                         f"assumes) within {shape.window} tokens, or use a model without a sliding window")
+
+
 def attention_heads(cfg: Union[Mapping[str, Any], Any]) -> tuple[int, int]:
     """(query heads, KV heads) of an HF config (0 query heads where it names none): KV heads absent or null mean
     multi-head attention, as many as the query heads."""
@@ -210,6 +240,7 @@ def forward_flops(shape: ModelShape, seq_len: int, causal: bool = True, head_pos
     h = s if head_positions is None else _nonneg("head_positions", head_positions)
     if h > s:
         raise ValueError(f"head_positions={h} exceeds seq_len={s}")
+    _within_window(shape, s)
     attn = (2 if causal else 4) * shape.attn_width * s * s
     return 2 * shape.body_params * s + 2 * shape.head_params * h + attn
 
@@ -231,6 +262,7 @@ def decode_flops(shape: ModelShape, prompt_len: int, response_len: int) -> int:
     prefill gave token 1 and the last token is never fed back."""
     p = _nonneg("prompt_len", prompt_len)
     steps = max(_nonneg("response_len", response_len) - 1, 0)
+    _within_window(shape, p + steps)  # the last token fed back attends to P + R - 1 keys
     return 2 * shape.matmul_params * steps + 4 * shape.attn_width * (steps * p + steps * (steps + 1) // 2)
 
 
@@ -311,6 +343,7 @@ def scoring_flops(
         total += forward_flops(shape, p, causal, head_positions=0) if shared_prompt else 0
         for r in response_lens[k * group_size:(k + 1) * group_size]:
             r = _nonneg("response_len", r)
+            _within_window(shape, p + r)
             total += forward_flops(shape, r, causal) + 4 * shape.attn_width * p * r if shared_prompt \
                 else forward_flops(shape, p + r, causal, head_positions=r)
     return total

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megaopd.accounting.flops import sliding_window
 from megaopd.models.shared_prompt import PromptGroups
 
 KWARG = "megaopd_prompt_groups"  # the model forward's keyword that carries the layout down to the attention
@@ -149,8 +150,10 @@ def hf_attention(model, groups: PromptGroups):
 def hf_attention_problem(config) -> str | None:
     """Why an HF model's attention cannot run the shared layout (None: it can)."""
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
+    if kinds != {"full_attention"}:
         return f"its layers are not all full causal attention ({', '.join(sorted(kinds))})"
+    if window := sliding_window(config):
+        return f"its attention has a sliding window ({window} tokens)"
     if getattr(config, "attn_logit_softcapping", None):
         return "its attention soft-caps the logits (SDPA cannot)"
     return None

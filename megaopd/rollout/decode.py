@@ -19,6 +19,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from megaopd.accounting.flops import sliding_window
+
 
 def cache_argument(model, cache) -> dict:
     """``{name: cache}`` for the model's forward: transformers 5.2x renamed ``past_key_values`` to ``cache``, and an
@@ -35,8 +37,7 @@ class FusedDecoder:
         """A dense decoder of a known family, SiLU MLP, full causal attention in every layer (no sliding window)."""
         cfg = model.config
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
-        sliding = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
-        return (cfg.model_type in cls.FAMILIES and cfg.hidden_act == "silu" and not sliding
+        return (cfg.model_type in cls.FAMILIES and cfg.hidden_act == "silu" and sliding_window(cfg) is None
                 and all(t == "full_attention" for t in layer_types) and getattr(cfg, "pretraining_tp", 1) == 1)
 
     @torch.no_grad()
