@@ -283,6 +283,25 @@ def test_fused_decode_step_matches_the_model_forward(family):
             token, position = expected.argmax(-1), position + 1
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+     "original_max_position_embeddings": 16}])
+def test_the_fused_decoder_declines_rope_whose_frequencies_follow_the_length(rope):
+    """Dynamic NTK and LongRoPE change their frequencies as the sequence grows past the model's original length: the
+    fused decoder's one table for the whole generation gave logits 2e-3 (dynamic) and 8e-3 (LongRoPE) from the model's
+    own forward over a 40-token decode past a tiny Llama's 16 positions. It declines them; a fixed scaling (yarn) it
+    keeps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def model(rope_scaling):
+        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
+                                            intermediate_size=128, vocab_size=128, max_position_embeddings=64,
+                                            rope_scaling={**rope_scaling, "rope_theta": 10000.0}))
+    assert not FusedDecoder.supports(model(rope))
+    assert FusedDecoder.supports(model({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}))
+
+
 def test_micro_batch_without_response_tokens(assets, rollout):
     _, batch = rollout
     empty = copy.copy(batch)

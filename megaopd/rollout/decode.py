@@ -29,16 +29,25 @@ def cache_argument(model, cache) -> dict:
     return {name: cache}
 
 
+def _rope_follows_length(rope_type: str) -> bool:
+    """Whether RoPE's frequencies change with the sequence's length (transformers' ``dynamic_rope_update``: dynamic
+    NTK scaling, LongRoPE's switch of factors): the decoder's one table for the whole generation would rotate each
+    token by the frequencies of the generation's end, the model's forward by those of its own step."""
+    return "dynamic" in rope_type or rope_type == "longrope"
+
+
 class FusedDecoder:
     FAMILIES = ("llama", "qwen2", "qwen3")
 
     @classmethod
     def supports(cls, model) -> bool:
-        """A dense decoder of a known family, SiLU MLP, full causal attention in every layer (no sliding window)."""
+        """A dense decoder of a known family, SiLU MLP, full causal attention in every layer (no sliding window), RoPE
+        frequencies fixed for the whole generation."""
         cfg = model.config
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
         return (cfg.model_type in cls.FAMILIES and cfg.hidden_act == "silu" and sliding_window(cfg) is None
-                and all(t == "full_attention" for t in layer_types) and getattr(cfg, "pretraining_tp", 1) == 1)
+                and all(t == "full_attention" for t in layer_types) and getattr(cfg, "pretraining_tp", 1) == 1
+                and not _rope_follows_length(model.model.rotary_emb.rope_type))
 
     @torch.no_grad()
     def __init__(self, model, cache, capacity: int):
