@@ -14,6 +14,7 @@ import torch
 from megaopd.config import ModelConfig
 from megaopd.data.batch import collate
 from megaopd.data.rows import load_rows
+from megaopd.errors import ModelError
 from megaopd.models.embedded import build_tokenizer
 from megaopd.models.hf_policy import HFPolicy
 from megaopd.rollout.local import LocalEngine
@@ -70,6 +71,17 @@ def test_rollout_scoring_and_the_model_forward_agree(assets, tmp_path, variant):
     forward = (logits.log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)) * batch.response_mask
     assert torch.allclose(scored, forward, atol=1e-5)
     assert torch.allclose(scored, batch.rollout_logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type,config", [("granite", dict(logits_scaling=8.0)),
+                                               ("cohere", dict(logit_scale=0.0625))])
+def test_a_family_that_rescales_its_logits_after_the_output_layer_is_refused(tmp_path, model_type, config):
+    """The policy projects the output layer's input itself: Granite's division by ``logits_scaling`` and Cohere's
+    product with ``logit_scale`` happen after that layer, in the model's forward, and the policy scored unscaled
+    logits (logprobs 0.3 from the model's own on a tiny one) with no error. It is refused at load, naming the model."""
+    path = tiny_checkpoint(tmp_path, model_type, **config)
+    with pytest.raises(ModelError, match=f"^{path}: its forward changes the logits after the output layer"):
+        HFPolicy(ModelConfig(path=str(path)))
 
 
 def test_a_window_named_by_sliding_window_alone_turns_shared_prompts_off():

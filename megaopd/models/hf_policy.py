@@ -86,6 +86,7 @@ class HFPolicy(TokenizerIds):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
         self.shape = ModelShape.from_hf_config(self.model.config)
         self.path = cfg.path
+        self._check_projection()
         if logit_chunk_rows < 1:
             raise ConfigError(f"train.logit_chunk_rows must be >= 1, got {logit_chunk_rows}; set a positive number")
         self.logit_chunk_rows = logit_chunk_rows  # response rows per [rows x V] vocabulary projection
@@ -138,10 +139,7 @@ class HFPolicy(TokenizerIds):
         prompts the forward runs the batch's flat layout, and its attention stays routed until the block ends (a
         checkpointed layer re-runs its forward in the backward: keep the backward inside)."""
         where = batch.response_mask.to(self.device).nonzero(as_tuple=True)
-        head = self.model.get_output_embeddings()
-        if head is None:
-            raise ModelError(f"{self.path}: the model has no output layer to project response rows with; "
-                             "use a causal LM")
+        head = self._output_layer()
         groups = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.response_mask, self.pad_id) \
             if self.shared_prompt else None
         if groups is None:
@@ -163,6 +161,32 @@ class HFPolicy(TokenizerIds):
             finally:
                 handle.remove()
             yield taken[0], where
+
+    def _output_layer(self) -> torch.nn.Module:
+        head = self.model.get_output_embeddings()
+        if head is None:
+            raise ModelError(f"{self.path}: the model has no output layer to project response rows with; "
+                             "use a causal LM")
+        return head
+
+    @torch.no_grad()
+    def _check_projection(self) -> None:
+        """The policy projects the output layer's input itself (``_project``), so it skips what the family's forward
+        does to the logits after that layer; ``_project`` redoes Gemma 2's soft-capping, but Granite's
+        ``logits_scaling`` or Cohere's ``logit_scale`` were scored wrong with no error. The two must agree at the last
+        of a few tokens (to bf16 rounding; one row of V, as prefill projects), or the model is refused."""
+        taken = []
+        handle = self._output_layer().register_forward_pre_hook(lambda module, args: taken.append(args[0]))
+        try:
+            ids = torch.arange(min(8, self.shape.vocab_size), device=self.device)[None]
+            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits.float()
+        finally:
+            handle.remove()
+        gap = float((self._project(taken[0]) - logits).abs().max())
+        if gap > 0.02 * float(logits.abs().max()):
+            raise ModelError(f"{self.path}: its forward changes the logits after the output layer in a way megaopd's "
+                             f"scoring does not (largest gap {gap:.3g}; e.g. Granite's logits_scaling, Cohere's "
+                             "logit_scale), so its logprobs would be wrong; use a model of another family")
 
     def take_prompt_saving(self, causal: bool = True) -> int:
         """The FLOPs the shared-prompt passes since the last call did not run (``shared_prompt.saved_flops``); 0
