@@ -94,3 +94,23 @@ def test_a_window_named_by_sliding_window_alone_turns_shared_prompts_off():
     assert hf_attention_problem(AutoConfig.for_model("mistral", sliding_window=8)) == \
         "its attention has a sliding window (8 tokens)"
     assert hf_attention_problem(AutoConfig.for_model("mistral", sliding_window=None)) is None
+
+
+@pytest.mark.parametrize("model_type,config", [("mistral", {}), ("gemma2", dict(head_dim=16))])
+def test_the_plan_says_where_its_activations_are_a_lower_bound(assets, tmp_path, caplog, model_type, config):
+    """The plan's activation figure is read off the Llama / Qwen forward: a Gemma 2 keeps 35-84% more for backward
+    (eager attention, four norms a layer), and its plan said nothing of it. The plan says so, in its table and a
+    warning; a Mistral's (a Llama's forward) stays as it was."""
+    import logging
+
+    from conftest import run_config
+    from megaopd.run.plan import build_plan
+
+    path = tiny_checkpoint(tmp_path / "model", model_type, **config)
+    with caplog.at_level(logging.WARNING, logger="megaopd.run.plan"):
+        table = build_plan(run_config(assets, tmp_path / "run", **{"model.path": path})).table()
+    warned = model_type == "gemma2"
+    assert ("a lower bound for gemma2" in table) == warned
+    assert [r.getMessage() for r in caplog.records] == ([
+        f"{path}: its activations are planned as a Llama's, a lower bound for a gemma2 model (it keeps more for "
+        "backward); leave room, or set model.activation_checkpointing=true"] if warned else [])
