@@ -86,6 +86,9 @@ def unicode_math(text: str) -> str:
 
 # Scale words, each a power of ten: "2.5 million" is 2500000, never 2.5 with a unit.
 SCALES = {"thousand": 3, "million": 6, "billion": 9, "trillion": 12}
+_SCALE_WORD = "(?:" + "|".join(SCALES) + ")"
+_EXPONENT = r"[eE][+-]?\d{1,2}"  # scientific notation's: 1.5e3, 6.02E-23
+_PERCENT_WORD = r"(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct)"  # after a number or an expression: 28%, 28 percent
 _CURRENCY = "$€£¥₹₽₪₩₫฿₡₢₣₤₥₦₧₨₭₮₯₰₱₲₳₴₵₶₷₸₺₻₼₾₿"
 # A number token: thousands groups of exactly three digits (comma or space), a decimal point or comma, or a bare
 # integer; scientific notation's exponent (1.5e3, 6.02E-23), a scale word and a percent sign or word may follow. A
@@ -97,9 +100,9 @@ _NUMBER = re.compile(r"""(?<!\d)(?:
     | (?P<whole>-?\d++)(?P<decimal>[.,]\d++)
     | (?P<fraction>\.\d++)
     | (?P<integer>-?\d++)
-    )(?P<exponent>[eE][+-]?\d{1,2}(?!\d|\.\d))?
-    (?P<scale>[ \t]++(?:""" + "|".join(SCALES) + r""")(?![A-Za-z]))?
-    (?P<percent>[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct))?
+    )(?P<exponent>""" + _EXPONENT + r"""(?!\d|\.\d))?
+    (?P<scale>[ \t]++""" + _SCALE_WORD + r"""(?![A-Za-z]))?
+    (?P<percent>[ \t]*+""" + _PERCENT_WORD + r""")?
     (?!\^(?!\{?\\circ)|_|\\(?!%|[,!;:\ \\)\]}$]|text|mbox|mathrm|quad|qquad|right|end|c?dots|ldots)
       |\s++\\(?:times|cdot|div|pm|mp)(?![a-zA-Z])|[A-Za-z]++(?:\^\{?\d++\}?)?\s*+[-+=(])
     """, re.VERBOSE)
@@ -109,8 +112,8 @@ _START = r"(?:^|(?<![+×÷])(?<!\\times)(?<!\\cdot)(?<!\\div)(?<!\\pm)(?<!\\mp)[
 _VALUE_START = re.compile(rf"{_START}(?:\*\*)?[{re.escape(_CURRENCY)}]?(?=[-.(\d])")
 _PLAIN_VALUE = re.compile(rf"{_START}(?:\*\*)?[{re.escape(_CURRENCY)}]?" + _NUMBER.pattern, re.VERBOSE)
 # An answer on its own that is one number (commas only between groups of three), or a fraction of whole numbers.
-_PLAIN_NUMBER = re.compile(r"(?:-?(?:\d{1,3}(?:,\d{3})++|\d++)(?:\.\d++)?|-?\.\d++)(?:[eE][+-]?\d{1,2})?"
-                           r"(?:[ \t]++(?:" + "|".join(SCALES) + r"))?(?:\\?%)?")
+_PLAIN_NUMBER = re.compile(r"(?:-?(?:\d{1,3}(?:,\d{3})++|\d++)(?:\.\d++)?|-?\.\d++)(?:" + _EXPONENT + r")?"
+                           r"(?:[ \t]++" + _SCALE_WORD + r")?(?:\\?%)?")
 MIXED_NUMBER = re.compile(r"(-?)(\d{1,6})[ \t]+(\d{1,6})/(\d{1,6})")  # "1 1/2" on one line: "11\n5/6" is two numbers
 _DECIMAL_COMMA = re.compile(r"-?\d++,\d++(?:\\?%)?")
 _PLAIN_FRACTION = re.compile(r"(-?)(?:\\[dt]?frac\{(?P<numerator>\d{1,50})\}\{(?P<denominator>\d{1,50})\}"
@@ -142,7 +145,7 @@ _LAST_CLOSER = re.compile(r".*[.)\s]", re.DOTALL)
 _DIGIT = re.compile(r"\d")
 _OPERATOR = re.compile(r"[+\-*×/^()÷]")
 _DANGLING = " \t.+*×/^÷-"  # operators (and points, spaces) at a run's end, with nothing after them
-_EXPRESSION_PERCENT = re.compile(r"[ \t]*+(?:\\?%|[Pp]ercent(?:age)?|[Pp]ct)")
+_EXPRESSION_PERCENT = re.compile(r"[ \t]*+" + _PERCENT_WORD)
 
 
 def _expression_at(text: str, start: int) -> tuple[int, Part] | None:
@@ -217,7 +220,7 @@ def _last_numbers(text: str, keep: Callable[[int], bool]) -> list[Hit]:
 # lookbehind starts it only where a run of digits starts, so trying every opening stays linear.
 _OPENERS = re.compile(r"\$|\\\[|\\\(|\s\[|(?<!\d)-?\d*+\\frac\{")
 _FRACTION = re.compile(r"-?\d*+\\frac\{-?\d+(?:[.,]\d+)?\}\{-?\d+(?:[.,]\d+)?\}")
-_PERCENT_AFTER = re.compile(r"\s*+(\\?%|[Pp]ercent(?:age)?|[Pp]ct)?")
+_PERCENT_AFTER = re.compile(rf"\s*+({_PERCENT_WORD})?")
 _JOINER = re.compile(r"\s*+(?:,?and|,?or|,)\s*+")
 _MAX_JOINED = 6  # the reference reads at most six spans joined by "and"/"or"/","
 
