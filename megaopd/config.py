@@ -3,9 +3,10 @@
     cfg = load_config("configs/embedded/grpo.yaml", ["train.steps=50", "grpo.clip_high=0.28"])
 
 An unknown key anywhere (file or override) is an error naming the key and the closest valid one; so is a value of
-an enumerated setting (a ``Literal`` field) that is not one of its choices. A spelling renamed in the last release
-(``RENAMED_KEYS``, ``RENAMED_VALUES``) still reads, as the new one, with one deprecation line naming it. Every run
-directory gets the resolved config as ``config.yaml`` so that a run can be repeated exactly.
+an enumerated setting (a ``Literal`` field) that is not one of its choices, and a number outside the range its code
+reads it in (each section's ``__post_init__``: ``check_at_least``, ``check_range``). A spelling renamed in the last
+release (``RENAMED_KEYS``, ``RENAMED_VALUES``) still reads, as the new one, with one deprecation line naming it. Every
+run directory gets the resolved config as ``config.yaml`` so that a run can be repeated exactly.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -55,6 +57,32 @@ def check_at_least(section: str, settings: Any, least: int, *names: str) -> None
                               f"at least {least}")
 
 
+def _shown(value: Any) -> str:
+    """A number as an override writes it (a tuple as a YAML list)."""
+    if isinstance(value, tuple):
+        return f"[{', '.join(_shown(v) for v in value)}]"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check_range(section: str, settings: Any, name: str, low: float, high: float = math.inf, *, low_open: bool = False,
+                high_open: bool = False, means: str = "") -> None:
+    """Refuses a number outside [low, high] (an open end excluded; a tuple: each of its numbers), NaN included: such
+    a value ended in a library's traceback mid-run, or trained something other than asked without a word. `means`:
+    what a value at the edge does (e.g. "0: no clipping"), for the line."""
+    value = getattr(settings, name)
+    if all((low < v if low_open else low <= v) and (v < high if high_open else v <= high)
+           for v in (value if isinstance(value, tuple) else (value,))):
+        return
+    if high == math.inf:
+        span = f"{'>' if low_open else '>='} {_shown(low)}"
+    else:
+        span = f"in {'(' if low_open else '['}{_shown(low)}, {_shown(high)}{')' if high_open else ']'}"
+    each = "each " if isinstance(value, tuple) else ""
+    default = next(f.default for f in dataclasses.fields(settings) if f.name == name)
+    raise ConfigError(f"{section}.{name} must {each}be {span}{f' ({means})' if means else ''}, got {_shown(value)}; "
+                      f"set one in that range, e.g. {section}.{name}={_shown(default)} (the default)")
+
+
 @dataclass
 class MegatronConfig:
     """The megatron backend's layout and numerics (model.backend=megatron, launched with torchrun)."""
@@ -70,6 +98,12 @@ class MegatronConfig:
     vocab_multiple: int = 128  # the vocabulary is padded to a multiple of this * tp (padded rows are masked)
     # Where the student's distributed checkpoints go, shared by all ranks ("" = <run_dir>/megatron_checkpoints).
     checkpoint_dir: str = ""
+
+    def __post_init__(self):
+        check_at_least("model.megatron", self, 1, "tp", "pp", "vocab_multiple")
+        check_range("model.megatron", self, "teacher_tp", 0, means="0: the student's")
+        # 0 divides Adam's first step by zero wherever a gradient is 0 (the padded vocabulary rows): NaN weights
+        check_range("model.megatron", self, "adam_eps", 0, low_open=True)
 
 
 @dataclass
@@ -126,6 +160,14 @@ class SGLangConfig:
     sync_address: str = ""
     probe_tolerance: float = 1e-4  # max |server - trainer| logprob on the probe after a sync; loosen for bf16
 
+    def __post_init__(self):
+        check_at_least("rollout.sglang", self, 1, "num_servers")
+        check_at_least("rollout.sglang", self, 0, "retries")
+        check_range("rollout.sglang", self, "max_total_tokens", 0, means="0: SGLang's default")
+        for name in ("startup_timeout_s", "request_timeout_s"):
+            check_range("rollout.sglang", self, name, 0, low_open=True)
+        check_range("rollout.sglang", self, "probe_tolerance", 0)
+
 
 @dataclass
 class RolloutConfig:
@@ -162,18 +204,18 @@ class RolloutConfig:
 
     def __post_init__(self):
         check_at_least("rollout", self, 1, "samples_per_prompt", "max_new_tokens", "batch_prompts")
-        if self.max_staleness < 0:
-            raise ConfigError(f"rollout.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}; "
-                              "set a non-negative number of weight versions")
+        # below 0 the sampler divides the logits by a negative number: it draws the least likely tokens
+        check_range("rollout", self, "temperature", 0, means="0: greedy")
+        # 0 keeps no token (NaN logprobs); above 1 cuts nothing, as 1 does
+        check_range("rollout", self, "top_p", 0, 1, low_open=True, means="1: no cut")
+        check_range("rollout", self, "max_staleness", 0, means="0: synchronous")
         if self.inflight_updates and self.max_staleness < 1:
             raise ConfigError("rollout.inflight_updates lets weight updates land in the batches generated ahead, and "
                               "rollout.max_staleness=0 generates none: set rollout.max_staleness=1 or more")
         if self.partial_rollouts == "requeue":
             raise ConfigError("rollout.partial_rollouts=requeue would train a GRPO group split across batches (cut "
                               "responses continued in a later one): use rollout.partial_rollouts=continue")
-        if self.inflight_chunk < 1:
-            raise ConfigError(f"rollout.inflight_chunk must be >= 1 decode steps, got {self.inflight_chunk}; "
-                              "set e.g. 16")
+        check_at_least("rollout", self, 1, "inflight_chunk")
 
 
 @dataclass
@@ -181,8 +223,19 @@ class OptimConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # the largest gradient norm
     warmup_steps: int = 0
+
+    def __post_init__(self):
+        if len(self.betas) != 2:
+            raise ConfigError(f"optim.betas must be two numbers (Adam's beta1, beta2), got {_shown(self.betas)}; set "
+                              "e.g. optim.betas=[0.9, 0.99]")
+        # torch's AdamW refuses these mid-start in a traceback; a negative clip flips the gradient
+        check_range("optim", self, "lr", 0)
+        check_range("optim", self, "weight_decay", 0)
+        check_range("optim", self, "betas", 0, 1, high_open=True)
+        check_range("optim", self, "grad_clip", 0, means="0: no clipping")
+        check_at_least("optim", self, 0, "warmup_steps")
 
 
 @dataclass
@@ -191,6 +244,11 @@ class GRPOConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO uses 0.28
     kl_coef: float = 0.0  # k3 KL to the initial policy; off in most RLVR recipes
+
+    def __post_init__(self):
+        for name in ("clip_low", "clip_high"):  # below 0 the clip range excludes the ratio 1 it is centred on
+            check_range("grpo", self, name, 0)
+        check_range("grpo", self, "kl_coef", 0, means="0: off")  # below 0 it rewards moving away from the reference
 
 
 ANY_DOMAIN = "*"  # the opd.teachers route that serves every domain
@@ -233,6 +291,10 @@ class OPDConfig:
     check_teacher: bool = False
     allow_weaker_teacher: bool = False  # run a teacher not above its student on purpose (the report marks it)
 
+    def __post_init__(self):
+        check_range("opd", self, "coef", 0, means="0: GRPO alone")  # below 0 it trains away from the teacher
+        check_range("opd", self, "clip", 0)  # as grpo's clips
+
 
 @dataclass
 class FixedAdvantageConfig:
@@ -262,6 +324,11 @@ class SFTConfig:
     stop_at_accuracy: float = 0.0
     noise: float = 0.0  # share of targets corrupted (a character substituted or dropped, or the answer cut off)
 
+    def __post_init__(self):
+        # an accuracy above 1 is never reached (no early stop, without a word); a share outside [0, 1] is 0 or 1
+        check_range("sft", self, "stop_at_accuracy", 0, 1, means="0: no early stop")
+        check_range("sft", self, "noise", 0, 1)
+
 
 @dataclass
 class CoverConfig:
@@ -290,6 +357,10 @@ class StopConfig:
     min_delta: float = 0.01  # absolute accuracy
     # The stages this one is compared with: the plateau rule waits until each is covered (by target or budget)
     cover: list[CoverConfig] = field(default_factory=list)
+
+    def __post_init__(self):
+        check_at_least("train.stop", self, 1, "window")  # a window of no evals never plateaus
+        check_range("train.stop", self, "min_delta", 0)  # below 0 it stops only once accuracy has fallen
 
 
 @dataclass
@@ -339,6 +410,7 @@ class TrainConfig:
     def __post_init__(self):
         check_at_least("train", self, 0, "steps")
         check_at_least("train", self, 1, "prompts_per_step", "micro_batch_size", "epochs", "minibatches")
+        check_range("train", self, "seed", 0, 2**32 - 1)  # numpy's seeds
 
 
 @dataclass
@@ -351,12 +423,19 @@ class EvalConfig:
 
     def __post_init__(self):
         check_at_least("eval", self, 1, "every")
+        for name in ("prompts_per_domain", "final_prompts_per_domain"):
+            check_range("eval", self, name, 0, means="0: all held-out prompts")
+        check_range("eval", self, "max_new_tokens", 0, means="0: rollout.max_new_tokens")
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 10
-    keep: int = 2
+    every: int = 10  # steps between checkpoints
+    keep: int = 2  # the newest checkpoints kept
+
+    def __post_init__(self):
+        check_range("checkpoint", self, "every", 0, means="0: only at an early stop or a preemption")
+        check_range("checkpoint", self, "keep", 0, means="0: all")
 
 
 @dataclass
@@ -371,6 +450,15 @@ class PlanConfig:
     mfu: float = 0.35  # assumed model-FLOPs utilisation for the step-time estimate
     prompt_tokens: int = 512  # assumed prompt length (the config knows only max_new_tokens)
     check: bool = True  # refuse at start-up a run that does not fit
+
+    def __post_init__(self):
+        check_range("plan", self, "memory_gib", 0, means="0: the device's own")
+        check_at_least("plan", self, 1, "gpus_per_node", "nodes")
+        # shares of memory and of peak; the step time divides by peak_tflops x mfu
+        check_range("plan", self, "usable", 0, 1, low_open=True)
+        check_range("plan", self, "mfu", 0, 1, low_open=True)
+        check_range("plan", self, "peak_tflops", 0, low_open=True)
+        check_at_least("plan", self, 0, "prompt_tokens")
 
 
 @dataclass
@@ -393,6 +481,10 @@ class VerifierConfig:
     max_error_share: float = 0.2
     error_steps: int = 2
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+    def __post_init__(self):
+        check_range("verifier", self, "max_error_share", 0, 1, means="1: never stops")
+        check_at_least("verifier", self, 1, "error_steps")
 
 
 @dataclass
@@ -468,7 +560,7 @@ def _new_key(cls: type, key: str, where: str) -> str:
 
 def _new_value(cls: type, key: str, value: Any, where: str) -> Any:
     new = renamed_value(cls.__name__, key, value)
-    if new != value:
+    if new is not value:  # not !=: NaN differs from itself
         _deprecated(f"{where + key}={value} is deprecated, renamed {where + key}={new}: write {where + key}={new} "
                     "(the old name is read for one release)")
     return new

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import yaml
 
@@ -45,6 +47,73 @@ def test_a_count_below_its_least_is_refused_at_load(override, least):
     key, value = override.split("=")
     with pytest.raises(ConfigError, match=rf"^{key} must be >= {least}, got {value}; set a count of at least {least}$"):
         load_config(None, [override])
+
+
+# A number outside the range its code reads it in (check_at_least / check_range in megaopd/config.py). Before, each
+# ended in a library's traceback (optim.lr, weight_decay, betas; train.seed; eval.max_new_tokens; plan.mfu,
+# peak_tflops, prompt_tokens; model.megatron.tp / pp; rollout.sglang.num_servers; verifier.*), or trained or
+# planned something other than asked without a word: a negative grad_clip flips the gradient, a negative temperature
+# samples the least likely tokens, top_p 0 keeps no token, a window of 0 never plateaus, a negative memory_gib is
+# not checked.
+OUT_OF_RANGE = [
+    "optim.lr=-1", "optim.lr=.nan", "optim.weight_decay=-0.1", "optim.betas=[1.0, 0.99]", "optim.betas=[0.9, -0.5]",
+    "optim.betas=[0.9]", "optim.grad_clip=-1", "optim.warmup_steps=-5",
+    "grpo.clip_low=-0.2", "grpo.clip_high=-0.1", "grpo.kl_coef=-0.01", "opd.coef=-1", "opd.clip=-0.2",
+    "rollout.temperature=-1", "rollout.temperature=.nan", "rollout.top_p=0", "rollout.top_p=1.5",
+    "rollout.max_staleness=-1", "rollout.inflight_chunk=0",
+    "rollout.sglang.num_servers=0", "rollout.sglang.retries=-1", "rollout.sglang.max_total_tokens=-1",
+    "rollout.sglang.startup_timeout_s=0", "rollout.sglang.request_timeout_s=-5", "rollout.sglang.probe_tolerance=-1",
+    "model.megatron.tp=0", "model.megatron.pp=0", "model.megatron.teacher_tp=-1", "model.megatron.vocab_multiple=0",
+    "model.megatron.adam_eps=0",
+    "sft.stop_at_accuracy=1.5", "sft.noise=-0.1", "train.stop.window=0", "train.stop.min_delta=-0.01",
+    "train.seed=-1", "train.seed=4294967296",
+    "eval.prompts_per_domain=-1", "eval.final_prompts_per_domain=-4", "eval.max_new_tokens=-3",
+    "checkpoint.every=-1", "checkpoint.keep=-1",
+    "plan.memory_gib=-4", "plan.gpus_per_node=0", "plan.nodes=0", "plan.usable=0", "plan.usable=1.5",
+    "plan.peak_tflops=0", "plan.mfu=0", "plan.mfu=1.2", "plan.prompt_tokens=-5",
+    "verifier.max_error_share=1.5", "verifier.error_steps=0",
+]
+
+
+@pytest.mark.parametrize("override", OUT_OF_RANGE)
+def test_a_number_out_of_its_range_is_refused_at_load_in_one_line(tmp_path, override):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [override])
+    line = str(refused.value)
+    assert line.startswith(f"{key} must ") and ", got " in line and "; set " in line and "\n" not in line, line
+    *parents, leaf = key.split(".")  # the same through a file
+    doc = {leaf: yaml.safe_load(value)}
+    for parent in reversed(parents):
+        doc = {parent: doc}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must "):
+        load_config(path)
+
+
+def test_an_out_of_range_line_names_the_range_and_what_to_set():
+    with pytest.raises(ConfigError, match=r"^optim\.lr must be >= 0, got -1; set one in that range, e\.g\. "
+                                          r"optim\.lr=0\.001 \(the default\)$"):
+        load_config(None, ["optim.lr=-1"])
+    with pytest.raises(ConfigError, match=r"^optim\.betas must each be in \[0, 1\), got \[0\.9, 1\]; .* "
+                                          r"optim\.betas=\[0\.9, 0\.99\] \(the default\)$"):
+        load_config(None, ["optim.betas=[0.9, 1]"])
+    with pytest.raises(ConfigError, match=r"^rollout\.top_p must be in \(0, 1\] \(1: no cut\), got 0; "):
+        load_config(None, ["rollout.top_p=0"])
+
+
+def test_the_edges_the_code_gives_a_meaning_load():
+    """The values at a range's edge that the code reads as something (0: off, all, greedy; inf: a fault the tests
+    inject on purpose, tests/test_faults.py) are not refused."""
+    cfg = load_config(None, [
+        "optim.lr=0", "optim.grad_clip=0", "optim.betas=[0, 0.999]", "optim.weight_decay=0", "rollout.temperature=0",
+        "rollout.top_p=1", "grpo.clip_low=1.5", "grpo.kl_coef=.inf", "opd.coef=0", "checkpoint.every=0",
+        "checkpoint.keep=0", "eval.prompts_per_domain=0", "eval.max_new_tokens=0", "model.megatron.teacher_tp=0",
+        "verifier.max_error_share=1", "sft.stop_at_accuracy=0", "sft.noise=1", "plan.memory_gib=0",
+        "plan.prompt_tokens=0", "plan.usable=1", "train.seed=4294967295", "rollout.sglang.retries=0",
+        "rollout.sglang.max_total_tokens=0", "rollout.sglang.probe_tolerance=0", "train.stop.min_delta=0"])
+    assert cfg.grpo.kl_coef == float("inf") and cfg.rollout.temperature == 0 and cfg.train.seed == 2**32 - 1
 
 
 def test_free_form_mapping_and_override_on_file(tmp_path):

@@ -32,6 +32,7 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", GRPO, "train.stepz=3"], "unknown config key 'train.stepz'; did you mean 'train.steps'"),
         (["train", GRPO, "train.algorithm=ppo"], "train.algorithm: 'ppo' is not one of"),
         (["train", GRPO, "train.steps=many"], "train.steps: expected int, got 'many'"),
+        (["train", GRPO, "optim.lr=-1"], "optim.lr must be >= 0, got -1; set one in that range"),
         (["train", GRPO, "trainsteps"], "is not of the form key.sub=value"),
         (["train", GRPO, "train.steps.every=3"], "cannot set 'train.steps.every'"),
         (["train", GRPO, *run, f"data.train=[{tmp / 'missing.jsonl'}]"], "data error: data file"),
@@ -63,6 +64,18 @@ def test_user_errors_are_one_line_with_exit_status_2(tmp_path):
         lines = [line for line in result.stderr.splitlines() if line.startswith("megaopd: ")]
         assert "Traceback" not in result.stderr and result.returncode == 2, (args, result.stderr[-2000:])
         assert len(lines) == 1 and LINE.fullmatch(lines[0]) and expected in lines[0], (args, lines)
+
+
+def test_a_number_out_of_its_range_is_one_line_before_the_run_directory(tmp_path, capsys):
+    """optim.lr=-1 ended in torch's "Invalid learning rate" traceback once the model had loaded."""
+    from megaopd.cli import main
+
+    assert main(["train", GRPO, f"run_dir={tmp_path / 'run'}", "optim.lr=-1"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("megaopd: ")]
+    assert "Traceback" not in err and len(lines) == 1 and LINE.fullmatch(lines[0]), err
+    assert lines[0].startswith("megaopd: config error: optim.lr must be >= 0, got -1; ")
+    assert not (tmp_path / "run").exists()
 
 
 def test_debug_gives_the_traceback(tmp_path):

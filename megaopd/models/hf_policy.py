@@ -116,7 +116,7 @@ class HFPolicy(TokenizerIds):
                 self.optimizer = torch.optim.AdamW(weights, **adamw, fused=True)
             except (RuntimeError, ValueError):
                 self.optimizer = torch.optim.AdamW(weights, **adamw)
-            warmup = max(optim.warmup_steps, 0)
+            warmup = optim.warmup_steps
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
             self.grad_clip = optim.grad_clip

@@ -37,7 +37,7 @@ def valid_key(domain: str, final: bool = False) -> str:
 
 def plateaued(values: list[float], window: int, min_delta: float) -> bool:
     """True when no smoothed value of the last `window` evals beats the best before them by `min_delta`."""
-    if window < 1 or len(values) <= window:
+    if len(values) <= window:
         return False
     s = smooth(values)
     return max(s[-window:]) < max(s[:-window]) + min_delta

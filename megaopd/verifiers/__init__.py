@@ -96,10 +96,7 @@ class ErrorWatch:
     """Stops a run whose verifier is broken: ``check`` raises VerifierBroken once the share of a step's samples
     whose verifier failed is above ``max_share`` for ``steps`` consecutive steps."""
 
-    def __init__(self, max_share: float, steps: int):
-        if not 0.0 <= max_share <= 1.0 or steps < 1:
-            raise ValueError(f"verifier.max_error_share must be in [0, 1] and verifier.error_steps >= 1, "
-                             f"got {max_share} and {steps}")
+    def __init__(self, max_share: float, steps: int):  # in range: VerifierConfig
         self.max_share, self.steps, self.bad = max_share, steps, 0
 
     def check(self, errors: int, samples: int) -> None:

@@ -231,7 +231,7 @@ class MegatronPolicy(TokenizerIds):
         return float(grad_norm)
 
     def _lr(self, step: int) -> float:
-        warmup = max(self.optim.warmup_steps, 0)  # the HF backend's linear warmup, step for step
+        warmup = self.optim.warmup_steps  # the HF backend's linear warmup, step for step
         return self.optim.lr * (min(1.0, (step + 1) / warmup) if warmup else 1.0)
 
     # ---- batching and the pipeline schedule ----
