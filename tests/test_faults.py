@@ -300,6 +300,62 @@ def test_a_model_directory_whose_weights_cannot_be_read_is_refused_before_the_ru
     assert not (tmp_path / "run").exists()
 
 
+def _sharded_copy(model: Path, out: Path, kind: str) -> Path:
+    """`model` (one model.safetensors) as a sharded checkpoint of two shards and their index, as transformers writes
+    one: safetensors shards, or pytorch .bin shards."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out, ignore=shutil.ignore_patterns("model.safetensors"))
+    weights = load_file(model / "model.safetensors")
+    names = sorted(weights)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors" if kind == "safetensors" else
+              f"pytorch_model-0000{i + 1}-of-00002.bin": names[i::2] for i in range(2)}
+    for shard, keys in shards.items():
+        part = {k: weights[k] for k in keys}
+        if kind == "safetensors":
+            save_file(part, out / shard, metadata={"format": "pt"})
+        else:
+            torch.save(part, out / shard)
+    index = "model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json"
+    (out / index).write_text(json.dumps({"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    return out
+
+
+@pytest.mark.parametrize("fault", ["shard_missing", "index_not_json", "no_weight_map"])
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_a_sharded_model_whose_index_cannot_be_followed_is_refused_before_the_run(assets, tmp_path, kind, fault):
+    """A shard the index names is gone, the index is cut short, it has no weight_map: one model error naming the
+    directory and the file (transformers' FileNotFoundError, JSONDecodeError, KeyError came mid-load)."""
+    from transformers import AutoModelForCausalLM
+
+    from megaopd.errors import ModelError
+    from megaopd.run.resolve import resolve_run, weights_problem
+
+    model = _sharded_copy(assets / "models" / "qwen3-tiny", tmp_path / "model", kind)
+    assert weights_problem(model) is None and AutoModelForCausalLM.from_pretrained(model)  # intact: it loads
+    index = model / ("model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json")
+    shard = "model-00002-of-00002.safetensors" if kind == "safetensors" else "pytorch_model-00002-of-00002.bin"
+    if fault == "shard_missing":
+        (model / shard).unlink()
+    elif fault == "index_not_json":
+        index.write_text('{"weight_map": {')  # cut short
+    else:
+        index.write_text('{"metadata": {}}')
+    problem = {"shard_missing": f"{index.name} names a shard that is not there: {shard}",
+               "index_not_json": f"{index.name} is not a readable JSON index (Expecting property name enclosed in "
+                                 "double quotes: line 1 column 17 (char 16))",
+               "no_weight_map": f"{index.name} has no weight_map (tensor name -> shard file)"}[fault]
+    cfg = run_config(assets, tmp_path / "run", "grpo", **{"model.path": model})
+    with pytest.raises(ModelError) as err:
+        resolve_run(cfg)
+    assert str(err.value) == (f"model.path={model}: {problem}; point it at a complete HF model directory (copy or "
+                              "export it again)")
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------------------------------- non-finite steps
 
 def _megaopd_train(config: Path, *overrides) -> subprocess.CompletedProcess:

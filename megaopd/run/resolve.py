@@ -11,6 +11,7 @@ so at submission they are not there yet.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -198,16 +199,24 @@ def check_model_dir(setting: str, path: str) -> None:
                          "again)")
 
 
+# The indexes of a sharded HF checkpoint: tensor name -> shard file, in "weight_map" (transformers, mbridge read them)
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
 def weights_problem(directory: Path) -> str | None:
-    """Why the HF model directory's weights cannot be read, or None. Reads each safetensors file's header only: a
-    file cut short or whose header was changed fails it (a changed tensor byte does not: the format has no
-    checksum). A path that is no directory is left to where it is loaded."""
+    """Why the HF model directory's weights cannot be read, or None. Reads each shard index and each safetensors
+    file's header only: an index that is no JSON, has no weight_map or names a shard not there, a file cut short or
+    whose header was changed fails it (a changed tensor byte does not: the format has no checksum). A path that is no
+    directory is left to where it is loaded."""
     from safetensors import SafetensorError, safe_open
 
     if not directory.is_dir():
         return None
     if not (directory / HF_CONFIG).is_file():
         return f"no {HF_CONFIG} there"
+    for index in SHARD_INDEXES:
+        if (directory / index).is_file() and (problem := shard_index_problem(directory / index)):
+            return problem
     files = sorted(directory.glob("*.safetensors"))
     if not files and not any(directory.glob("pytorch_model*.bin")):
         return "no weights there (no *.safetensors)"
@@ -217,6 +226,24 @@ def weights_problem(directory: Path) -> str | None:
                 pass
         except (SafetensorError, OSError) as e:
             return f"{file.name} is not a readable safetensors file ({' '.join(str(e).split())})"
+    return None
+
+
+def shard_index_problem(index: Path) -> str | None:
+    """Why a sharded checkpoint's index cannot be followed (transformers met each in a traceback mid-load), or None."""
+    try:
+        document = json.loads(index.read_text())
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"{index.name} is not a readable JSON index ({' '.join(str(e).split())})"
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+        return f"{index.name} has no weight_map (tensor name -> shard file)"
+    missing = sorted({f for f in weight_map.values() if not (index.parent / f).is_file()})
+    if len(missing) == 1:
+        return f"{index.name} names a shard that is not there: {missing[0]}"
+    if missing:
+        return (f"{index.name} names {len(missing)} shards that are not there: {', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}")
     return None
 
 
