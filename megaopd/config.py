@@ -49,38 +49,62 @@ def choices(literal: Any) -> tuple:
     return typing.get_args(literal)
 
 
+SEED_MAX = 2**32 - 1  # numpy's seeds: every seed setting's top
+
+
+def _key(section: str, name: str) -> str:
+    """A setting as the user writes it: ``optim.lr``, or ``threads`` for a top-level one (a study's, a launch's)."""
+    return f"{section}.{name}" if section else name
+
+
 def check_at_least(section: str, settings: Any, least: int, *names: str) -> None:
     """Refuses a count below `least` (a step count, a batch size, an interval), which would fail deep in a run."""
     for name in names:
         if getattr(settings, name) < least:
-            raise ConfigError(f"{section}.{name} must be >= {least}, got {getattr(settings, name)}; set a count of "
-                              f"at least {least}")
+            raise ConfigError(f"{_key(section, name)} must be >= {least}, got {getattr(settings, name)}; set a count "
+                              f"of at least {least}")
 
 
 def _shown(value: Any) -> str:
-    """A number as an override writes it (a tuple as a YAML list)."""
-    if isinstance(value, tuple):
+    """A number as an override writes it (a tuple or list as a YAML list)."""
+    if isinstance(value, (tuple, list)):
         return f"[{', '.join(_shown(v) for v in value)}]"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _within(value: float, low: float, high: float, low_open: bool, high_open: bool) -> bool:
+    """False for NaN, which no comparison admits."""
+    return (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
+
+
+def _span(low: float, high: float, low_open: bool, high_open: bool) -> str:
+    if high == math.inf:
+        return f"{'>' if low_open else '>='} {_shown(low)}"
+    return f"in {'(' if low_open else '['}{_shown(low)}, {_shown(high)}{')' if high_open else ']'}"
+
+
 def check_range(section: str, settings: Any, name: str, low: float, high: float = math.inf, *, low_open: bool = False,
                 high_open: bool = False, means: str = "") -> None:
-    """Refuses a number outside [low, high] (an open end excluded; a tuple: each of its numbers), NaN included: such
-    a value ended in a library's traceback mid-run, or trained something other than asked without a word. `means`:
-    what a value at the edge does (e.g. "0: no clipping"), for the line."""
-    value = getattr(settings, name)
-    if all((low < v if low_open else low <= v) and (v < high if high_open else v <= high)
-           for v in (value if isinstance(value, tuple) else (value,))):
+    """Refuses a number outside [low, high] (an open end excluded; a tuple or list: each of its numbers), NaN
+    included: such a value ended in a library's traceback mid-run, or trained something other than asked without a
+    word. `means`: what a value at the edge does (e.g. "0: no clipping"), for the line."""
+    default = next(f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                   for f in dataclasses.fields(settings) if f.name == name)
+    check_value(_key(section, name), getattr(settings, name), default, low, high, low_open=low_open,
+                high_open=high_open, means=means)
+
+
+def check_value(key: str, value: Any, default: Any, low: float, high: float = math.inf, *, low_open: bool = False,
+                high_open: bool = False, means: str = "") -> None:
+    """``check_range`` for a value that is not a field of its own (an entry of a mapping), whose loader did not
+    check its type: anything but a number is refused too."""
+    several = isinstance(value, (tuple, list))
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) and _within(v, low, high, low_open, high_open)
+           for v in (value if several else (value,))):
         return
-    if high == math.inf:
-        span = f"{'>' if low_open else '>='} {_shown(low)}"
-    else:
-        span = f"in {'(' if low_open else '['}{_shown(low)}, {_shown(high)}{')' if high_open else ']'}"
-    each = "each " if isinstance(value, tuple) else ""
-    default = next(f.default for f in dataclasses.fields(settings) if f.name == name)
-    raise ConfigError(f"{section}.{name} must {each}be {span}{f' ({means})' if means else ''}, got {_shown(value)}; "
-                      f"set one in that range, e.g. {section}.{name}={_shown(default)} (the default)")
+    raise ConfigError(f"{key} must {'each ' if several else ''}be {_span(low, high, low_open, high_open)}"
+                      f"{f' ({means})' if means else ''}, got {_shown(value)}; set one in that range, e.g. "
+                      f"{key}={_shown(default)} (the default)")
 
 
 @dataclass
@@ -410,7 +434,7 @@ class TrainConfig:
     def __post_init__(self):
         check_at_least("train", self, 0, "steps")
         check_at_least("train", self, 1, "prompts_per_step", "micro_batch_size", "epochs", "minibatches")
-        check_range("train", self, "seed", 0, 2**32 - 1)  # numpy's seeds
+        check_range("train", self, "seed", 0, SEED_MAX)
 
 
 @dataclass

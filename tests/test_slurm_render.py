@@ -443,6 +443,38 @@ def test_bad_launch_configs_fail_before_submission(tmp_path):
         plan(study, load_launch(None, ["socket_ifname=^docker,lo"]))
 
 
+# A launch number outside the range its job reads it in, refused at load: each was rendered into the scripts without
+# a word (--nodes=0, --cpus-per-task=-2, --signal=B:USR1@-5, SGLANG_PORT=0, SERVER_START_TIMEOUT=0: a job that fails
+# in the queue or a server that never answers), and a time limit sbatch refuses was met once the jobs before it were
+# queued.
+LAUNCH_OUT_OF_RANGE = ["nodes=0", "gpus_per_node=-1", "cpus_per_task=-2", "rollout_nodes=-1", "signal_seconds=-5",
+                       "signal_seconds=70000", "max_requeues=-1", "sglang_port=0", "master_port=70000", "sglang_tp=-1",
+                       "server_start_timeout_s=0", "time=4h", "time=''"]
+
+
+@pytest.mark.parametrize("override", LAUNCH_OUT_OF_RANGE)
+def test_a_launch_number_out_of_its_range_is_refused_at_load_in_one_line(tmp_path, override):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^{key}[ =]") as refused:
+        load_launch(None, [override])
+    assert "; " in str(refused.value) and "\n" not in str(refused.value)
+    study = demo_study(tmp_path / "demo")  # a stage's own setting: named under stages.<stage>
+    with pytest.raises(ConfigError, match=rf"^stages\.base\.{key}[ =]"):
+        plan(study, load_launch(None, [f"stages={{base: {{{key}: {value}}}}}"]))
+
+
+def test_slurm_time_limits_read_as_sbatch_reads_them_and_a_stage_warned_as_it_starts_is_refused(tmp_path):
+    from megaopd.launch.slurm import time_limit_seconds
+
+    forms = {"90": 5400, "90:30": 5430, "08:00:00": 28800, "2-00": 172800, "1-2:30": 95400, "1-0:0:15": 86415,
+             "0": float("inf"), "UNLIMITED": float("inf"), "4h": None, "": None, "1:2:3:4": None}
+    assert {form: time_limit_seconds(form) for form in forms} == forms
+    study = demo_study(tmp_path / "demo")
+    with pytest.raises(ConfigError, match=r"^stage base: signal_seconds=300 is not below its time limit 00:04:00 "
+                                          r"\(240 s\).*; lower signal_seconds or raise time$"):
+        plan(study, load_launch(None, ["signal_seconds=300", "stages={base: {time: '00:04:00'}}"]))
+
+
 def test_per_stage_launch_fields(tmp_path):
     study = demo_study(tmp_path / "demo")
     launch = load_launch(None, GPU_LAUNCH + ["stages={base: {nodes: 1, gpus_per_node: 1, time: '01:00:00'}}"])

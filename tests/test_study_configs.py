@@ -198,3 +198,25 @@ def test_the_old_stage_key_and_label_read_as_role_and_control_with_a_deprecation
         "stages.role=teacher_free is deprecated, renamed stages.role=control: write stages.role=control (the old name "
         "is read for one release)"]
     assert load([{"name": "a", "role": "teacher_free"}]).stages[0].role == "control" and len(caplog.records) == 1
+
+
+# A study's number outside the range its code reads it in, refused at load (check_range / check_at_least): threads=0
+# and workers=0 were a ValueError traceback, threads past 2**31 and an asset count or word_problem_digits below 0,
+# a verbosity past its domain's or a difficulty below 1 tracebacks while the assets were built, and a negative row
+# count cut the held-out rows short without a word; seed=-1 was refused as train.seed once the assets were built.
+STUDY_OUT_OF_RANGE = [
+    "threads=0", "threads=4294967296", "workers=0", "seed=-1", "seed=4294967296", "seeds=[0, -1]",
+    "assets.train_rows=-1", "assets.heldout_rows=-5", "assets.validation_rows=-1", "assets.heldout_percent=-5",
+    "assets.heldout_percent=150", "assets.seed=-1", "assets.seed=99999999999999999999999",
+    "assets.word_problem_digits=-1", "assets.difficulty.arith_add=-2", "assets.difficulty.letter_count=0",
+    "assets.verbosity.letter_count=1", "assets.verbosity.arith_add=3", "assets.verbosity.arith_add=long",
+]
+
+
+@pytest.mark.parametrize("override", STUDY_OUT_OF_RANGE)
+def test_a_study_number_out_of_its_range_is_refused_at_load_in_one_line(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as refused:
+        load_config(ROOT / "configs/studies/self_teacher.yaml", [override], cls=StudyConfig)
+    line = str(refused.value)
+    assert line.startswith(f"{key} must ") and ", got " in line and "; set " in line and "\n" not in line, line

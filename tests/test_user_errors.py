@@ -78,6 +78,20 @@ def test_a_number_out_of_its_range_is_one_line_before_the_run_directory(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+def test_a_study_number_out_of_its_range_is_one_line_before_the_assets(tmp_path, capsys):
+    """threads=0 ended in a ValueError traceback; seed=-1 was refused as train.seed once the assets were built."""
+    from megaopd.cli import main
+
+    for override in ("threads=0", "seed=-1", "assets.train_rows=-1"):
+        study = str(ROOT / "configs/studies/self_teacher.yaml")
+        assert main(["study", study, f"out={tmp_path / 'study'}", override]) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("megaopd: ")]
+        assert "Traceback" not in err and len(lines) == 1 and LINE.fullmatch(lines[0]), err
+        assert lines[0].startswith(f"megaopd: config error: {override.split('=')[0]} must be ")
+    assert not (tmp_path / "study").exists()
+
+
 def test_debug_gives_the_traceback(tmp_path):
     result = megaopd(["--debug", "train", str(tmp_path / "missing.yaml")], tmp_path)
     assert "Traceback" in result.stderr and "ConfigError" in result.stderr and result.returncode == 1

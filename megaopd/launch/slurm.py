@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaopd.accounting.flops import HF_CONFIG
-from megaopd.config import ConfigError, RunConfig, from_dict, load_config, save_config, to_dict
+from megaopd.config import (ConfigError, RunConfig, check_at_least, check_range, from_dict, load_config, save_config,
+                            to_dict)
 from megaopd.launch.server_tp import server_tp
 from megaopd.objectives.methods import method
 from megaopd.run.resolve import resolve_stage
@@ -73,12 +75,46 @@ class LaunchConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run first in each job, e.g. "module load cuda"
     stages: dict[str, dict] = field(default_factory=dict)  # stage name -> fields that differ for that stage
 
+    def __post_init__(self):
+        # sbatch refuses each of these only once the jobs before it are queued, or the job script misreads it
+        if time_limit_seconds(self.time) is None:
+            raise ConfigError(f"time={self.time!r} is not a Slurm time limit; write hours:minutes:seconds (e.g. "
+                              "08:00:00), days-hours[:minutes[:seconds]], minutes[:seconds], or 0 for none")
+        check_at_least("", self, 1, "nodes", "server_start_timeout_s")
+        check_range("", self, "gpus_per_node", 0, means="0: CPU only")
+        check_range("", self, "cpus_per_task", 0, means="0: the partition's default")
+        check_range("", self, "rollout_nodes", 0, means="0: rollouts in-process")
+        check_range("", self, "signal_seconds", 0, 65535)  # sbatch --signal's range
+        check_range("", self, "max_requeues", 0, means="0: a preempted job ends")
+        for name in ("sglang_port", "master_port"):
+            check_range("", self, name, 1, 65535)
+        check_range("", self, "sglang_tp", 0, means="0: the node's GPUs")
+
 
 @dataclass
 class Job:
     name: str
     script: str
     after: list[str] = field(default_factory=list)  # jobs (by name) that must end successfully first
+
+
+# sbatch --time's forms: days-hours[:minutes[:seconds]], else minutes, minutes:seconds or hours:minutes:seconds
+_DAYS_TIME = re.compile(r"(\d+)-(\d+)(?::(\d+))?(?::(\d+))?")
+_TIME = re.compile(r"(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def time_limit_seconds(time: str) -> float | None:
+    """The seconds of a Slurm time limit (inf: none, as 0, INFINITE and UNLIMITED ask), None for one sbatch refuses."""
+    if time.lower() in ("infinite", "unlimited"):
+        return math.inf
+    if days := _DAYS_TIME.fullmatch(time):
+        d, h, m, s = (int(part or 0) for part in days.groups())
+    elif plain := _TIME.fullmatch(time):
+        parts = [int(part) for part in plain.groups() if part is not None]
+        d, (h, m, s) = 0, (parts if len(parts) == 3 else (0, *parts, 0)[:3])
+    else:
+        return None
+    return ((d * 24 + h) * 60 + m) * 60 + s or math.inf
 
 
 def load_launch(path: str | Path | None, overrides: list[str] = ()) -> LaunchConfig:
@@ -104,7 +140,12 @@ def for_stage(launch: LaunchConfig, stage: str) -> LaunchConfig:
     """The launch config with the stage's own fields (``stages.<name>``) applied."""
     changes = launch.stages.get(stage, {})
     base = to_dict(launch) | {"stages": {}}
-    return from_dict(LaunchConfig, base | changes, f"stages.{stage}.")
+    try:
+        return from_dict(LaunchConfig, base | changes, f"stages.{stage}.")
+    except ConfigError as e:  # a range check names the field alone: name the stage's own setting of it
+        if re.match(r"\w+", str(e))[0] in changes:
+            raise ConfigError(f"stages.{stage}.{e}") from None
+        raise
 
 
 def absolute_study(study: StudyConfig) -> StudyConfig:
@@ -183,6 +224,11 @@ def render_job(study: StudyConfig, name: str, launch: LaunchConfig, action: str)
 
 def render_stage(study: StudyConfig, stage: StageConfig, launch: LaunchConfig) -> str:
     """The batch script of one stage; ``launch`` is already the stage's own (see ``for_stage``)."""
+    limit = time_limit_seconds(launch.time)
+    if launch.signal_seconds >= limit:
+        raise ConfigError(f"stage {stage.name}: signal_seconds={launch.signal_seconds} is not below its time limit "
+                          f"{launch.time} ({limit:.0f} s): its job would checkpoint and requeue as it starts; lower "
+                          "signal_seconds or raise time")
     args = stage_overrides(study, stage) + launch.overrides
     cfg = stage_config(study, stage, launch.overrides)  # fails here, not in the queue
     spec = method(cfg.train.algorithm)

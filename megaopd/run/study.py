@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 from megaopd.run import allocator
-from megaopd.config import ConfigError, RunConfig, load_config, save_config
+from megaopd.config import (SEED_MAX, ConfigError, RunConfig, check_at_least, check_range, check_value, load_config,
+                            save_config)
+from megaopd.data.synthetic import DOMAINS
 from megaopd.models.embedded import make_embedded
 from megaopd.errors import StudyError
 from megaopd.accounting.flops import HF_CONFIG
@@ -60,6 +62,20 @@ class AssetsConfig:
     # Natural-language word problems with \boxed{} answers in {out}/data/arith_word (megaopd.data.word_problems):
     # digits per operand, 0 for none
     word_problem_digits: int = 0
+
+    def __post_init__(self):
+        # below 0 a count cut the held-out rows short without a word (validation_rows=-1: 299 test rows)
+        check_at_least("assets", self, 0, "train_rows", "heldout_rows", "validation_rows")
+        check_range("assets", self, "heldout_percent", 0, 100)  # outside it reads as 0 or 100
+        check_range("assets", self, "seed", 0, SEED_MAX)  # as train.seed (past 2**64 torch.manual_seed overflowed)
+        check_range("assets", self, "word_problem_digits", 0, means="0: none")
+        for domain, level in self.difficulty.items():  # 0 read as the default; below it the makers fail
+            if domain in DOMAINS:
+                check_value(f"assets.difficulty.{domain}", level, DOMAINS[domain].default_difficulty, 1)
+        for domain, level in self.verbosity.items():
+            if domain in DOMAINS:
+                check_value(f"assets.verbosity.{domain}", level, 0, 0, DOMAINS[domain].max_verbosity,
+                            means="0: the shortest wording; only arith_add has longer ones")
 
 
 # What a stage is, for the report: its curves, targets and comparisons are chosen by these labels.
@@ -112,6 +128,13 @@ class StudyConfig:
     vars: dict[str, str] = field(default_factory=dict)
     assets: AssetsConfig = field(default_factory=AssetsConfig)
     stages: list[StageConfig] = field(default_factory=list)
+
+    def __post_init__(self):
+        # each stage's train.seed: refused here, not once the assets are built
+        check_range("", self, "seed", 0, SEED_MAX)
+        check_range("", self, "seeds", 0, SEED_MAX)
+        check_range("", self, "threads", 1, 2**31 - 1)  # above it torch.set_num_threads overflows
+        check_at_least("", self, 1, "workers")
 
     def substitute(self, text: str) -> str:
         """Replace {out} and every {var}; a var's value may itself name {out} or other vars."""
@@ -235,8 +258,6 @@ def link_shared_stages(study: StudyConfig) -> None:
 
 def run_study(study: StudyConfig) -> list[Path]:
     """Every stage of every seed (a shared stage once); returns the run directories, seed by seed in study order."""
-    if study.threads < 1 or study.workers < 1:
-        raise ValueError(f"study threads and workers must be >= 1, got {study.threads} and {study.workers}")
     torch.set_num_threads(study.threads)
     seeds = seed_studies(study)
     for one in seeds:
