@@ -12,7 +12,8 @@
     megaopd import-model NAME|--gguf FILE --out DIR     # a published checkpoint as an HF model directory
 
 A mistake in what was asked for (config, paths, data, models, studies) prints one line,
-``megaopd: <what>: <why>; <what to do>``, and exits 2; add --debug anywhere for its traceback.
+``megaopd: <what>: <why>; <what to do>``, and exits 2; add --debug anywhere for its traceback. A flag's number
+outside its range (``flag_in_range``) is argparse's usage error naming the flag, also exit status 2.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import logging
 import sys
 from pathlib import Path
 
-from megaopd.config import load_config
+from megaopd.config import SEED_MAX, flag_in_range, load_config
 from megaopd.errors import UserError, is_no_space, no_space_line, refused_line, space_for
 
 
@@ -67,12 +68,12 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--presets", nargs="*", default=["qwen3-tiny", "llama-tiny"],
                    help="tiny presets, or real shapes such as qwen3-0.6b:layers=2 (megaopd.accounting.shapes.REAL_SHAPES)")
     p.add_argument("--domains", nargs="*", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=flag_in_range(0, SEED_MAX), default=0)
     # Row counts per domain that every domain holds at its default difficulty (2-digit subtraction has about 410
     # distinct held-out problems, shared by the validation and test rows)
-    p.add_argument("--train-rows", type=int, default=4000)
-    p.add_argument("--validation-rows", type=int, default=100)
-    p.add_argument("--heldout-rows", type=int, default=300, help="test rows per domain")
+    p.add_argument("--train-rows", type=flag_in_range(0), default=4000)
+    p.add_argument("--validation-rows", type=flag_in_range(0), default=100)
+    p.add_argument("--heldout-rows", type=flag_in_range(0), default=300, help="test rows per domain")
 
     p = sub.add_parser("train", help="run one stage (sft, grpo or opd) from a config")
     p.add_argument("config")
@@ -81,8 +82,8 @@ def _main(argv: list[str]) -> int:
     p = sub.add_parser("eval", help="held-out accuracy of an HF model directory")
     p.add_argument("--model", required=True)
     p.add_argument("--data", nargs="+", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prompts-per-domain", type=int, default=0, help="0 = all")
+    p.add_argument("--max-new-tokens", type=flag_in_range(1), default=64)
+    p.add_argument("--prompts-per-domain", type=flag_in_range(0, means="0: all"), default=0, help="0 = all")
 
     p = sub.add_parser("convert", help="convert a dataset file (GSM8K, MATH, APPS, GPQA, IFEval, ...) into RL rows")
     from megaopd.data.sources import SOURCES
@@ -91,11 +92,11 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--input", help="JSONL / JSON / Parquet file (not needed for humaneval: the package ships it)")
     p.add_argument("--out", required=True, help="output JSONL")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed record")
-    p.add_argument("--validation", type=int, default=0, metavar="N",
+    p.add_argument("--validation", type=flag_in_range(0, means="0: none"), default=0, metavar="N",
                    help="carve N distinct problems (drawn by --seed) off the converted held-out file into "
                         "validation.jsonl beside --out (data.validation: what stops and tunes a run; --out keeps "
                         "the rest, the test split the report judges)")
-    p.add_argument("--seed", type=int, default=0, help="the seed of --validation's draw")
+    p.add_argument("--seed", type=flag_in_range(0, SEED_MAX), default=0, help="the seed of --validation's draw")
 
     sub.add_parser("report", help="write the report of one or more study directories (see megaopd report -h)")
     sub.add_parser("submit", help="submit a study to Slurm (see megaopd submit -h)")

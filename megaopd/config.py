@@ -4,13 +4,15 @@
 
 An unknown key anywhere (file or override) is an error naming the key and the closest valid one; so is a value of
 an enumerated setting (a ``Literal`` field) that is not one of its choices, and a number outside the range its code
-reads it in (each section's ``__post_init__``: ``check_at_least``, ``check_range``). A spelling renamed in the last
-release (``RENAMED_KEYS``, ``RENAMED_VALUES``) still reads, as the new one, with one deprecation line naming it. Every
-run directory gets the resolved config as ``config.yaml`` so that a run can be repeated exactly.
+reads it in (each section's ``__post_init__``: ``check_at_least``, ``check_range``; a command's number flags:
+``flag_in_range``). A spelling renamed in the last release (``RENAMED_KEYS``, ``RENAMED_VALUES``) still reads, as
+the new one, with one deprecation line naming it. Every run directory gets the resolved config as ``config.yaml`` so
+that a run can be repeated exactly.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import logging
@@ -105,6 +107,21 @@ def check_value(key: str, value: Any, default: Any, low: float, high: float = ma
     raise ConfigError(f"{key} must {'each ' if several else ''}be {_span(low, high, low_open, high_open)}"
                       f"{f' ({means})' if means else ''}, got {_shown(value)}; set one in that range, e.g. "
                       f"{key}={_shown(default)} (the default)")
+
+
+def flag_in_range(low: float, high: float = math.inf, *, kind: type = int, low_open: bool = False,
+                  high_open: bool = False, means: str = "") -> Any:
+    """An argparse ``type=`` for a command's number flag, refusing what ``check_range`` refuses: argparse's usage
+    error then names the flag as typed (its exit status 2), before the number reaches code that fails on it."""
+    def parse(text: str) -> Any:
+        value = kind(text)  # not a number: argparse's own "invalid int value" line
+        if not _within(value, low, high, low_open, high_open):
+            raise argparse.ArgumentTypeError(f"must be {_span(low, high, low_open, high_open)}"
+                                             f"{f' ({means})' if means else ''}, got {text}; give one in that range")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 @dataclass

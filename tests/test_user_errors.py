@@ -92,6 +92,48 @@ def test_a_study_number_out_of_its_range_is_one_line_before_the_assets(tmp_path,
     assert not (tmp_path / "study").exists()
 
 
+# A command's number flag outside the range its code reads it in: argparse's usage error names the flag, exit status
+# 2. Before, eval --max-new-tokens -3 or 0 ended in a RuntimeError / IndexError traceback once the model had loaded,
+# report --window 0 in a ZeroDivisionError and make-embedded --seed past 2**64 in torch's overflow; a negative row
+# count cut the held-out rows short, report --length-window 0 gave NaN lengths and --target-fraction 0, 1.5 or nan
+# targets met at once or never, without a word; rehearse --timeout 0 brought its cluster up only to time out, --steps 0
+# was refused as eval.every, and --prompts-per-domain was refused as the config key it sets.
+FLAGS_OUT_OF_RANGE = [
+    *(("make-embedded --out {tmp} --presets --domains letter_count", flag, value) for flag, value in
+      (("--train-rows", "-1"), ("--validation-rows", "-1"), ("--heldout-rows", "-5"), ("--seed", "-1"),
+       ("--seed", "99999999999999999999999"))),
+    *(("eval --model {tmp} --data {tmp}/rows.jsonl", flag, value) for flag, value in
+      (("--max-new-tokens", "-3"), ("--max-new-tokens", "0"), ("--prompts-per-domain", "-1"))),
+    *(("convert --source gsm8k --input {tmp}/raw.jsonl --out {tmp}/rows.jsonl", flag, value) for flag, value in
+      (("--validation", "-1"), ("--seed", "-1"))),
+    *(("report {tmp}", flag, value) for flag, value in
+      (("--window", "0"), ("--length-window", "0"), ("--replicates", "-1"), ("--target-fraction", "0"),
+       ("--target-fraction", "1.5"), ("--target-fraction", "nan"))),
+    *(("rehearse {tmp}/study.yaml", flag, value) for flag, value in
+      (("--steps", "0"), ("--gpus-per-node", "0"), ("--timeout", "0"), ("--timeout", "nan"))),
+]
+
+
+@pytest.mark.parametrize("command, flag, value", FLAGS_OUT_OF_RANGE, ids=lambda part: part.split()[0])
+def test_a_flag_out_of_its_range_is_one_usage_error_naming_it(tmp_path, capsys, command, flag, value):
+    from megaopd.cli import main
+
+    args = command.format(tmp=tmp_path).split()
+    with pytest.raises(SystemExit) as exited:
+        main([*args, flag, value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err, err
+    assert re.fullmatch(rf"megaopd {args[0]}: error: argument {flag}: must be .+, got {re.escape(value)}; give one "
+                        "in that range", err.splitlines()[-1]), err
+
+
+def test_a_flag_at_the_edge_of_its_range_is_taken():
+    from megaopd.config import flag_in_range
+
+    assert flag_in_range(0, means="0: all")("0") == 0 and flag_in_range(0, 1, kind=float, low_open=True)("1") == 1
+    assert flag_in_range(0, kind=float, low_open=True)("inf") == float("inf")
+
+
 def test_debug_gives_the_traceback(tmp_path):
     result = megaopd(["--debug", "train", str(tmp_path / "missing.yaml")], tmp_path)
     assert "Traceback" in result.stderr and "ConfigError" in result.stderr and result.returncode == 1

@@ -35,6 +35,7 @@ from megaopd.analysis.findings import (BY_ID, control_attainment, control_flops_
 from megaopd.analysis.runs import stop_text  # noqa: E402
 from megaopd.analysis.stats import MAX_UNDEFINED, MIN_SEEDS, REPLICATES, UNMEASURED, interval_wording  # noqa: E402
 from megaopd.accounting.flops import COMPONENTS  # noqa: E402
+from megaopd.config import flag_in_range  # noqa: E402
 from megaopd.teachers.check import weaker  # noqa: E402
 
 TARGET_STYLES = (":", "-.", "--")
@@ -543,14 +544,16 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study_dirs", nargs="+", help="study directories; several = seeds of the same study")
     parser.add_argument("--out", default=None, help="default: <first study>/report")
-    parser.add_argument("--target-fraction", type=float, default=0.9, help="of GRPO's gain over the base")
+    parser.add_argument("--target-fraction", type=flag_in_range(0, 1, kind=float, low_open=True), default=0.9,
+                        help="of GRPO's gain over the base")
     parser.add_argument("--metric", choices=("greedy", "sampled"), default="greedy")
-    parser.add_argument("--window", type=int, default=3, help="evals in the trailing moving average")
+    parser.add_argument("--window", type=flag_in_range(1), default=3, help="evals in the trailing moving average")
     parser.add_argument("--x", choices=("stage", "with_teachers", "with_cold_start"), default="stage",
                         help="the FLOPs total on the x axis and in E1-E3")
-    parser.add_argument("--length-window", type=int, default=LENGTH_WINDOW,
+    parser.add_argument("--length-window", type=flag_in_range(1), default=LENGTH_WINDOW,
                         help="training steps averaged at each end for the response length")
-    parser.add_argument("--replicates", type=int, default=REPLICATES, help="bootstrap replicates (0: no intervals)")
+    parser.add_argument("--replicates", type=flag_in_range(0, means="0: no intervals"), default=REPLICATES,
+                        help="bootstrap replicates (0: no intervals)")
     parser.add_argument("--length-sweep", action="store_true",
                         help="the directories are the points of a response-length sweep (length_sweep.sh): plot the "
                              "GRPO/OPD FLOP ratio against response length")

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from megaopd.run import environment
-from megaopd.config import ConfigError, load_config, save_config
+from megaopd.config import ConfigError, flag_in_range, load_config, save_config
 from megaopd.data.rows import write_rows
 from megaopd.data.synthetic import DOMAINS, make_splits
 from megaopd.errors import UserError
@@ -353,13 +353,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_study_arguments(parser)  # as for megaopd submit
     parser.add_argument("--stages", nargs="*", help="only these stages (their upstream stages must be listed too)")
-    parser.add_argument("--steps", type=int, default=2, help="training steps per stage")
-    parser.add_argument("--gpus-per-node", type=int, default=2, help="stand-in GPUs per node, at most")
+    parser.add_argument("--steps", type=flag_in_range(1), default=2, help="training steps per stage")
+    parser.add_argument("--gpus-per-node", type=flag_in_range(1), default=2, help="stand-in GPUs per node, at most")
     parser.add_argument("--sglang-python", default="", help="SGLang's environment (default $MEGAOPD_SGLANG_PYTHON)")
     parser.add_argument("--state", default="/tmp/megaopd-rehearse", help="cluster state, run directories, logs")
     parser.add_argument("--name", default="rehearse", help="the local cluster's name (namespaces)")
     parser.add_argument("--subnet", default="10.78.0", help="the local cluster's /24")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds for the whole rehearsal")
+    parser.add_argument("--timeout", type=flag_in_range(0, kind=float, low_open=True), default=3600,
+                        help="seconds for the whole rehearsal")
     parser.add_argument("--keep", action="store_true", help="leave the cluster up (down: local_cluster down)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
