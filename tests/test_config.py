@@ -6,6 +6,17 @@ import yaml
 from megaopd.config import ConfigError, RunConfig, load_config, save_config
 
 
+def config_file(tmp_path, key: str, value):
+    """A config file that sets one dotted key, nested as a user writes it."""
+    *parents, leaf = key.split(".")
+    doc = {leaf: value}
+    for parent in reversed(parents):
+        doc = {parent: doc}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 def test_unknown_key_names_key_and_closest(tmp_path):
     with pytest.raises(ConfigError, match=r"'train\.stepz'.*did you mean 'train\.steps'"):
         load_config(None, ["train.stepz=3"])
@@ -82,14 +93,8 @@ def test_a_number_out_of_its_range_is_refused_at_load_in_one_line(tmp_path, over
         load_config(None, [override])
     line = str(refused.value)
     assert line.startswith(f"{key} must ") and ", got " in line and "; set " in line and "\n" not in line, line
-    *parents, leaf = key.split(".")  # the same through a file
-    doc = {leaf: yaml.safe_load(value)}
-    for parent in reversed(parents):
-        doc = {parent: doc}
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must "):
-        load_config(path)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must "):  # the same through a file
+        load_config(config_file(tmp_path, key, yaml.safe_load(value)))
 
 
 def test_an_out_of_range_line_names_the_range_and_what_to_set():
@@ -141,15 +146,8 @@ def test_misspelled_enumerated_value_is_rejected_at_load(tmp_path, override, clo
     key, value = override.split("=")
     with pytest.raises(ConfigError, match=rf"^{key}: '{value}' is not one of .*; did you mean '{closest}'\?$"):
         load_config(None, [override])
-    # the same through a file, at any depth
-    *parents, leaf = key.split(".")
-    doc = {leaf: value}
-    for parent in reversed(parents):
-        doc = {parent: doc}
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(ConfigError, match=rf"did you mean '{closest}'"):
-        load_config(path)
+    with pytest.raises(ConfigError, match=rf"did you mean '{closest}'"):  # the same through a file, at any depth
+        load_config(config_file(tmp_path, key, value))
 
 
 def test_a_misspelled_algorithm_is_refused_by_the_method_table_before_any_stage_runs(tmp_path):
