@@ -35,7 +35,8 @@ demo: setup
 # A one-node Slurm cluster for the sbatch tests and a 4-node one (network namespaces) for the multi-node tests:
 # they need root; elsewhere those tests skip (never in CI).
 # One intra-op thread per process: several test processes share 2 cores, and spinning OpenMP threads starve them.
-# Two pytest-xdist workers (tests/conftest.py groups the tests that share a cluster or the image store).
+# Three pytest-xdist workers on the 2 cores (tests/conftest.py groups the tests that share a cluster or the image
+# store): the slow tiers wait on Slurm jobs, server start-ups and the disk, and two workers kept the cores 52-60% busy.
 # The two environments and the one-node cluster's Debian packages install side by side: pip and apt wait on the disk
 # and the registries more than on the cores (minutes off a fresh machine's run). The 4-node cluster needs $(PY).
 test:
@@ -43,7 +44,7 @@ test:
 	PY=$(PY) bash .ci/slurm_multinode_up.sh || [ -z "$$CI" ]
 	MEGAOPD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	MEGAOPD_SGLANG_UNAVAILABLE="$$(cat $(SGLANG_VENV).unavailable 2>/dev/null)" \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q -rs --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 3 -q -rs --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; \
 	PY=$(PY) bash .ci/slurm_multinode_down.sh || true; exit $$status
 
 # The Qwen pair's heavy tests alone (marker pair, part of make test): the strong-to-weak steps and the 0.5B under

@@ -16,10 +16,10 @@ import torch
 from machine_memory import NoTurn, alone, sharing
 from megaopd.models.embedded import build_data, build_model
 
-# make test runs the suite on two pytest-xdist workers, one per core: one intra-op thread each (run alone: two).
+# make test runs the suite on pytest-xdist workers: one intra-op thread each (run alone: two).
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
-# make test hands the tests out to its two workers a file at a time (a module's fixtures, such as a started server,
+# make test hands the tests out to its workers a file at a time (a module's fixtures, such as a started server,
 # are made once), and the files that share one machine-wide resource as one unit, one after another on one worker:
 # the Slurm clusters of .ci/slurm_up.sh and .ci/slurm_multinode_up.sh (and those rehearse and the failover tests
 # use), podman's image store, and memory: the files of real weights and real widths each peak at 9-13 GB above an

@@ -1,11 +1,11 @@
-"""Turns at the machine's memory for the two xdist workers of `make test`.
+"""Turns at the machine's memory for the xdist workers of `make test`.
 
 A 24 GB CI machine holds one real-size job (Megatron ranks at real width, an SGLang server of the 0.5B) beside the
-worker that launched it, but not beside whatever the other worker runs: twice CI's OOM killer took a rank or a
-worker so. `alone()` wraps such a job: it waits for the other worker's test in progress to finish, and the other
-worker starts no test until the job is done. Every test outside the memory unit runs under `sharing()`. A job
+worker that launched it, but not beside whatever the other workers run: twice CI's OOM killer took a rank or a
+worker so. `alone()` wraps such a job: it waits for the other workers' tests in progress to finish, and the other
+workers start no test until the job is done. Every test outside the memory unit runs under `sharing()`. A job
 alone has the machine's cores too: `alone()` yields their number for the processes it starts, and gives this
-process's torch that many threads while it holds the turn (the other worker's core would idle otherwise).
+process's torch that many threads while it holds the turn (the other workers' cores would idle otherwise).
 
 Two flock(2) files, so the job cannot starve behind a stream of tests: the job takes the gate and then the memory,
 both exclusive; a test takes the gate shared only long enough to take the memory shared. Each wait is bounded: past
@@ -102,7 +102,7 @@ def every_core():
 
 @contextmanager
 def alone(who: str):
-    """Run the body with no test of the other worker running; yields the cores it may use (all of them)."""
+    """Run the body with no test of another worker running; yields the cores it may use (all of them)."""
     global _alone_depth
     if _sharing:
         raise RuntimeError(f"{who}: a job alone in a test that shares the machine would wait for itself; add the "
