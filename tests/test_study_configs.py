@@ -220,3 +220,10 @@ def test_a_study_number_out_of_its_range_is_refused_at_load_in_one_line(override
         load_config(ROOT / "configs/studies/self_teacher.yaml", [override], cls=StudyConfig)
     line = str(refused.value)
     assert line.startswith(f"{key} must ") and ", got " in line and "; set " in line and "\n" not in line, line
+
+
+@pytest.mark.parametrize("setting", ["difficulty", "verbosity"])
+def test_a_misspelt_domain_of_an_assets_mapping_is_refused_with_the_closest(setting):
+    """assets.difficulty.arith_ad=3 was ignored: the sweep point ran at the default difficulty without a word."""
+    with pytest.raises(ConfigError, match=rf"^assets\.{setting}: 'arith_ad' is not one of .*did you mean 'arith_add'\?$"):
+        load_config(ROOT / "configs/studies/self_teacher.yaml", [f"assets.{setting}.arith_ad=1"], cls=StudyConfig)

@@ -28,7 +28,7 @@ import torch
 
 from megaopd.run import allocator
 from megaopd.config import (SEED_MAX, ConfigError, RunConfig, check_at_least, check_range, check_value, load_config,
-                            save_config)
+                            save_config, unknown_choice)
 from megaopd.data.synthetic import DOMAINS
 from megaopd.models.embedded import make_embedded
 from megaopd.errors import StudyError
@@ -69,13 +69,15 @@ class AssetsConfig:
         check_range("assets", self, "heldout_percent", 0, 100)  # outside it reads as 0 or 100
         check_range("assets", self, "seed", 0, SEED_MAX)  # as train.seed (past 2**64 torch.manual_seed overflowed)
         check_range("assets", self, "word_problem_digits", 0, means="0: none")
+        for setting in ("difficulty", "verbosity"):  # a misspelt domain was ignored: the sweep ran its default
+            for domain in getattr(self, setting):
+                if domain not in DOMAINS:
+                    raise unknown_choice(domain, tuple(DOMAINS), f"assets.{setting}")
         for domain, level in self.difficulty.items():  # 0 read as the default; below it the makers fail
-            if domain in DOMAINS:
-                check_value(f"assets.difficulty.{domain}", level, DOMAINS[domain].default_difficulty, 1)
+            check_value(f"assets.difficulty.{domain}", level, DOMAINS[domain].default_difficulty, 1)
         for domain, level in self.verbosity.items():
-            if domain in DOMAINS:
-                check_value(f"assets.verbosity.{domain}", level, 0, 0, DOMAINS[domain].max_verbosity,
-                            means="0: the shortest wording; only arith_add has longer ones")
+            check_value(f"assets.verbosity.{domain}", level, 0, 0, DOMAINS[domain].max_verbosity,
+                        means="0: the shortest wording; only arith_add has longer ones")
 
 
 # What a stage is, for the report: its curves, targets and comparisons are chosen by these labels.
