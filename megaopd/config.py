@@ -60,11 +60,9 @@ def _key(section: str, name: str) -> str:
 
 
 def check_at_least(section: str, settings: Any, least: int, *names: str) -> None:
-    """Refuses a count below `least` (a step count, a batch size, an interval), which would fail deep in a run."""
+    """``check_range`` with no upper end, for several counts at once (a step count, a batch size, an interval)."""
     for name in names:
-        if getattr(settings, name) < least:
-            raise ConfigError(f"{_key(section, name)} must be >= {least}, got {getattr(settings, name)}; set a count "
-                              f"of at least {least}")
+        check_range(section, settings, name, least)
 
 
 def _shown(value: Any) -> str:

@@ -56,7 +56,8 @@ def test_types_are_checked_and_coerced():
 def test_a_count_below_its_least_is_refused_at_load(override, least):
     """A count that would fail deep in the run (a modulo by zero, an empty batch: tracebacks) is a config error."""
     key, value = override.split("=")
-    with pytest.raises(ConfigError, match=rf"^{key} must be >= {least}, got {value}; set a count of at least {least}$"):
+    with pytest.raises(ConfigError, match=rf"^{key} must be >= {least}, got {value}; set one in that range, "
+                                         rf"e\.g\. {key}=\d+ \(the default\)$"):
         load_config(None, [override])
 
 
