@@ -5,10 +5,12 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import socket
 import subprocess
 import sys
 from contextlib import ExitStack
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -25,10 +27,12 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # use), podman's image store, and memory: the files of real weights and real widths each peak at 9-13 GB above an
 # idle machine (Megatron TP=2 and PP=2 on Qwen2.5-Coder-0.5B: 12.8 GB; TP=2 at Qwen3-0.6B width: 11.4 GB; SmolLM2 at
 # TP=3: 8.6 GB), and two at once exceed a 24 GB CI machine (a CI run's ranks were SIGKILLed so). One worker then
-# imports each published checkpoint once, and runs its largest jobs alone (tests/machine_memory.py).
+# imports each published checkpoint once, and runs its largest jobs alone (tests/machine_memory.py). The two files
+# of the tiny model's SGLang server share one worker and so one server (a start is 1-2 minutes of CPU).
 SHARED = {"slurm": ("test_slurm_cluster.py", "test_slurm_multinode.py", "test_slurm_failover.py", "test_rehearse.py",
                     "test_nemo_run.py"),
           "podman": ("test_docker_images.py",),
+          "sglang": ("test_sglang.py", "test_sglang_inflight.py"),
           "memory": ("test_real.py", "test_real_qwen.py", "test_real_cross_tokenizer.py", "test_shapes.py")}
 
 
@@ -158,6 +162,53 @@ def bpe_teacher(assets) -> Path:
         AutoModelForCausalLM.from_config(config).save_pretrained(out)
         tokenizer.save_pretrained(out)
     return out
+
+
+_TINY_SERVER = {}  # the server below while its unit runs
+
+
+@pytest.fixture(scope="session")
+def server(assets, tmp_path_factory):
+    """The embedded tiny model on a CPU SGLang server, one for tests/test_sglang.py and tests/test_sglang_inflight.py
+    (one unit of make test's workers; each test puts it back on the base weights), stopped when the unit is done."""
+    from test_sglang import server_config
+
+    from megaopd.rollout.serving import server as server_module
+    from megaopd.rollout.serving.server import SGLangServer, free_port
+
+    # The first port the launch is given is taken (a listening socket that never answers), as an outgoing
+    # connection took one in CI: the launch must start again on another port, not fail or attach to the taker.
+    with socket.socket() as taker, mock.patch.object(server_module, "free_port", side_effect=[taken_port(taker),
+                                                                                              free_port()]):
+        launched = SGLangServer.launch(str(assets / "models" / "qwen3-tiny"), server_config(), "float32",
+                                       tmp_path_factory.mktemp("sglang") / "server.log")
+        assert launched.url != f"http://127.0.0.1:{taker.getsockname()[1]}"
+    _TINY_SERVER["server"] = launched
+    yield launched
+    stop_tiny_server()
+
+
+def stop_tiny_server() -> None:
+    launched = _TINY_SERVER.pop("server", None)
+    pid = launched.process.pid if launched and launched.process else None
+    if launched:
+        launched.stop()
+    if pid is not None:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped by PID, not left behind
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The tiny server's unit is done: its GBs go before the worker's next test, not at the session's end."""
+    if nextitem is None or shared_resource(nextitem.path) != "sglang":
+        stop_tiny_server()
+
+
+def taken_port(taker: socket.socket) -> int:
+    taker.bind(("127.0.0.1", 0))
+    taker.listen()
+    return taker.getsockname()[1]
 
 
 def imported(name: str, tmp_path_factory) -> Path:

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -31,8 +29,7 @@ from megaopd.accounting.metrics import read_metrics
 from megaopd.rollout.local import LocalEngine
 from megaopd.rollout.serving.engine import SGLangEngine, StaleWeightsError
 from megaopd.rollout.serving.pool import ServerPool
-from megaopd.rollout.serving import server as server_module
-from megaopd.rollout.serving.server import SGLangServer, ServerError, free_port
+from megaopd.rollout.serving.server import SGLangServer, ServerError
 from megaopd.rollout.serving.sglang_cpu import cpu_server_args, cpu_server_env
 from megaopd.rollout.serving.teacher import SGLangTeacher
 from megaopd.run.trainer import Trainer
@@ -61,31 +58,6 @@ def server_config() -> SGLangConfig:
                         # processes on a shared CI machine move it in between (0.05 failed to start 2 of 3 times)
                         server_args=cpu_server_args(0.5), env=cpu_server_env(),
                         request_timeout_s=120, retries=1)
-
-
-@pytest.fixture(scope="module")
-def server(assets, tmp_path_factory):
-    # The first port the launch is given is taken (a listening socket that never answers), as an outgoing
-    # connection took one in CI: the launch must start again on another port, not fail or attach to the taker.
-    with socket.socket() as taker, mock.patch.object(server_module, "free_port", side_effect=[taken_port(taker),
-                                                                                              free_port()]):
-        launched = SGLangServer.launch(str(assets / "models" / "qwen3-tiny"), server_config(), "float32",
-                                       tmp_path_factory.mktemp("sglang") / "server.log")
-        assert launched.url != f"http://127.0.0.1:{taker.getsockname()[1]}"
-    try:
-        yield launched
-    finally:
-        pid = launched.process.pid if launched.process else None
-        launched.stop()
-        if pid is not None:
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)  # stopped by PID, not left behind
-
-
-def taken_port(taker: socket.socket) -> int:
-    taker.bind(("127.0.0.1", 0))
-    taker.listen()
-    return taker.getsockname()[1]
 
 
 def reset(server, assets) -> None:

@@ -26,7 +26,7 @@ from megaopd.objectives.losses import is_correction
 from megaopd.rollout.serving.engine import SGLangEngine
 from megaopd.rollout.serving.server import ServerError
 from megaopd.run.trainer import Trainer
-from test_sglang import TOLERANCE, attached, fresh, rows, server  # noqa: F401 (fixtures)
+from test_sglang import TOLERANCE, attached, fresh, rows  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.sglang
 TOKENS = 16
