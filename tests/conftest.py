@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from contextlib import ExitStack
 from pathlib import Path
 from unittest import mock
@@ -15,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 
-from machine_memory import NoTurn, alone, sharing
+from machine_memory import NoTurn, alone, sharing, turns, turns_file
 from megaopd.models.embedded import build_data, build_model
 
 # make test runs the suite on pytest-xdist workers: one intra-op thread each (run alone: two).
@@ -64,6 +65,24 @@ class SharedResourceHandOut:
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(SharedResourceHandOut())
+        if not hasattr(config, "workerinput"):  # the controller names the run, to read its workers' turns at the end
+            run = config.option.testrunuid or os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex
+            config.option.testrunuid = os.environ["PYTEST_XDIST_TESTRUNUID"] = run
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The jobs that ran alone (tests/machine_memory.py): the time no other test ran, and the longest of them."""
+    if hasattr(config, "workerinput"):
+        return
+    record = turns_file()
+    jobs = turns(record)
+    record.unlink(missing_ok=True)
+    if not jobs:
+        return
+    terminalreporter.write_sep("-", f"{len(jobs)} jobs alone: held {sum(j[2] for j in jobs):.0f} s, waited "
+                                    f"{sum(j[1] for j in jobs):.0f} s for their turns (tests/machine_memory.py)")
+    for who, waited, held in sorted(jobs, key=lambda job: -job[1] - job[2])[:10]:
+        terminalreporter.write_line(f"{held:7.1f} s held {waited:7.1f} s waited  {who}")
 
 
 NO_TURN = pytest.StashKey[str]()  # why a test had no turn at the machine (machine_memory.NoTurn)

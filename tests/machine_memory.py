@@ -10,7 +10,9 @@ process's torch that many threads while it holds the turn (the other workers' co
 Two flock(2) files, so the job cannot starve behind a stream of tests: the job takes the gate and then the memory,
 both exclusive; a test takes the gate shared only long enough to take the memory shared. Each wait is bounded: past
 WAIT_S the caller raises NoTurn naming who holds the turn (running without it is how CI's workers were OOM-killed).
-Each holder records its name beside the lock file, so the message can say whom it waited for.
+Each holder records its name beside the lock file, so the message can say whom it waited for. Each job alone adds
+a line to the run's turns file (who, seconds waited, seconds held): `make test` ends with their sum and the longest
+waits (tests/conftest.py), the suite's serial part that no worker count shortens.
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ def _lock_file(name: str) -> Path:
 
 class NoTurn(RuntimeError):
     """A wait for a turn ran past WAIT_S."""
+
+
+def turns_file() -> Path:
+    return _lock_file("turns")
+
+
+def turns(path: Path) -> list[tuple[str, float, float]]:
+    """The jobs alone of a run, as `alone` recorded them: (who, seconds waited for the turn, seconds held)."""
+    if not path.exists():
+        return []
+    return [(who, float(waited), float(held))
+            for who, waited, held in (line.rsplit("\t", 2) for line in path.read_text().splitlines())]
 
 
 def _holders(path: Path) -> Path:
@@ -114,6 +128,7 @@ def alone(who: str):
         finally:
             _alone_depth -= 1
         return
+    asked = time.monotonic()
     gate = _take(_lock_file("gate"), fcntl.LOCK_EX, who)
     try:
         memory = _take(_lock_file("memory"), fcntl.LOCK_EX, who)
@@ -121,11 +136,14 @@ def alone(who: str):
         _release(gate)
         raise
     _alone_depth = 1
+    taken = time.monotonic()
     try:
         with every_core():
             yield cores()
     finally:
         _alone_depth = 0
+        with turns_file().open("a") as record:  # one short line: an O_APPEND write lands whole
+            record.write(f"{who}\t{taken - asked:.1f}\t{time.monotonic() - taken:.1f}\n")
         _release(memory)
         _release(gate)
 

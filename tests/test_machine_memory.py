@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from machine_memory import turns, turns_file
+
 pytestmark = pytest.mark.timeout(120)
 
 PARTY = """
@@ -56,7 +58,7 @@ def spans(log: Path) -> dict[str, tuple[float, float]]:
     return {label: (float(a), float(b)) for label, a, b in (line.rsplit(" ", 2) for line in lines)}
 
 
-def test_a_job_alone_waits_for_the_test_in_progress_and_holds_off_the_next(tmp_path):
+def test_a_job_alone_waits_for_the_test_in_progress_and_holds_off_the_next(tmp_path, monkeypatch):
     log, run = tmp_path / "log", uuid.uuid4().hex
     first = party("sharing", log, 100, "first_test", run)  # held until the other two are queued
     holding(log, "first_test")
@@ -70,6 +72,11 @@ def test_a_job_alone_waits_for_the_test_in_progress_and_holds_off_the_next(tmp_p
     t = spans(log)
     assert t["job"][0] >= t["first_test"][1]  # the job began after the test in progress ended
     assert t["second_test"][0] >= t["job"][1]  # and the test that asked during its wait began after it
+    # make test's summary of the run's jobs alone: this one waited for the test in progress (released with it)
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", run)
+    [(who, waited, held)] = turns(turns_file())
+    assert who == "job" and waited >= 0.2 and held < 10, (waited, held)  # not waiting: 0.0
+    turns_file().unlink()
 
 
 def test_tests_share_the_machine_with_each_other(tmp_path):
