@@ -35,8 +35,9 @@ demo: setup
 # A one-node Slurm cluster for the sbatch tests and a 4-node one (network namespaces) for the multi-node tests:
 # they need root; elsewhere those tests skip (never in CI).
 # One intra-op thread per process: several test processes share 2 cores, and spinning OpenMP threads starve them.
-# Three pytest-xdist workers on the 2 cores (tests/conftest.py groups the tests that share a cluster or the image
-# store): the slow tiers wait on Slurm jobs, server start-ups and the disk, and two workers kept the cores 52-60% busy.
+# Three pytest-xdist workers on the 2 cores (tests/conftest.py groups the tests that share a cluster, the image
+# store, a server or the machine's memory): the slow tiers wait on Slurm jobs, server start-ups and the disk, and two
+# workers kept the cores 52-60% busy. The run ends with the jobs that ran alone, the part no worker count shortens.
 # The two environments and the one-node cluster's Debian packages install side by side: pip and apt wait on the disk
 # and the registries more than on the cores (minutes off a fresh machine's run). The 4-node cluster needs $(PY).
 test:
