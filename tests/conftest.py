@@ -23,18 +23,27 @@ from megaopd.models.embedded import build_data, build_model
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 # make test hands the tests out to its workers a file at a time (a module's fixtures, such as a started server,
-# are made once), and the files that share one machine-wide resource as one unit, one after another on one worker:
-# the Slurm clusters of .ci/slurm_up.sh and .ci/slurm_multinode_up.sh (and those rehearse and the failover tests
-# use), podman's image store, and memory: the files of real weights and real widths each peak at 9-13 GB above an
-# idle machine (Megatron TP=2 and PP=2 on Qwen2.5-Coder-0.5B: 12.8 GB; TP=2 at Qwen3-0.6B width: 11.4 GB; SmolLM2 at
-# TP=3: 8.6 GB), and two at once exceed a 24 GB CI machine (a CI run's ranks were SIGKILLed so). One worker then
-# imports each published checkpoint once, and runs its largest jobs alone (tests/machine_memory.py). The two files
-# of the tiny model's SGLang server share one worker and so one server (a start is 1-2 minutes of CPU).
-SHARED = {"slurm": ("test_slurm_cluster.py", "test_slurm_multinode.py", "test_slurm_failover.py", "test_rehearse.py",
-                    "test_nemo_run.py"),
+# are made once), and the files that share one machine-wide resource as one unit, one after another on one worker.
+# The units go first, in this order:
+# - memory: the files of real weights and real widths each peak at 9-13 GB above an idle machine (Megatron TP=2 and
+#   PP=2 on Qwen2.5-Coder-0.5B: 12.8 GB; TP=2 at Qwen3-0.6B width: 11.4 GB; SmolLM2 at TP=3: 8.6 GB), and two at once
+#   exceed a 24 GB CI machine (a CI run's ranks were SIGKILLed so). One worker imports each published checkpoint
+#   once and runs the largest jobs alone (tests/machine_memory.py): the run's longest chain (26 of 35 minutes in CI),
+#   so it starts first;
+# - podman's image store: a cold store's builds take 8-15 minutes, better beside the rest than alone at the end;
+# - the Slurm clusters of .ci/slurm_up.sh and .ci/slurm_multinode_up.sh (and those rehearse and the failover tests
+#   use);
+# - the two files of the tiny model's SGLang server, which share one server (a start is 1-2 minutes of CPU).
+SHARED = {"memory": ("test_real.py", "test_real_qwen.py", "test_real_cross_tokenizer.py", "test_shapes.py"),
           "podman": ("test_docker_images.py",),
-          "sglang": ("test_sglang.py", "test_sglang_inflight.py"),
-          "memory": ("test_real.py", "test_real_qwen.py", "test_real_cross_tokenizer.py", "test_shapes.py")}
+          "slurm": ("test_slurm_cluster.py", "test_slurm_multinode.py", "test_slurm_failover.py", "test_rehearse.py",
+                    "test_nemo_run.py"),
+          "sglang": ("test_sglang.py", "test_sglang_inflight.py")}
+# The units whose tests take no sharing turn (below): the memory unit's tests take their turns alone, and podman's
+# builds and containers stay under 1 GB above an idle machine (the GPU layer's build from a cold store: 0.86 GB at
+# its peak, over 6 minutes), which a job alone has room for; in a sharing turn, that build would hold every job
+# alone back for its 6-15 minutes.
+NO_SHARING_TURN = ("memory", "podman")
 
 
 def shared_resource(path: str) -> str | None:
@@ -42,9 +51,10 @@ def shared_resource(path: str) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The shared units first, then the files with slow tests: a long file handed out last would run alone."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (shared_resource(item.path) is None, item.path not in slow))
+    """The shared units first, in SHARED's order, then the files with slow tests: a long file handed out last would
+    run alone."""
+    units, slow = [*SHARED, None], {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (units.index(shared_resource(item.path)), item.path not in slow))
 
 
 class SharedResourceHandOut:
@@ -59,6 +69,7 @@ class SharedResourceHandOut:
                 file = nodeid.split("::", 1)[0]
                 return shared_resource(file) or file
 
+        config.option.loadscopereorder = False  # xdist would hand out the units with the most tests first
         return ByFileAndSharedResource(config, log)
 
 
@@ -90,9 +101,9 @@ NO_TURN = pytest.StashKey[str]()  # why a test had no turn at the machine (machi
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's clock: a wait is not the test's time
 def pytest_runtest_protocol(item, nextitem):
-    """Under xdist, a test outside the memory unit waits while that unit runs a job alone (tests/machine_memory.py);
-    the unit's own tests run their jobs in turn on its one worker."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") or shared_resource(item.path) == "memory":
+    """Under xdist, a test outside NO_SHARING_TURN's units waits while the memory unit runs a job alone
+    (tests/machine_memory.py); that unit's own tests run their jobs in turn on its one worker."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or shared_resource(item.path) in NO_SHARING_TURN:
         yield
         return
     with ExitStack() as turn:
