@@ -13,6 +13,8 @@ that a run can be repeated exactly.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import logging
@@ -54,9 +56,24 @@ def choices(literal: Any) -> tuple:
 SEED_MAX = 2**32 - 1  # numpy's seeds: every seed setting's top
 
 
-def _key(section: str, name: str) -> str:
-    """A setting as the user writes it: ``optim.lr``, or ``threads`` for a top-level one (a study's, a launch's)."""
-    return f"{section}.{name}" if section else name
+# Where the mapping being read sits in its file when not at the top: a launch stage's own fields (``stages.grpo.``).
+_read_under = contextvars.ContextVar("read_under", default="")
+
+
+@contextlib.contextmanager
+def read_under(where: str):
+    """The refusals of the body name their settings under ``where`` (e.g. ``stages.grpo.nodes``)."""
+    token = _read_under.set(where)
+    try:
+        yield
+    finally:
+        _read_under.reset(token)
+
+
+def setting(section: str, name: str) -> str:
+    """A setting as the user writes it: ``optim.lr``, ``threads`` for a top-level one (a study's, a launch's), and
+    under the mapping it is read from (``read_under``)."""
+    return _read_under.get() + (f"{section}.{name}" if section else name)
 
 
 def check_at_least(section: str, settings: Any, least: int, *names: str) -> None:
@@ -90,7 +107,7 @@ def check_range(section: str, settings: Any, name: str, low: float, high: float 
     word. `means`: what a value at the edge does (e.g. "0: no clipping"), for the line."""
     default = next(f.default if f.default is not dataclasses.MISSING else f.default_factory()
                    for f in dataclasses.fields(settings) if f.name == name)
-    check_value(_key(section, name), getattr(settings, name), default, low, high, low_open=low_open,
+    check_value(setting(section, name), getattr(settings, name), default, low, high, low_open=low_open,
                 high_open=high_open, means=means)
 
 

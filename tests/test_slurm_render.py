@@ -459,8 +459,9 @@ def test_a_launch_number_out_of_its_range_is_refused_at_load_in_one_line(tmp_pat
         load_launch(None, [override])
     assert "; " in str(refused.value) and "\n" not in str(refused.value)
     study = demo_study(tmp_path / "demo")  # a stage's own setting: named under stages.<stage>
-    with pytest.raises(ConfigError, match=rf"^stages\.base\.{key}[ =]"):
+    with pytest.raises(ConfigError, match=rf"^stages\.base\.{key}[ =]") as refused:
         plan(study, load_launch(None, [f"stages={{base: {{{key}: {value}}}}}"]))
+    assert key == "time" or f"e.g. stages.base.{key}=" in str(refused.value)  # the example to copy: the stage's too
 
 
 def test_slurm_time_limits_read_as_sbatch_reads_them_and_a_stage_warned_as_it_starts_is_refused(tmp_path):

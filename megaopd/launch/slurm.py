@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaopd.accounting.flops import HF_CONFIG
-from megaopd.config import (ConfigError, RunConfig, check_at_least, check_range, from_dict, load_config, save_config,
-                            to_dict)
+from megaopd.config import (ConfigError, RunConfig, check_at_least, check_range, from_dict, load_config, read_under,
+                            save_config, setting, to_dict)
 from megaopd.launch.server_tp import server_tp
 from megaopd.objectives.methods import method
 from megaopd.run.resolve import resolve_stage
@@ -78,8 +78,9 @@ class LaunchConfig:
     def __post_init__(self):
         # sbatch refuses each of these only once the jobs before it are queued, or the job script misreads it
         if time_limit_seconds(self.time) is None:
-            raise ConfigError(f"time={self.time!r} is not a Slurm time limit; write hours:minutes:seconds (e.g. "
-                              "08:00:00), days-hours[:minutes[:seconds]], minutes[:seconds], or 0 for none")
+            raise ConfigError(f"{setting('', 'time')}={self.time!r} is not a Slurm time limit; write "
+                              "hours:minutes:seconds (e.g. 08:00:00), days-hours[:minutes[:seconds]], "
+                              "minutes[:seconds], or 0 for none")
         check_at_least("", self, 1, "nodes", "server_start_timeout_s")
         check_range("", self, "gpus_per_node", 0, means="0: CPU only")
         check_range("", self, "cpus_per_task", 0, means="0: the partition's default")
@@ -137,15 +138,10 @@ def study_and_launch(args: argparse.Namespace) -> tuple[StudyConfig, LaunchConfi
 
 
 def for_stage(launch: LaunchConfig, stage: str) -> LaunchConfig:
-    """The launch config with the stage's own fields (``stages.<name>``) applied."""
-    changes = launch.stages.get(stage, {})
-    base = to_dict(launch) | {"stages": {}}
-    try:
-        return from_dict(LaunchConfig, base | changes, f"stages.{stage}.")
-    except ConfigError as e:  # a range check names the field alone: name the stage's own setting of it
-        if re.match(r"\w+", str(e))[0] in changes:
-            raise ConfigError(f"stages.{stage}.{e}") from None
-        raise
+    """The launch config with the stage's own fields (``stages.<name>``) applied; a refusal names the stage's."""
+    where = f"stages.{stage}."
+    with read_under(where):  # the launch's own fields were checked as it loaded: a refusal here is the stage's
+        return from_dict(LaunchConfig, to_dict(launch) | {"stages": {}} | launch.stages.get(stage, {}), where)
 
 
 def absolute_study(study: StudyConfig) -> StudyConfig:
