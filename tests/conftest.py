@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 
-from machine_memory import NoTurn, alone, sharing, turns, turns_file
+from machine_memory import NoTurn, alone, forget_run, sharing, turns, turns_file
 from megaopd.models.embedded import build_data, build_model
 
 # make test runs the suite on pytest-xdist workers: one intra-op thread each (run alone: two).
@@ -85,9 +85,8 @@ def pytest_terminal_summary(terminalreporter, config):
     """The jobs that ran alone (tests/machine_memory.py): the time no other test ran, and the longest of them."""
     if hasattr(config, "workerinput"):
         return
-    record = turns_file()
-    jobs = turns(record)
-    record.unlink(missing_ok=True)
+    jobs = turns(turns_file())
+    forget_run()  # the workers are done: the run's lock files go with it
     if not jobs:
         return
     terminalreporter.write_sep("-", f"{len(jobs)} jobs alone: held {sum(j[2] for j in jobs):.0f} s, waited "

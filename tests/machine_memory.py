@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -48,6 +49,15 @@ def turns(path: Path) -> list[tuple[str, float, float]]:
         return []
     return [(who, float(waited), float(held))
             for who, waited, held in (line.rsplit("\t", 2) for line in path.read_text().splitlines())]
+
+
+def forget_run() -> None:
+    """Remove this run's files (its locks, their holders' records, its turns), once no party of it is left: the
+    run that made them, at its end (tests/conftest.py)."""
+    for name in ("gate", "memory", "turns"):
+        path = _lock_file(name)
+        shutil.rmtree(_holders(path), ignore_errors=True)
+        path.unlink(missing_ok=True)
 
 
 def _holders(path: Path) -> Path:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from machine_memory import turns, turns_file
+from machine_memory import forget_run, turns, turns_file
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,6 +32,16 @@ with {kind}(label):
         time.sleep(0.05)
     open(log, "a").write(f"{{label}} {{start}} {{time.time()}}\\n")
 """
+
+
+@pytest.fixture
+def run(monkeypatch) -> str:
+    """A run of its own for the test's parties (its own lock files), its files removed after the test."""
+    name = uuid.uuid4().hex
+    yield name
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", name)
+    forget_run()
+    assert not list(Path(tempfile.gettempdir()).glob(f"megaopd-tests-{name}*"))
 
 
 def party(kind: str, log: Path, hold: float, label: str, run: str, wait_s: float = 60) -> subprocess.Popen:
@@ -58,8 +69,8 @@ def spans(log: Path) -> dict[str, tuple[float, float]]:
     return {label: (float(a), float(b)) for label, a, b in (line.rsplit(" ", 2) for line in lines)}
 
 
-def test_a_job_alone_waits_for_the_test_in_progress_and_holds_off_the_next(tmp_path, monkeypatch):
-    log, run = tmp_path / "log", uuid.uuid4().hex
+def test_a_job_alone_waits_for_the_test_in_progress_and_holds_off_the_next(tmp_path, monkeypatch, run):
+    log = tmp_path / "log"
     first = party("sharing", log, 100, "first_test", run)  # held until the other two are queued
     holding(log, "first_test")
     job = party("alone", log, 1.5, "job", run)
@@ -76,13 +87,12 @@ def test_a_job_alone_waits_for_the_test_in_progress_and_holds_off_the_next(tmp_p
     monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", run)
     [(who, waited, held)] = turns(turns_file())
     assert who == "job" and waited >= 0.2 and held < 10, (waited, held)  # not waiting: 0.0
-    turns_file().unlink()
 
 
-def test_tests_share_the_machine_with_each_other(tmp_path):
+def test_tests_share_the_machine_with_each_other(tmp_path, run):
     """The negative control of the locks' kinds: two tests overlap (a lock that serialised everything would pass
     the test above too)."""
-    log, run = tmp_path / "log", uuid.uuid4().hex
+    log = tmp_path / "log"
     parties = [party("sharing", log, 1.5, f"test_{i}", run) for i in range(2)]
     for p in parties:
         assert p.wait(60) == 0
@@ -90,8 +100,8 @@ def test_tests_share_the_machine_with_each_other(tmp_path):
     assert max(a0, b0) < min(a1, b1)
 
 
-def test_a_wait_past_its_limit_fails_naming_who_holds_the_turn(tmp_path):
-    log, run = tmp_path / "log", uuid.uuid4().hex
+def test_a_wait_past_its_limit_fails_naming_who_holds_the_turn(tmp_path, run):
+    log = tmp_path / "log"
     job = party("alone", log, 100, "the 0.5B's SGLang server", run)  # held until the late test has given up
     holding(log, "the 0.5B's SGLang server")
     late = party("sharing", log, 0.1, "late_test", run, wait_s=0.5)
@@ -103,10 +113,9 @@ def test_a_wait_past_its_limit_fails_naming_who_holds_the_turn(tmp_path):
     assert list(spans(log)) == ["the 0.5B's SGLang server"]  # the late test never ran its body
 
 
-def test_a_test_without_its_turn_fails_at_setup_and_the_worker_goes_on(tmp_path):
+def test_a_test_without_its_turn_fails_at_setup_and_the_worker_goes_on(tmp_path, run):
     """conftest's hook, as an xdist worker runs it: each test that waited too long fails at its setup with the
     one-line reason, without running, and the worker goes on to its next test (no internal error)."""
-    run = uuid.uuid4().hex
     (tmp_path / "short_wait.py").write_text("import machine_memory\nmachine_memory.WAIT_S = 0.5\n")
     (tmp_path / "test_late.py").write_text(
         "def test_late():\n    raise AssertionError('ran without its turn')\n\ndef test_next():\n    pass\n")
@@ -127,14 +136,14 @@ def test_a_test_without_its_turn_fails_at_setup_and_the_worker_goes_on(tmp_path)
     assert "ran without its turn" not in proc.stdout
 
 
-def test_a_job_alone_has_every_core_and_gives_them_back(monkeypatch):
+def test_a_job_alone_has_every_core_and_gives_them_back(monkeypatch, run):
     """While it holds its turn, this process's torch runs on every core and the job is told their number for the
     processes it starts (the other worker's core would idle); a job nested in it too; afterwards, as before."""
     import torch
 
     import machine_memory
 
-    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", uuid.uuid4().hex)  # a run of its own: no other party's turn
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", run)  # a run of its own: no other party's turn
     monkeypatch.setattr(machine_memory, "_sharing", False)  # under xdist this test shares its own run's machine
     monkeypatch.setattr(machine_memory, "cores", lambda: 3)  # not this machine's count, nor torch's own
     before = torch.get_num_threads()
