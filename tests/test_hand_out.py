@@ -24,8 +24,8 @@ def test_the_shared_units_go_first_in_their_order_then_the_slow_files(tmp_path):
     for helper in ("conftest.py", "machine_memory.py"):
         shutil.copy(TESTS / helper, tmp_path / helper)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: a slow test\n")
-    files = {unit: files[0] for unit, files in SHARED.items()}  # one file of each unit, one test each
-    for file in files.values():
+    first = {unit: names[0] for unit, names in SHARED.items()}  # one file of each unit, one test each
+    for file in first.values():
         (tmp_path / file).write_text("def test_one():\n    pass\n")
     (tmp_path / "test_slow_file.py").write_text("import pytest\n\n\n@pytest.mark.slow\ndef test_slow():\n    pass\n")
     # the most tests, and first by name: first under xdist's order, and under the files' own
@@ -37,4 +37,4 @@ def test_the_shared_units_go_first_in_their_order_then_the_slow_files(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     order = list(dict.fromkeys(re.findall(r"PASSED (test_\w+\.py)::", done.stdout)))
-    assert order == [*files.values(), "test_slow_file.py", "test_a_crowd.py"], done.stdout[-3000:]
+    assert order == [*first.values(), "test_slow_file.py", "test_a_crowd.py"], done.stdout[-3000:]
