@@ -4,9 +4,9 @@ A 24 GB CI machine holds one real-size job (Megatron ranks at real width, an SGL
 worker that launched it, but not beside whatever the other workers run: twice CI's OOM killer took a rank or a
 worker so. `alone()` wraps such a job: it waits for the other workers' tests in progress to finish, and the other
 workers start no test until the job is done. Every test outside the memory unit runs under `sharing()`, except
-podman's and the Slurm clusters' (tests/conftest.py's NO_SHARING_TURN says why). A job alone has the machine's cores too: `alone()` yields
-their number for the processes it starts, and gives this process's torch that many threads while it holds the turn
-(the other workers' cores would idle otherwise).
+podman's and the Slurm clusters' (tests/conftest.py's NO_SHARING_TURN says why). A job alone has the machine's cores
+too: `alone()` yields their number for the processes it starts, and gives this process's torch that many threads
+while it holds the turn (the other workers' cores would idle otherwise).
 
 Two flock(2) files, so the job cannot starve behind a stream of tests: the job takes the gate and then the memory,
 both exclusive; a test takes the gate shared only long enough to take the memory shared. Each wait is bounded: past
